@@ -1,0 +1,428 @@
+"""`LayerwiseOptimizer`: one inner optimizer per trainable parameter, stepped from gradient hooks.
+
+The object Trainer and Accelerate see is a real `torch.optim.Optimizer`. Its `param_groups` are the inner
+optimizers' own (single) param groups, shared by reference, so whatever the LR scheduler writes into a group is what
+the inner optimizer reads when the hook steps it: the logged lr is the applied lr by construction.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .registry import LayerwiseFactory, LayerwiseParam
+
+logger = logging.getLogger(__name__)
+
+STATE_DICT_KEY = "layerwise_hf"
+STATE_DICT_VERSION = 1
+
+# id(param) -> the LayerwiseOptimizer whose hooks are on it. A second optimizer attaching to the same parameter
+# (a second Trainer on the same model, or one whose train() died before detaching) takes the hooks over, so a
+# parameter can never be stepped twice per backward. Kept off the Parameter itself so models still pickle.
+_OWNERS: weakref.WeakValueDictionary[int, LayerwiseOptimizer] = weakref.WeakValueDictionary()
+
+
+def _accelerate_sync_gradients() -> bool:
+    # NOTE: accelerate sets `sync_gradients` before the backward of each micro-batch (False on all but the last of
+    # a gradient-accumulation window), and Trainer sets it explicitly; outside Accelerate it stays True.
+    from accelerate.state import GradientState
+
+    return GradientState().sync_gradients
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _qualname(obj: Any) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class LayerwiseOptimizer(torch.optim.Optimizer):
+    """
+    A proxy optimizer over one inner optimizer per trainable parameter.
+
+    Each inner optimizer is stepped inside the parameter's post-accumulate-grad hook (once `attach` has been
+    called) and the gradient is freed right after, so at most about one gradient is alive at a time. `step()` only
+    steps parameters whose gradient no hook consumed (hooks detached, gradients set by hand) and closes the step;
+    with hooks attached it does no per-layer work.
+
+    Args:
+        params (`Sequence[LayerwiseParam]`):
+            The trainable parameters, in `model.named_parameters()` order, with their weight decay.
+        factory (`Callable[[LayerwiseParam, TrainingArguments], torch.optim.Optimizer]`):
+            Builds the inner optimizer of one parameter (see `registry.resolve_factory`).
+        args (`TrainingArguments`, *optional*):
+            Passed to `factory`.
+        optimizer_name (`str`, *optional*):
+            Recorded in checkpoints (e.g. `"adamw_8bit_layerwise"`).
+        sync_gradients (`Callable[[], bool]`, *optional*):
+            Whether the current backward ends an accumulation window. Defaults to Accelerate's
+            `GradientState().sync_gradients`, which is always `True` outside gradient accumulation.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[LayerwiseParam],
+        factory: LayerwiseFactory,
+        args: Any = None,
+        *,
+        optimizer_name: str | None = None,
+        sync_gradients: Callable[[], bool] | None = None,
+    ):
+        params = list(params)
+        if not params:
+            raise ValueError("LayerwiseOptimizer got no trainable parameters (every parameter has requires_grad=False).")
+        seen = set()
+        for lp in params:
+            if not lp.param.requires_grad:
+                raise ValueError(f"{lp.name} has requires_grad=False: frozen parameters get no optimizer.")
+            if id(lp.param) in seen:
+                raise ValueError(f"{lp.name} is listed twice (tied parameters must appear once).")
+            seen.add(id(lp.param))
+        self.names = [lp.name for lp in params]
+        self.optimizer_name = optimizer_name
+        self.inner: list[torch.optim.Optimizer] = []
+        for lp in params:
+            inner = factory(lp, args)
+            groups = getattr(inner, "param_groups", None)
+            if not groups or len(groups) != 1 or len(groups[0]["params"]) != 1 or groups[0]["params"][0] is not lp.param:
+                raise ValueError(
+                    f"The factory for {lp.name} must return an optimizer with exactly one param group holding exactly "
+                    f"that parameter; got {type(inner).__name__} with {len(groups or [])} group(s)."
+                )
+            groups[0]["name"] = lp.name
+            self.inner.append(inner)
+        self._params = [lp.param for lp in params]
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._sync_gradients = sync_gradients or _accelerate_sync_gradients
+        self._handles: list[Any] = []
+        # Per step window: which parameters were stepped, their gradient norms, the gradient bytes alive.
+        self._stepped = [False] * len(self._params)
+        self._norms: list[tuple[torch.dtype, torch.Tensor] | None] = [None] * len(self._params)
+        self._held: dict[int, int] = {}
+        self._held_bytes = 0
+        self.peak_grad_bytes = 0
+        self.last_grad_norm: torch.Tensor | None = None
+        self.steps_taken = 0
+        super().__init__([inner.param_groups[0] for inner in self.inner], defaults={})
+
+    # ---- torch.optim.Optimizer surface ----
+
+    @property
+    def state(self) -> dict[torch.Tensor, dict]:
+        # NOTE: only populated states: DCP's `_init_optim_state` treats any truthy `optim.state` as initialised.
+        merged = {}
+        for inner in self.inner:
+            for p, s in inner.state.items():
+                if s:
+                    merged[p] = s
+        return merged
+
+    @state.setter
+    def state(self, value) -> None:
+        # torch.optim.Optimizer.__init__ assigns an empty defaultdict; the real state lives in the inner optimizers.
+        if value:
+            raise AttributeError("LayerwiseOptimizer.state is a view of the per-parameter optimizers' states.")
+
+    def _relink_groups(self) -> None:
+        # `load_state_dict` of the inner optimizers replaces their group dicts; keep sharing them by reference.
+        self.param_groups[:] = [inner.param_groups[0] for inner in self.inner]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for i, p in enumerate(self._params):
+            if p.grad is not None and not self._stepped[i]:
+                self._step_one(i)
+        self.last_grad_norm = self._total_norm()
+        self._stepped = [False] * len(self._params)
+        self._norms = [None] * len(self._params)
+        self._held.clear()
+        self._held_bytes = 0
+        self.steps_taken += 1
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        self._held.clear()
+        self._held_bytes = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """
+        The standard layout (integer keys, one param group per parameter) with each group's parameter `name`, plus a
+        `layerwise_hf` entry (names, shapes, inner optimizer classes) for validated, name-keyed loading.
+        Only tensors and plain values: loads with `torch.load(weights_only=True)`.
+        """
+        state: dict[int, Any] = {}
+        groups = []
+        for i, inner in enumerate(self.inner):
+            sd = inner.state_dict()
+            (saved_id,) = sd["param_groups"][0]["params"]
+            if sd["state"].get(saved_id):
+                state[i] = sd["state"][saved_id]
+            groups.append({**sd["param_groups"][0], "params": [i]})
+        meta = {
+            "version": STATE_DICT_VERSION,
+            "optimizer_name": self.optimizer_name,
+            "names": list(self.names),
+            "shapes": [list(p.shape) for p in self._params],
+            "optimizer_classes": [_qualname(inner) for inner in self.inner],
+        }
+        return {"state": state, "param_groups": groups, STATE_DICT_KEY: meta}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load by parameter name. Everything is checked before anything is loaded."""
+        groups = state_dict.get("param_groups", [])
+        saved_names = [g.get("name") for g in groups]
+        if any(n is None for n in saved_names):
+            raise ValueError(
+                "This optimizer state has no parameter names: it was not saved by a LayerwiseOptimizer "
+                "(a standard optimizer's checkpoint cannot be loaded into a layer-wise one yet)."
+            )
+        by_name = {n: i for i, n in enumerate(saved_names)}
+        missing = [n for n in self.names if n not in by_name]
+        unexpected = [n for n in saved_names if n not in set(self.names)]
+        if missing or unexpected:
+            raise ValueError(
+                f"Optimizer state does not match the trainable parameters. Missing: {missing or 'none'}. "
+                f"Unexpected: {unexpected or 'none'}."
+            )
+        meta = state_dict.get(STATE_DICT_KEY, {})
+        shapes = meta.get("shapes")
+        classes = meta.get("optimizer_classes")
+        errors = []
+        for i, name in enumerate(self.names):
+            j = by_name[name]
+            if shapes is not None and list(shapes[j]) != list(self._params[i].shape):
+                errors.append(f"{name}: saved shape {list(shapes[j])}, parameter shape {list(self._params[i].shape)}")
+            if classes is not None and classes[j] != _qualname(self.inner[i]):
+                errors.append(f"{name}: saved optimizer {classes[j]}, current optimizer {_qualname(self.inner[i])}")
+        if errors:
+            raise ValueError("Optimizer state does not fit this optimizer: " + "; ".join(errors))
+
+        for i, name in enumerate(self.names):
+            group = groups[by_name[name]]
+            (saved_id,) = group["params"]
+            saved_state = state_dict["state"].get(saved_id)
+            inner_sd = {"state": {0: saved_state} if saved_state else {}, "param_groups": [{**group, "params": [0]}]}
+            self.inner[i].load_state_dict(inner_sd)
+        self._relink_groups()
+
+    # ---- hooks ----
+
+    def attach(self, sync_gradients: Callable[[], bool] | None = None) -> None:
+        """
+        Register the post-accumulate-grad hooks (idempotent). A parameter whose hooks belong to another
+        `LayerwiseOptimizer` is taken over from it, with a warning.
+        """
+        if sync_gradients is not None:
+            self._sync_gradients = sync_gradients
+        if self._handles:
+            return
+        taken_from = set()
+        for p in self._params:
+            other = _OWNERS.get(id(p))
+            if other is not None and other is not self and other._owns(p):
+                other.detach()
+                taken_from.add(id(other))
+        if taken_from:
+            logger.warning(
+                "Layer-wise hooks of %d other optimizer(s) were still attached to these parameters (a previous "
+                "train() did not finish?); they were removed so no parameter is stepped twice.",
+                len(taken_from),
+            )
+        for i, p in enumerate(self._params):
+            self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
+            _OWNERS[id(p)] = self
+
+    def detach(self) -> None:
+        """Remove every hook this optimizer registered."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for p in self._params:
+            if _OWNERS.get(id(p)) is self:
+                del _OWNERS[id(p)]
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def _owns(self, p: torch.Tensor) -> bool:
+        i = self._index.get(id(p))
+        return i is not None and self._params[i] is p
+
+    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            if not self._sync_gradients():
+                # Accumulating: the gradient stays in .grad until the window's last micro-batch.
+                self._hold(i, param.grad)
+                return
+            if self._stepped[i]:
+                raise RuntimeError(
+                    f"The gradient hook of {self.names[i]} fired twice before optimizer.step(): it would be stepped "
+                    "twice. This happens with reentrant activation checkpointing when a parameter is used in two "
+                    "checkpointed segments (use gradient_checkpointing_kwargs={'use_reentrant': False}), or with "
+                    "several backward passes per step outside gradient accumulation (use accelerator.accumulate or "
+                    "gradient_accumulation_steps)."
+                )
+            self._step_one(i)
+
+        return hook
+
+    def _hold(self, i: int, grad: torch.Tensor | None) -> None:
+        if grad is None or i in self._held:
+            return
+        self._held[i] = _tensor_bytes(grad)
+        self._held_bytes += self._held[i]
+        self.peak_grad_bytes = max(self.peak_grad_bytes, self._held_bytes)
+
+    @torch.no_grad()
+    def _step_one(self, i: int) -> None:
+        p = self._params[i]
+        grad = p.grad
+        self._hold(i, grad)
+        self._norms[i] = (grad.dtype, self._norm(grad))
+        self.inner[i].step()
+        self._stepped[i] = True
+        p.grad = None
+        self._held_bytes -= self._held.pop(i, 0)
+
+    # ---- gradient norm ----
+
+    @staticmethod
+    def _norm(grad: torch.Tensor) -> torch.Tensor:
+        # NOTE: the same kernel `clip_grad_norm_` picks for this device, so the total is bit-identical to Trainer's.
+        from torch.utils._foreach_utils import _device_has_foreach_support
+
+        if _device_has_foreach_support(grad.device):
+            return torch._foreach_norm([grad], 2.0)[0]
+        return torch.linalg.vector_norm(grad, 2.0)
+
+    def _total_norm(self) -> torch.Tensor | None:
+        norms = []
+        for i, p in enumerate(self._params):
+            if self._norms[i] is not None:
+                norms.append((self._norms[i][0], p.device, self._norms[i][1]))
+            elif p.grad is not None:
+                norms.append((p.grad.dtype, p.device, self._norm(p.grad)))
+        if not norms:
+            return None
+        # `clip_grad_norm_` groups gradients by (device, dtype) in order of first appearance before stacking.
+        ordered: dict[tuple, list[torch.Tensor]] = {}
+        for dtype, device, norm in norms:
+            ordered.setdefault((device, dtype), []).append(norm)
+        flat = [n for group in ordered.values() for n in group]
+        first_device = flat[0].device
+        return torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in flat]), 2.0)
+
+    def grad_norm(self) -> torch.Tensor | None:
+        """
+        The pre-clip global L2 norm of the gradients of the current step (accumulated in the hooks), or of the last
+        completed step once `step()` has run. Identical to what `clip_grad_norm_` would have returned.
+        """
+        current = self._total_norm()
+        return current if current is not None else self.last_grad_norm
+
+    # ---- memory ----
+
+    def state_bytes(self) -> int:
+        """Bytes held by every inner optimizer's state."""
+        return sum(_tensor_bytes(s) for inner in self.inner for s in inner.state.values())
+
+    def full_grad_bytes(self) -> int:
+        """Bytes all trainable gradients take at once (what a standard optimizer holds at its step)."""
+        return sum(p.numel() * p.element_size() for p in self._params)
+
+    def parameters(self) -> Iterable[torch.Tensor]:
+        return iter(self._params)
+
+    def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
+        return zip(self.names, self._params)
+
+    def __repr__(self) -> str:
+        kinds = sorted({type(inner).__name__ for inner in self.inner})
+        return f"LayerwiseOptimizer({self.optimizer_name or '/'.join(kinds)}, {len(self.inner)} parameters)"
+
+
+def build_layerwise_optimizer(
+    model: nn.Module,
+    args: Any,
+    *,
+    decay_parameter_names: Iterable[str] | None = None,
+    factory: LayerwiseFactory | None = None,
+    sync_gradients: Callable[[], bool] | None = None,
+) -> LayerwiseOptimizer:
+    """
+    Build the layer-wise optimizer for `model` from `args.optim` (e.g. `"adamw_8bit_layerwise"`).
+
+    Args:
+        model (`nn.Module`):
+            Only parameters with `requires_grad=True` get an optimizer.
+        args (`TrainingArguments`):
+            Supplies `optim`, `learning_rate`, `weight_decay` and the optimizer's own settings.
+        decay_parameter_names (`Iterable[str]`, *optional*):
+            Names that get `args.weight_decay`; defaults to Trainer's own split (no decay for biases and norms).
+        factory (*optional*):
+            Overrides the factory resolved from `args.optim`.
+        sync_gradients (`Callable[[], bool]`, *optional*):
+            See `LayerwiseOptimizer`.
+    """
+    from .registry import resolve_factory
+
+    if decay_parameter_names is None:
+        from transformers import Trainer
+
+        # NOTE: Trainer.get_decay_parameter_names does not use `self`; calling it keeps the split identical.
+        decay_parameter_names = Trainer.get_decay_parameter_names(None, model)
+    decay = set(decay_parameter_names)
+    embedding_params = {
+        id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding) and getattr(m, "weight", None) is not None
+    }
+    params = [
+        LayerwiseParam(
+            name=n,
+            param=p,
+            weight_decay=args.weight_decay if n in decay else 0.0,
+            is_embedding=id(p) in embedding_params,
+        )
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    ]
+    if factory is None:
+        factory = resolve_factory(args, model)
+    return LayerwiseOptimizer(
+        params,
+        factory,
+        args,
+        optimizer_name=str(getattr(args.optim, "value", args.optim)),
+        sync_gradients=sync_gradients,
+    )
+
+
+def unwrap_layerwise_optimizer(optimizer: Any) -> LayerwiseOptimizer | None:
+    """The `LayerwiseOptimizer` inside Accelerate's (or any) `.optimizer` wrapper chain, or `None`."""
+    seen = 0
+    while optimizer is not None and seen < 8:
+        if isinstance(optimizer, LayerwiseOptimizer):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+        seen += 1
+    return None

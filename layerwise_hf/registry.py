@@ -1,0 +1,196 @@
+"""Name -> per-parameter optimizer factory.
+
+Every per-tensor optimizer that `Trainer` knows gets a `<base>_layerwise` name for free: the base is resolved
+through `Trainer.get_optimizer_cls_and_kwargs`, so betas, eps, `optim_args` and the bitsandbytes settings are
+exactly the ones Trainer would use. Third-party optimizers join with `register_layerwise_optimizer`.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainingArguments
+from transformers.training_args import OptimizerNames
+
+SUFFIX = "_layerwise"
+
+# Bases whose math is not one independent update per tensor: splitting them per parameter would change results.
+_REFUSED_BASES: dict[str, str] = {
+    "lomo": "LOMO fuses the update into backward over the whole model; it is already layer-wise",
+    "adalomo": "AdaLomo fuses the update into backward over the whole model; it is already layer-wise",
+    "galore_adamw": "GaLore needs the model to choose projected parameters; use transformers' galore_adamw_layerwise",
+    "galore_adamw_8bit": "GaLore needs the model to choose projected parameters; "
+    "use transformers' galore_adamw_8bit_layerwise",
+    "galore_adafactor": "GaLore needs the model to choose projected parameters; "
+    "use transformers' galore_adafactor_layerwise",
+    "apollo_adamw": "APOLLO needs the model to choose projected parameters; use transformers' apollo_adamw_layerwise",
+    "schedule_free_adamw": "schedule-free optimizers swap weights in optimizer.train()/eval() for the whole model",
+    "schedule_free_radam": "schedule-free optimizers swap weights in optimizer.train()/eval() for the whole model",
+    "schedule_free_sgd": "schedule-free optimizers swap weights in optimizer.train()/eval() for the whole model",
+}
+
+# Layer-wise names transformers defines itself; they keep going through transformers' own code path.
+TRANSFORMERS_LAYERWISE_NAMES = tuple(sorted(n.value for n in OptimizerNames if n.value.endswith(SUFFIX)))
+
+
+@dataclass(frozen=True)
+class LayerwiseParam:
+    """
+    One trainable parameter as a factory sees it.
+
+    Args:
+        name (`str`):
+            The parameter's name in `model.named_parameters()`.
+        param (`torch.nn.Parameter`):
+            The parameter the returned optimizer must own (and only it).
+        weight_decay (`float`):
+            The weight decay Trainer's decay / no-decay split gives this parameter.
+        is_embedding (`bool`):
+            Whether the parameter is the weight of an `nn.Embedding` (bitsandbytes keeps those in 32-bit state).
+    """
+
+    name: str
+    param: nn.Parameter
+    weight_decay: float
+    is_embedding: bool = False
+
+
+LayerwiseFactory = Callable[[LayerwiseParam, TrainingArguments], torch.optim.Optimizer]
+
+_REGISTRY: dict[str, LayerwiseFactory] = {}
+
+
+def _builtin_bases() -> list[str]:
+    return sorted(
+        n.value for n in OptimizerNames if not n.value.endswith(SUFFIX) and n.value not in _REFUSED_BASES
+    )
+
+
+def list_layerwise_optimizers() -> list[str]:
+    """All names `LayerwiseTrainingArguments(optim=...)` accepts for this plugin's layer-wise path, sorted."""
+    return sorted({f"{b}{SUFFIX}" for b in _builtin_bases()} | set(_REGISTRY))
+
+
+def register_layerwise_optimizer(name: str, factory: LayerwiseFactory, *, overwrite: bool = False) -> None:
+    """
+    Add a third-party optimizer under `name`.
+
+    Args:
+        name (`str`):
+            Lower-case, ends in `_layerwise`, not already a Trainer optimizer name.
+        factory (`Callable[[LayerwiseParam, TrainingArguments], torch.optim.Optimizer]`):
+            Builds the optimizer of one parameter; it must own exactly `LayerwiseParam.param`. Use
+            `args.learning_rate` as the initial lr: the scheduler drives it afterwards.
+        overwrite (`bool`, *optional*, defaults to `False`):
+            Replace an earlier registration of the same name.
+    """
+    if not re.fullmatch(r"[a-z0-9_]+", name) or not name.endswith(SUFFIX) or name == SUFFIX:
+        raise ValueError(f"Layer-wise optimizer names are lower-case [a-z0-9_] and end in '{SUFFIX}'; got {name!r}.")
+    builtin = {f"{b}{SUFFIX}" for b in _builtin_bases()} | set(TRANSFORMERS_LAYERWISE_NAMES)
+    if name in builtin:
+        raise ValueError(f"{name!r} is a built-in optimizer name and cannot be registered.")
+    if name in _REGISTRY and not overwrite:
+        raise ValueError(f"{name!r} is already registered; pass overwrite=True to replace it.")
+    if not callable(factory):
+        raise TypeError(f"factory for {name!r} must be callable, got {type(factory).__name__}.")
+    _REGISTRY[name] = factory
+
+
+def unregister_layerwise_optimizer(name: str) -> None:
+    """Remove a name added with `register_layerwise_optimizer` (tests and notebooks re-register)."""
+    _REGISTRY.pop(name, None)
+
+
+def _unknown_name_error(name: str) -> ValueError:
+    return ValueError(
+        f"Unknown optimizer {name!r}. Layer-wise names: {', '.join(list_layerwise_optimizers())}. "
+        f"transformers' own layer-wise names: {', '.join(TRANSFORMERS_LAYERWISE_NAMES)}. "
+        f"Standard names: {', '.join(sorted(n.value for n in OptimizerNames))}."
+    )
+
+
+def parse_optim_name(name) -> str | None:
+    """
+    Return the base optimizer of a layer-wise name handled by this plugin, or `None` for a name Trainer handles.
+
+    Registered third-party names return `""` (they have no Trainer base). Raises `ValueError` naming the valid
+    choices for an unknown or refused name.
+    """
+    name = getattr(name, "value", name)
+    if not isinstance(name, str):
+        raise ValueError(f"optim must be a string, got {type(name).__name__}.")
+    if name in _REGISTRY:
+        return ""
+    if name in TRANSFORMERS_LAYERWISE_NAMES or name in {n.value for n in OptimizerNames}:
+        return None
+    if name.endswith(SUFFIX):
+        base = name[: -len(SUFFIX)]
+        if base in _REFUSED_BASES:
+            raise ValueError(
+                f"{name!r} is not supported: {_REFUSED_BASES[base]}. "
+                f"Per-tensor choices: {', '.join(list_layerwise_optimizers())}."
+            )
+        if base in _builtin_bases():
+            return base
+    raise _unknown_name_error(name)
+
+
+def is_layerwise_name(name) -> bool:
+    """Whether `name` is served by this plugin's layer-wise path (not transformers' own)."""
+    return parse_optim_name(name) is not None
+
+
+def resolve_factory(args: TrainingArguments, model: nn.Module | None = None) -> LayerwiseFactory:
+    """The per-parameter factory for `args.optim`, resolving built-in bases through Trainer."""
+    name = getattr(args.optim, "value", args.optim)
+    base = parse_optim_name(name)
+    if base is None:
+        raise ValueError(f"{name!r} is not a layer-wise optimizer of this plugin.")
+    if base == "":
+        return _REGISTRY[name]
+
+    base_args = copy.copy(args)
+    # NOTE: a shallow copy is enough: only `optim` changes, and Trainer's handlers read `args` without mutating it.
+    object.__setattr__(base_args, "optim", OptimizerNames(base))
+    optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(base_args, model)
+    from transformers.trainer_optimizer import is_optimizer_factory
+
+    if is_optimizer_factory(optimizer_cls) or {"params", "model", "optimizer_dict"} & set(kwargs):
+        raise ValueError(
+            f"{name!r}: Trainer builds {base!r} from the whole model, so it has no per-tensor form. "
+            f"Choose one of: {', '.join(list_layerwise_optimizers())}."
+        )
+    # Trainer's "embeddings keep 32-bit state" rule for bitsandbytes 8-bit, applied per parameter instead of
+    # through GlobalOptimManager, whose (group, index) keys are (0, 0) for every per-parameter optimizer.
+    bnb_8bit = "bitsandbytes" in str(optimizer_cls) and kwargs.get("optim_bits") == 8
+    return _ClassFactory(optimizer_cls, dict(kwargs), bnb_8bit)
+
+
+class _ClassFactory:
+    def __init__(self, optimizer_cls: type[torch.optim.Optimizer], kwargs: dict, bnb_8bit: bool):
+        self.optimizer_cls = optimizer_cls
+        self.kwargs = kwargs
+        self.bnb_8bit = bnb_8bit
+
+    def __call__(self, lp: LayerwiseParam, args: TrainingArguments) -> torch.optim.Optimizer:
+        kwargs = dict(self.kwargs)
+        if self.bnb_8bit and lp.is_embedding:
+            kwargs["optim_bits"] = 32
+        optimizer = self.optimizer_cls([{"params": [lp.param], "weight_decay": lp.weight_decay}], **kwargs)
+        if hasattr(optimizer, "mng"):
+            # NOTE: bitsandbytes consults a process-wide GlobalOptimManager keyed by (group, index); a private
+            # manager keeps another run's overrides (Trainer registers one per embedding) from leaking in.
+            from bitsandbytes.optim import GlobalOptimManager
+
+            private = GlobalOptimManager.__new__(GlobalOptimManager)
+            private.initialize()
+            optimizer.mng = private
+        return optimizer
+
+    def __repr__(self) -> str:
+        return f"{self.optimizer_cls.__module__}.{self.optimizer_cls.__qualname__}({self.kwargs})"

@@ -1,0 +1,93 @@
+"""Tiny models and data for tests: built from configs, nothing downloaded."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments
+
+VOCAB = 64
+SEQ = 16
+
+
+def tiny_llama(seed: int = 0, tie: bool = False) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=tie,
+    )
+    return LlamaForCausalLM(config)
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int = 64, seed: int = 1):
+        g = torch.Generator().manual_seed(seed)
+        # A learnable pattern (next token = previous + 1) plus noise, so losses move.
+        start = torch.randint(0, VOCAB, (n, 1), generator=g)
+        self.ids = (start + torch.arange(SEQ)) % VOCAB
+        noise = torch.rand(n, SEQ, generator=g) < 0.1
+        self.ids[noise] = torch.randint(0, VOCAB, (int(noise.sum()),), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def training_args(tmp_path, optim: str, **overrides) -> LayerwiseTrainingArguments:
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        optim=optim,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        lr_scheduler_type="cosine",
+        warmup_steps=2,
+        max_steps=6,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        max_grad_norm=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        disable_tqdm=True,
+    )
+    kwargs.update(overrides)
+    return LayerwiseTrainingArguments(**kwargs)
+
+
+def train(model, args, dataset=None, trainer_cls=None, **trainer_kwargs):
+    trainer_cls = trainer_cls or (LayerwiseTrainer if args.is_layerwise else Trainer)
+    trainer = trainer_cls(model=model, args=args, train_dataset=dataset or TokenDataset(), **trainer_kwargs)
+    trainer.train(resume_from_checkpoint=trainer_kwargs.pop("resume", None))
+    return trainer
+
+
+def clone(model):
+    return copy.deepcopy(model)
+
+
+def logged(trainer, key: str) -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if key in entry and "train_runtime" not in entry]
+
+
+def assert_params_equal(a, b, atol: float = 0.0):
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    for name in pa:
+        if atol == 0.0:
+            assert torch.equal(pa[name], pb[name]), f"{name} differs: max {(pa[name] - pb[name]).abs().max()}"
+        else:
+            torch.testing.assert_close(pa[name], pb[name], atol=atol, rtol=0, msg=f"{name} differs")
