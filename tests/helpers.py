@@ -13,12 +13,12 @@ VOCAB = 64
 SEQ = 16
 
 
-def tiny_llama(seed: int = 0, tie: bool = False) -> LlamaForCausalLM:
+def tiny_llama(seed: int = 0, tie: bool = False, vocab: int = VOCAB, hidden: int = 32) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -29,13 +29,13 @@ def tiny_llama(seed: int = 0, tie: bool = False) -> LlamaForCausalLM:
 
 
 class TokenDataset(torch.utils.data.Dataset):
-    def __init__(self, n: int = 64, seed: int = 1):
+    def __init__(self, n: int = 64, seed: int = 1, vocab: int = VOCAB):
         g = torch.Generator().manual_seed(seed)
         # A learnable pattern (next token = previous + 1) plus noise, so losses move.
-        start = torch.randint(0, VOCAB, (n, 1), generator=g)
-        self.ids = (start + torch.arange(SEQ)) % VOCAB
+        start = torch.randint(0, vocab, (n, 1), generator=g)
+        self.ids = (start + torch.arange(SEQ)) % vocab
         noise = torch.rand(n, SEQ, generator=g) < 0.1
-        self.ids[noise] = torch.randint(0, VOCAB, (int(noise.sum()),), generator=g)
+        self.ids[noise] = torch.randint(0, vocab, (int(noise.sum()),), generator=g)
 
     def __len__(self):
         return len(self.ids)
@@ -68,10 +68,10 @@ def training_args(tmp_path, optim: str, **overrides) -> LayerwiseTrainingArgumen
     return LayerwiseTrainingArguments(**kwargs)
 
 
-def train(model, args, dataset=None, trainer_cls=None, **trainer_kwargs):
+def train(model, args, dataset=None, trainer_cls=None, resume_from_checkpoint=None, **trainer_kwargs):
     trainer_cls = trainer_cls or (LayerwiseTrainer if args.is_layerwise else Trainer)
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset or TokenDataset(), **trainer_kwargs)
-    trainer.train(resume_from_checkpoint=trainer_kwargs.pop("resume", None))
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return trainer
 
 

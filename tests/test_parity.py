@@ -1,0 +1,82 @@
+"""X_layerwise must train exactly like X: every parameter, the logged lr and grad_norm, with GA 1 and 2."""
+
+import pytest
+import torch
+from helpers import TokenDataset, assert_params_equal, clone, logged, tiny_llama, train, training_args
+
+from layerwise_hf import LayerwiseTrainer
+
+# All of these run the same per-tensor arithmetic in both set-ups, so the comparison is exact (no tolerance).
+BASES = ["adamw_torch", "adamw_8bit", "sgd", "adafactor", "lion_32bit", "rmsprop"]
+
+
+class LrRecorder:
+    """Records the lr each inner optimizer actually reads at the moment it steps."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.applied: dict[int, set[float]] = {}
+
+    def __call__(self, optimizer, args, kwargs):
+        step = self.trainer.state.global_step + 1
+        self.applied.setdefault(step, set()).add(optimizer.param_groups[0]["lr"])
+
+
+class RecordingTrainer(LayerwiseTrainer):
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        self.lr_recorder = LrRecorder(self)
+        for inner in optimizer.inner:
+            inner.register_step_pre_hook(self.lr_recorder)
+        return optimizer
+
+
+@pytest.mark.parametrize("ga", [1, 2])
+@pytest.mark.parametrize("base", BASES)
+def test_layerwise_matches_standard(tmp_path, base, ga):
+    model = tiny_llama()
+    standard = train(clone(model), training_args(tmp_path, base, gradient_accumulation_steps=ga))
+    layerwise = train(
+        clone(model),
+        training_args(tmp_path, f"{base}_layerwise", gradient_accumulation_steps=ga),
+        trainer_cls=RecordingTrainer,
+    )
+
+    assert_params_equal(standard.model, layerwise.model)
+    # The run must have moved the weights, or the comparison above proves nothing.
+    moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), layerwise.model.parameters()))
+    assert moved > 1e-4
+
+    assert logged(layerwise, "grad_norm") == logged(standard, "grad_norm")
+    lrs = logged(standard, "learning_rate")
+    assert logged(layerwise, "learning_rate") == lrs
+    assert len(set(lrs)) > 3, "the schedule should warm up and decay"
+    steps = [e["step"] for e in layerwise.state.log_history if "learning_rate" in e]
+    applied = layerwise.lr_recorder.applied
+    assert sorted(applied) == steps
+    for step, lr in zip(steps, lrs):
+        assert applied[step] == {lr}, f"step {step}: inner optimizers applied {applied[step]}, Trainer logged {lr}"
+
+
+def test_adamw_8bit_keeps_embeddings_in_32bit(tmp_path):
+    # Large enough that bitsandbytes quantizes (>= 4096 elements), so the 8-bit path and the embedding rule run.
+    model = tiny_llama(vocab=256, hidden=64)
+    dataset = TokenDataset(vocab=256)
+    standard = train(clone(model), training_args(tmp_path, "adamw_8bit"), dataset=dataset)
+    layerwise = train(clone(model), training_args(tmp_path, "adamw_8bit_layerwise"), dataset=dataset)
+    assert_params_equal(standard.model, layerwise.model)
+
+    optimizer = layerwise.layerwise_optimizer
+    dtypes = {name: inner.state[p]["state1"].dtype for (name, p), inner in zip(optimizer.named_parameters(), optimizer.inner)}
+    assert dtypes["model.embed_tokens.weight"] == torch.float32
+    assert dtypes["model.layers.0.mlp.up_proj.weight"] == torch.uint8
+    assert dtypes["lm_head.weight"] == torch.uint8
+
+
+def test_tied_embeddings_match(tmp_path):
+    model = tiny_llama(tie=True)
+    standard = train(clone(model), training_args(tmp_path, "adamw_torch"))
+    layerwise = train(clone(model), training_args(tmp_path, "adamw_torch_layerwise"))
+    assert_params_equal(standard.model, layerwise.model)
+    names = layerwise.layerwise_optimizer.names
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
