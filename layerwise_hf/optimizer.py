@@ -85,7 +85,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     ):
         params = list(params)
         if not params:
-            raise ValueError("LayerwiseOptimizer got no trainable parameters (every parameter has requires_grad=False).")
+            raise ValueError(
+                "LayerwiseOptimizer got no trainable parameters (every parameter has requires_grad=False)."
+            )
         seen = set()
         for lp in params:
             if not lp.param.requires_grad:
@@ -99,7 +101,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         for lp in params:
             inner = factory(lp, args)
             groups = getattr(inner, "param_groups", None)
-            if not groups or len(groups) != 1 or len(groups[0]["params"]) != 1 or groups[0]["params"][0] is not lp.param:
+            if (
+                not groups
+                or len(groups) != 1
+                or len(groups[0]["params"]) != 1
+                or groups[0]["params"][0] is not lp.param
+            ):
                 raise ValueError(
                     f"The factory for {lp.name} must return an optimizer with exactly one param group holding exactly "
                     f"that parameter; got {type(inner).__name__} with {len(groups or [])} group(s)."

@@ -66,9 +66,7 @@ _REGISTRY: dict[str, LayerwiseFactory] = {}
 
 
 def _builtin_bases() -> list[str]:
-    return sorted(
-        n.value for n in OptimizerNames if not n.value.endswith(SUFFIX) and n.value not in _REFUSED_BASES
-    )
+    return sorted(n.value for n in OptimizerNames if not n.value.endswith(SUFFIX) and n.value not in _REFUSED_BASES)
 
 
 def list_layerwise_optimizers() -> list[str]:

@@ -46,9 +46,9 @@ class LayerwiseTrainerMixin:
         opt_model = self.model if model is None else model
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
             warnings.warn(
-                f"max_grad_norm={self.args.max_grad_norm} is NOT applied with optim={self.args.optim!r}: each layer is "
-                "stepped before the global gradient norm is known. The logged grad_norm is still the exact pre-clip "
-                "norm. Set max_grad_norm=0 to silence this warning.",
+                f"max_grad_norm={self.args.max_grad_norm} is NOT applied with optim={self.args.optim!r}: each layer "
+                "is stepped before the global gradient norm is known. The logged grad_norm is still the exact "
+                "pre-clip norm. Set max_grad_norm=0 to silence this warning.",
                 UserWarning,
                 stacklevel=2,
             )

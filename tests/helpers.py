@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer
 
 from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments
 

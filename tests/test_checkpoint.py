@@ -58,7 +58,9 @@ def test_resume_rejects_another_model(tmp_path):
     with pytest.raises(ValueError, match="saved shape"):
         optimizer.load_state_dict(reshaped)
 
-    other_kind = dict(state, layerwise_hf=dict(state["layerwise_hf"], optimizer_classes=["x.SGD"] * len(optimizer.names)))
+    other_kind = dict(
+        state, layerwise_hf=dict(state["layerwise_hf"], optimizer_classes=["x.SGD"] * len(optimizer.names))
+    )
     with pytest.raises(ValueError, match="saved optimizer x.SGD"):
         optimizer.load_state_dict(other_kind)
 

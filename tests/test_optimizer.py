@@ -74,13 +74,17 @@ def test_hooks_removed_when_train_raises(tmp_path):
 
 def test_second_trainer_on_same_model_never_steps_twice(tmp_path):
     model = tiny_llama()
-    first = LayerwiseTrainer(model=model, args=training_args(tmp_path, "adamw_torch_layerwise"), train_dataset=TokenDataset())
+    first = LayerwiseTrainer(
+        model=model, args=training_args(tmp_path, "adamw_torch_layerwise"), train_dataset=TokenDataset()
+    )
     first.create_optimizer()
     first.layerwise_optimizer.attach()  # as if its train() had died without cleaning up
     first_steps = CountSteps(first.layerwise_optimizer)
 
     reference = train(clone(model), training_args(tmp_path, "adamw_torch_layerwise", max_steps=3))
-    second = LayerwiseTrainer(model=model, args=training_args(tmp_path, "adamw_torch_layerwise", max_steps=3), train_dataset=TokenDataset())
+    second = LayerwiseTrainer(
+        model=model, args=training_args(tmp_path, "adamw_torch_layerwise", max_steps=3), train_dataset=TokenDataset()
+    )
     second.create_optimizer()
     second_steps = CountSteps(second.layerwise_optimizer)
     second.train()

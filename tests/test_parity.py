@@ -67,7 +67,9 @@ def test_adamw_8bit_keeps_embeddings_in_32bit(tmp_path):
     assert_params_equal(standard.model, layerwise.model)
 
     optimizer = layerwise.layerwise_optimizer
-    dtypes = {name: inner.state[p]["state1"].dtype for (name, p), inner in zip(optimizer.named_parameters(), optimizer.inner)}
+    dtypes = {
+        name: inner.state[p]["state1"].dtype for (name, p), inner in zip(optimizer.named_parameters(), optimizer.inner)
+    }
     assert dtypes["model.embed_tokens.weight"] == torch.float32
     assert dtypes["model.layers.0.mlp.up_proj.weight"] == torch.uint8
     assert dtypes["lm_head.weight"] == torch.uint8

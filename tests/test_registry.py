@@ -66,7 +66,9 @@ def test_bitsandbytes_private_manager_ignores_global_overrides(tmp_path):
 
         optimizer = build_layerwise_optimizer(model, args)
         assert all(inner.mng is not manager for inner in optimizer.inner)
-        model(input_ids=torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(1, 4, dtype=torch.long)).loss.backward()
+        model(
+            input_ids=torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(1, 4, dtype=torch.long)
+        ).loss.backward()
         optimizer.step()
         up = optimizer.names.index("model.layers.0.mlp.up_proj.weight")
         assert optimizer.inner[up].state[optimizer.param_groups[up]["params"][0]]["state1"].dtype == torch.uint8

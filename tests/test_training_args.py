@@ -89,9 +89,26 @@ def test_refused_base_says_why(tmp_path):
 
 def test_list_has_every_per_tensor_base():
     names = list_layerwise_optimizers()
-    for base in ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit",
-                 "lion_8bit", "lion_32bit", "paged_lion_8bit", "adafactor", "sgd", "adagrad", "rmsprop",
-                 "rmsprop_bnb_8bit", "ademamix", "ademamix_8bit", "adamw_torch_4bit", "adamw_torch_8bit"):
+    for base in (
+        "adamw_torch",
+        "adamw_torch_fused",
+        "adamw_8bit",
+        "adamw_bnb_8bit",
+        "paged_adamw_8bit",
+        "paged_adamw_32bit",
+        "lion_8bit",
+        "lion_32bit",
+        "paged_lion_8bit",
+        "adafactor",
+        "sgd",
+        "adagrad",
+        "rmsprop",
+        "rmsprop_bnb_8bit",
+        "ademamix",
+        "ademamix_8bit",
+        "adamw_torch_4bit",
+        "adamw_torch_8bit",
+    ):
         assert f"{base}_layerwise" in names
     assert not any(n.startswith(("lomo", "adalomo", "galore", "apollo", "schedule_free")) for n in names)
     assert names == sorted(names)
