@@ -7,10 +7,11 @@ the inner optimizer reads when the hook steps it: the logged lr is the applied l
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -21,6 +22,22 @@ logger = logging.getLogger(__name__)
 
 STATE_DICT_KEY = "layerwise_hf"
 STATE_DICT_VERSION = 1
+
+CLIP_MODES = ("exact", "previous", "per_param", "off")
+"""How `max_grad_norm` is applied when each layer steps during backward:
+
+- `exact`: Trainer's global `clip_grad_norm_`, bit for bit. With gradient accumulation the gradients are held
+  anyway, so the step waits for the window's end (no extra cost). Without it, the driver runs forward+backward twice
+  (`run_with_norm_pass`): the first pass only measures the norm, the second clips and steps.
+  Without a norm pass the gradients are held until `step()` (exact, but no memory saving).
+- `previous`: one pass; scale by the previous step's global norm, or by the norm of this step's gradients seen so
+  far when that is larger. Every tensor's applied gradient is bounded by `max_grad_norm` even on a spike; the
+  whole step is bounded by it whenever the norm does not grow past the previous step's.
+- `per_param`: one pass; clip each parameter's gradient to `max_grad_norm` on its own.
+- `off`: no clipping.
+"""
+
+T = TypeVar("T")
 
 # id(param) -> the LayerwiseOptimizer whose hooks are on it. A second optimizer attaching to the same parameter
 # (a second Trainer on the same model, or one whose train() died before detaching) takes the hooks over, so a
@@ -125,6 +142,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self.peak_grad_bytes = 0
         self.last_grad_norm: torch.Tensor | None = None
         self.steps_taken = 0
+        self.max_grad_norm = 0.0
+        self.clip_mode = "off"
+        self._in_norm_pass = False
+        self._accumulating = False
+        self._clip_coef: torch.Tensor | None = None
+        self._running_sq: torch.Tensor | None = None
         super().__init__([inner.param_groups[0] for inner in self.inner], defaults={})
 
     # ---- torch.optim.Optimizer surface ----
@@ -155,14 +178,22 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for i, p in enumerate(self._params):
-            if p.grad is not None and not self._stepped[i]:
+        pending = [i for i, p in enumerate(self._params) if p.grad is not None and not self._stepped[i]]
+        if pending:
+            for i in pending:
+                self._record_norm(i)
+            if self._clips_exactly():
+                self._clip_coef = self._coef(self._total_norm())
+            for i in pending:
                 self._step_one(i)
         self.last_grad_norm = self._total_norm()
         self._stepped = [False] * len(self._params)
         self._norms = [None] * len(self._params)
         self._held.clear()
         self._held_bytes = 0
+        self._accumulating = False
+        self._clip_coef = None
+        self._running_sq = None
         self.steps_taken += 1
         return loss
 
@@ -280,19 +311,36 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         def hook(param: torch.Tensor) -> None:
             if not self._sync_gradients():
                 # Accumulating: the gradient stays in .grad until the window's last micro-batch.
+                self._accumulating = True
                 self._hold(i, param.grad)
                 return
-            if self._stepped[i]:
-                raise RuntimeError(
-                    f"The gradient hook of {self.names[i]} fired twice before optimizer.step(): it would be stepped "
-                    "twice. This happens with reentrant activation checkpointing when a parameter is used in two "
-                    "checkpointed segments (use gradient_checkpointing_kwargs={'use_reentrant': False}), or with "
-                    "several backward passes per step outside gradient accumulation (use accelerator.accumulate or "
-                    "gradient_accumulation_steps)."
-                )
+            if self._in_norm_pass:
+                if self._norms[i] is not None:
+                    self._double_fire(i)
+                self._hold(i, param.grad)
+                self._record_norm(i)
+                param.grad = None
+                self._held_bytes -= self._held.pop(i, 0)
+                return
+            if self._stepped[i] or (self._norms[i] is not None and self._clip_coef is None):
+                self._double_fire(i)
+            if self._clips_exactly() and self._clip_coef is None:
+                # No norm pass ran for this window: hold the gradient, step() clips and steps exactly.
+                self._hold(i, param.grad)
+                self._record_norm(i)
+                return
             self._step_one(i)
 
         return hook
+
+    def _double_fire(self, i: int) -> None:
+        raise RuntimeError(
+            f"The gradient hook of {self.names[i]} fired twice before optimizer.step(): it would be stepped "
+            "twice. This happens with reentrant activation checkpointing when a parameter is used in two "
+            "checkpointed segments (use gradient_checkpointing_kwargs={'use_reentrant': False}), or with "
+            "several backward passes per step outside gradient accumulation (use accelerator.accumulate or "
+            "gradient_accumulation_steps)."
+        )
 
     def _hold(self, i: int, grad: torch.Tensor | None) -> None:
         if grad is None or i in self._held:
@@ -301,16 +349,86 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._held_bytes += self._held[i]
         self.peak_grad_bytes = max(self.peak_grad_bytes, self._held_bytes)
 
+    def _record_norm(self, i: int) -> None:
+        grad = self._params[i].grad
+        if self._norms[i] is None and grad is not None:
+            self._norms[i] = (grad.dtype, self._norm(grad))
+
     @torch.no_grad()
     def _step_one(self, i: int) -> None:
         p = self._params[i]
         grad = p.grad
         self._hold(i, grad)
-        self._norms[i] = (grad.dtype, self._norm(grad))
+        self._record_norm(i)
+        coef = self._step_coef(i)
+        if coef is not None:
+            grad.mul_(coef.to(grad.device))
         self.inner[i].step()
         self._stepped[i] = True
         p.grad = None
         self._held_bytes -= self._held.pop(i, 0)
+
+    # ---- clipping ----
+
+    def configure_clipping(self, max_grad_norm: float | None, mode: str = "exact") -> None:
+        """Apply `max_grad_norm` (`<= 0` or `None`: no clipping) the way `mode` says; see `CLIP_MODES`."""
+        if mode not in CLIP_MODES:
+            raise ValueError(f"Unknown clipping mode {mode!r}; choose one of {', '.join(CLIP_MODES)}.")
+        self.max_grad_norm = float(max_grad_norm or 0.0)
+        self.clip_mode = mode if self.max_grad_norm > 0 else "off"
+
+    def _clips_exactly(self) -> bool:
+        return self.clip_mode == "exact"
+
+    def _coef(self, norm: torch.Tensor) -> torch.Tensor:
+        # NOTE: the expression of torch's `_clip_grads_with_norm_`, so exact clipping is bit-identical.
+        return torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+
+    def _step_coef(self, i: int) -> torch.Tensor | None:
+        if self.clip_mode == "exact":
+            return self._clip_coef
+        if self.clip_mode == "per_param":
+            return self._coef(self._norms[i][1])
+        if self.clip_mode == "previous":
+            sq = self._norms[i][1].float().square()
+            self._running_sq = sq if self._running_sq is None else self._running_sq + sq.to(self._running_sq.device)
+            bound = self._running_sq.sqrt()
+            if self.last_grad_norm is not None:
+                bound = torch.maximum(bound, self.last_grad_norm.float().to(bound.device))
+            return self._coef(bound)
+        return None
+
+    def needs_norm_pass(self) -> bool:
+        """Whether the coming backward ends a window that exact clipping wants measured first (no accumulation)."""
+        return self.attached and self._clips_exactly() and self._sync_gradients() and not self._accumulating
+
+    @contextlib.contextmanager
+    def norm_pass(self) -> Iterator[None]:
+        """Within it, hooks only measure gradient norms and free the gradients; after it, the clip is known."""
+        self._in_norm_pass = True
+        try:
+            yield
+        finally:
+            self._in_norm_pass = False
+        total = self._total_norm()
+        self._clip_coef = self._coef(total) if total is not None else None
+
+    def run_with_norm_pass(self, forward_backward: Callable[[], T]) -> T:
+        """
+        Run `forward_backward` (forward + backward of one micro-batch) twice when exact clipping needs the global
+        norm before any layer steps: first to measure, then to clip and step. The RNG state is replayed so dropout
+        draws the same masks. Otherwise run it once.
+        """
+        if not self.needs_norm_pass():
+            return forward_backward()
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        with self.norm_pass():
+            forward_backward()
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        return forward_backward()
 
     # ---- gradient norm ----
 

@@ -44,18 +44,21 @@ class LayerwiseTrainerMixin:
                 "without DeepSpeed."
             )
         opt_model = self.model if model is None else model
-        if self.args.max_grad_norm and self.args.max_grad_norm > 0:
-            warnings.warn(
-                f"max_grad_norm={self.args.max_grad_norm} is NOT applied with optim={self.args.optim!r}: each layer "
-                "is stepped before the global gradient norm is known. The logged grad_norm is still the exact "
-                "pre-clip norm. Set max_grad_norm=0 to silence this warning.",
-                UserWarning,
-                stacklevel=2,
-            )
         self.optimizer = build_layerwise_optimizer(
             opt_model, self.args, decay_parameter_names=self.get_decay_parameter_names(opt_model)
         )
+        mode = getattr(self.args, "layerwise_clip", "exact")
+        self.optimizer.configure_clipping(self.args.max_grad_norm, mode)
+        _explain_clipping(self.args.max_grad_norm, mode, self.args.gradient_accumulation_steps)
         return self.optimizer
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        optimizer = self.layerwise_optimizer
+        if optimizer is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        return optimizer.run_with_norm_pass(
+            lambda: super(LayerwiseTrainerMixin, self).training_step(model, inputs, num_items_in_batch)
+        )
 
     def train(self, *args, **kwargs):
         try:
@@ -79,6 +82,26 @@ class LayerwiseTrainerMixin:
         if optimizer is None:
             return super()._get_grad_norm(model, grad_norm=grad_norm)
         return grad_norm if grad_norm is not None else optimizer.grad_norm()
+
+
+def _explain_clipping(max_grad_norm: float, mode: str, gradient_accumulation_steps: int) -> None:
+    # Never silent: say once what max_grad_norm does here and what it costs.
+    if not max_grad_norm or max_grad_norm <= 0:
+        return
+    if mode == "off":
+        warnings.warn(
+            f"layerwise_clip='off': max_grad_norm={max_grad_norm} is NOT applied. The logged grad_norm is still the "
+            "exact pre-clip norm.",
+            UserWarning,
+            stacklevel=3,
+        )
+    elif mode == "exact" and gradient_accumulation_steps == 1:
+        logger.warning(
+            "max_grad_norm=%s with layerwise_clip='exact' and no gradient accumulation: each step runs forward and "
+            "backward twice (the first pass measures the global norm) to clip exactly like Trainer. "
+            "layerwise_clip='previous' clips in one pass with the previous step's norm.",
+            max_grad_norm,
+        )
 
 
 class LayerwiseTrainer(LayerwiseTrainerMixin, Trainer):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .optimizer import CLIP_MODES
 from .registry import list_layerwise_optimizers, parse_optim_name
 
 
@@ -19,6 +20,11 @@ class LayerwiseTrainingArguments(TrainingArguments):
             A Trainer optimizer name (`"adamw_torch"`, ...), or its layer-wise form (`"adamw_8bit_layerwise"`): one
             optimizer per trainable parameter, stepped as soon as its gradient is ready, the gradient freed right
             after. transformers' own `galore_*_layerwise` / `apollo_adamw_layerwise` keep working unchanged.
+        layerwise_clip (`str`, *optional*, defaults to `"exact"`):
+            How `max_grad_norm` is applied with a layer-wise optimizer: `"exact"` (Trainer's global clipping, bit for
+            bit; without gradient accumulation each step runs forward+backward twice), `"previous"` (one pass,
+            scaled by the previous step's global norm, bounded on spikes), `"per_param"` (one pass, each tensor
+            clipped alone) or `"off"`.
     """
 
     # NOTE: re-declared as plain `str` so HfArgumentParser does not turn OptimizerNames into argparse `choices`.
@@ -30,9 +36,23 @@ class LayerwiseTrainingArguments(TrainingArguments):
         },
     )
 
+    layerwise_clip: str = field(
+        default="exact",
+        metadata={
+            "help": "How max_grad_norm is applied with a layer-wise optimizer: 'exact' (Trainer's global clipping; "
+            "without gradient accumulation forward+backward run twice per step), 'previous' (one pass, previous "
+            "step's global norm, bounded on spikes), 'per_param' (one pass, per tensor) or 'off'.",
+            "choices": list(CLIP_MODES),
+        },
+    )
+
     def __post_init__(self):
+        if self.layerwise_clip not in CLIP_MODES:
+            raise ValueError(f"layerwise_clip={self.layerwise_clip!r}; choose one of {', '.join(CLIP_MODES)}.")
         name = getattr(self.optim, "value", self.optim)
         base = parse_optim_name(name)  # raises with the list of valid names
+        if base is not None:
+            self._refuse_unsupported(name)
         if base is None:
             super().__post_init__()
             return
@@ -42,6 +62,20 @@ class LayerwiseTrainingArguments(TrainingArguments):
             super().__post_init__()
         finally:
             self.optim = name
+
+    def _refuse_unsupported(self, name: str) -> None:
+        if self.fp16:
+            raise ValueError(
+                f"optim={name!r} with fp16=True is not supported: fp16 loss scaling must check every gradient for "
+                "inf/nan before any layer steps. Use bf16=True, or the standard optimizer "
+                f"optim={name.removesuffix('_layerwise')!r} with fp16."
+            )
+        if self.deepspeed:
+            raise ValueError(
+                f"optim={name!r} cannot run under DeepSpeed, which owns the optimizer step. Use the standard "
+                f"optim={name.removesuffix('_layerwise')!r} with DeepSpeed, or run layer-wise with DDP or FSDP2 "
+                "(accelerate launch --config_file configs/accelerate/...)."
+            )
 
     @property
     def is_layerwise(self) -> bool:

@@ -192,12 +192,12 @@ def test_frozen_parameters_get_nothing(tmp_path):
     assert_params_equal(standard.model, layerwise.model)
 
 
-def test_max_grad_norm_is_not_silently_ignored(tmp_path):
+def test_clipping_off_is_not_silent(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = LayerwiseTrainer(
             model=tiny_llama(),
-            args=training_args(tmp_path, "sgd_layerwise", max_grad_norm=1.0),
+            args=training_args(tmp_path, "sgd_layerwise", max_grad_norm=1.0, layerwise_clip="off"),
             train_dataset=TokenDataset(),
         )
         trainer.create_optimizer()

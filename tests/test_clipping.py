@@ -1,0 +1,124 @@
+"""max_grad_norm with layer-wise optimizers: exact parity with Trainer's clipping, bounded one-pass modes, bf16."""
+
+import pytest
+import torch
+from helpers import TokenDataset, assert_params_equal, clone, logged, tiny_llama, train, training_args
+
+from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments, build_layerwise_optimizer
+
+MAX_NORM = 0.5
+# lr and max_norm chosen so the pre-clip norm exceeds max_norm on every step: clipping really acts.
+CLIP = dict(max_grad_norm=MAX_NORM, learning_rate=5e-2)
+
+
+class ForwardCounter(LayerwiseTrainer):
+    forwards = 0
+
+    def compute_loss(self, *args, **kwargs):
+        self.forwards += 1
+        return super().compute_loss(*args, **kwargs)
+
+
+class AppliedGradRecorder(LayerwiseTrainer):
+    """Records, per inner optimizer step, the norm of the gradient it actually applies."""
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        self.applied = []
+        for inner in optimizer.inner:
+            inner.register_step_pre_hook(
+                lambda opt, *_: self.applied.append(torch.linalg.vector_norm(opt.param_groups[0]["params"][0].grad))
+            )
+        return optimizer
+
+
+@pytest.mark.parametrize("ga", [1, 2])
+@pytest.mark.parametrize("base", ["adamw_torch", "sgd"])
+def test_exact_clipping_matches_trainer(tmp_path, base, ga):
+    model = tiny_llama()
+    standard = train(clone(model), training_args(tmp_path, base, gradient_accumulation_steps=ga, **CLIP))
+    layerwise = train(
+        clone(model),
+        training_args(tmp_path, f"{base}_layerwise", gradient_accumulation_steps=ga, **CLIP),
+        trainer_cls=ForwardCounter,
+    )
+    norms = logged(standard, "grad_norm")
+    assert min(norms) > MAX_NORM, "clipping must trigger for this test to mean anything"
+    assert logged(layerwise, "grad_norm") == norms
+    assert_params_equal(standard.model, layerwise.model)
+    # Without accumulation exact clipping measures first (two passes); with it, the held gradients suffice.
+    micro_batches = 6 * ga
+    assert layerwise.forwards == (2 * micro_batches if ga == 1 else micro_batches)
+
+
+def test_exact_clipping_without_norm_pass_holds_gradients_and_stays_exact():
+    # A plain loop that does not call run_with_norm_pass still clips exactly: step() clips the held gradients.
+    model, reference = tiny_llama(), tiny_llama()
+    args = LayerwiseTrainingArguments(output_dir="unused", optim="sgd_layerwise", learning_rate=0.1, report_to="none")
+    optimizer = build_layerwise_optimizer(model, args)
+    optimizer.configure_clipping(MAX_NORM, "exact")
+    optimizer.attach()
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
+    batch = TokenDataset()[0:4]
+    for _ in range(2):
+        model(**batch).loss.backward()
+        optimizer.step()
+        reference(**batch).loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+        sgd.step()
+        sgd.zero_grad()
+    assert_params_equal(reference, model)
+    optimizer.detach()
+
+
+@pytest.mark.parametrize("mode", ["previous", "per_param"])
+def test_one_pass_modes_bound_every_applied_gradient(tmp_path, mode):
+    model = tiny_llama()
+    exact = train(clone(model), training_args(tmp_path, "sgd_layerwise", **CLIP))
+    trainer = train(
+        clone(model),
+        training_args(tmp_path, "sgd_layerwise", layerwise_clip=mode, **CLIP),
+        trainer_cls=AppliedGradRecorder,
+    )
+    assert max(trainer.applied) <= MAX_NORM * (1 + 1e-5)
+    # The logged norm is the true pre-clip one whatever the mode: the first step saw identical gradients.
+    assert logged(trainer, "grad_norm")[0] == logged(exact, "grad_norm")[0]
+    if mode == "previous":
+        # When the norm does not grow past the previous step's, one scale (max_norm / previous norm) applies to
+        # every tensor, so the whole step is bounded too.
+        per_step = len(trainer.layerwise_optimizer.inner)
+        norms = logged(trainer, "grad_norm")
+        calm = [k for k in range(1, 6) if norms[k] <= norms[k - 1]]
+        assert calm, "the run should have at least one step whose norm did not grow"
+        for k in calm:
+            step_norm = torch.linalg.vector_norm(torch.stack(trainer.applied[k * per_step : (k + 1) * per_step]))
+            assert step_norm <= MAX_NORM * (1 + 1e-4)
+
+
+def test_bf16_autocast_matches_standard(tmp_path):
+    model = tiny_llama()
+    standard = train(clone(model), training_args(tmp_path, "adamw_torch", bf16=True, **CLIP))
+    layerwise = train(clone(model), training_args(tmp_path, "adamw_torch_layerwise", bf16=True, **CLIP))
+    assert logged(layerwise, "grad_norm") == logged(standard, "grad_norm")
+    assert_params_equal(standard.model, layerwise.model)
+
+
+@pytest.mark.parametrize("base", ["adamw_torch", "adamw_8bit"])
+def test_pure_bf16_weights_match_standard(tmp_path, base):
+    model = tiny_llama(vocab=256, hidden=64).to(torch.bfloat16)
+    dataset = TokenDataset(vocab=256)
+    standard = train(clone(model), training_args(tmp_path, base, **CLIP), dataset=dataset)
+    layerwise = train(clone(model), training_args(tmp_path, f"{base}_layerwise", **CLIP), dataset=dataset)
+    assert next(layerwise.model.parameters()).dtype == torch.bfloat16
+    assert logged(layerwise, "grad_norm") == logged(standard, "grad_norm")
+    assert_params_equal(standard.model, layerwise.model)
+
+
+def test_fp16_is_refused_with_alternatives(tmp_path):
+    with pytest.raises(ValueError, match="fp16=True is not supported.*bf16=True.*'adamw_torch'"):
+        LayerwiseTrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise", fp16=True)
+
+
+def test_unknown_clip_mode_lists_valid_ones(tmp_path):
+    with pytest.raises(ValueError, match="exact, previous, per_param, off"):
+        LayerwiseTrainingArguments(output_dir=str(tmp_path), optim="sgd_layerwise", layerwise_clip="global")
