@@ -74,6 +74,26 @@ def list_layerwise_optimizers() -> list[str]:
     return sorted({f"{b}{SUFFIX}" for b in _builtin_bases()} | set(_REGISTRY))
 
 
+# What a base needs beyond torch/transformers (Trainer raises an ImportError naming it when missing).
+_BASE_REQUIRES = {
+    "adamw_anyprecision": "torchdistx",
+    "adamw_torch_npu_fused": "torch_npu",
+    "adamw_torch_xla": "torch_xla",
+    "grokadamw": "grokadamw",
+    "stable_adamw": "torch-optimi",
+}
+
+
+def describe_layerwise_optimizers() -> list[tuple[str, str, str]]:
+    """`(layer-wise name, Trainer base name, extra package)` for every built-in layer-wise name, sorted."""
+    from transformers.trainer_optimizer import _BITSANDBYTES_OPTIMIZERS, _TORCHAO_OPTIMIZERS
+
+    requires = dict(_BASE_REQUIRES)
+    requires.update({n.value: "bitsandbytes" for n in _BITSANDBYTES_OPTIMIZERS})
+    requires.update({n.value: "torchao" for n in _TORCHAO_OPTIMIZERS})
+    return [(f"{base}{SUFFIX}", base, requires.get(base, "")) for base in _builtin_bases()]
+
+
 def register_layerwise_optimizer(name: str, factory: LayerwiseFactory, *, overwrite: bool = False) -> None:
     """
     Add a third-party optimizer under `name`.

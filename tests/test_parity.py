@@ -1,5 +1,7 @@
 """X_layerwise must train exactly like X: every parameter, the logged lr and grad_norm, with GA 1 and 2."""
 
+import importlib.util
+
 import pytest
 import torch
 from helpers import TokenDataset, assert_params_equal, clone, logged, tiny_llama, train, training_args
@@ -82,3 +84,27 @@ def test_tied_embeddings_match(tmp_path):
     assert_params_equal(standard.model, layerwise.model)
     names = layerwise.layerwise_optimizer.names
     assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+
+
+def _available_bases():
+    from layerwise_hf.registry import describe_layerwise_optimizers
+
+    for name, base, package in describe_layerwise_optimizers():
+        if base in BASES:
+            continue  # covered in depth above
+        module = {"torch-optimi": "optimi"}.get(package, package)
+        available = not package or importlib.util.find_spec(module) is not None
+        marks = [] if available else [pytest.mark.skip(reason=f"needs {package}")]
+        yield pytest.param(base, marks=marks, id=base)
+
+
+@pytest.mark.parametrize("base", list(_available_bases()))
+def test_every_other_base_matches_standard(tmp_path, base):
+    if base in ("adamw_torch_xla", "adamw_torch_npu_fused"):
+        pytest.skip("needs an XLA / NPU device")
+    model = tiny_llama(vocab=256, hidden=64)
+    dataset = TokenDataset(vocab=256)
+    standard = train(clone(model), training_args(tmp_path, base, max_steps=3), dataset=dataset)
+    layerwise = train(clone(model), training_args(tmp_path, f"{base}_layerwise", max_steps=3), dataset=dataset)
+    assert_params_equal(standard.model, layerwise.model)
+    assert logged(layerwise, "grad_norm") == logged(standard, "grad_norm")
