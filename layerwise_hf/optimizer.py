@@ -172,12 +172,33 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         # `load_state_dict` of the inner optimizers replaces their group dicts; keep sharing them by reference.
         self.param_groups[:] = [inner.param_groups[0] for inner in self.inner]
 
+    def rebind(self) -> None:
+        """
+        Follow parameters replaced inside the param groups. Accelerate's FSDP2 `prepare` swaps every group's
+        parameter for its sharded DTensor; the inner optimizers see that through the shared groups, and this moves
+        the hooks, the bookkeeping and any existing state along. Called by every entry point, so it is rarely
+        needed by hand.
+        """
+        current = [inner.param_groups[0]["params"][0] for inner in self.inner]
+        if all(a is b for a, b in zip(current, self._params)):
+            return
+        was_attached = self.attached
+        self.detach()
+        for inner, old, new in zip(self.inner, self._params, current):
+            if old is not new and old in inner.state:
+                inner.state[new] = inner.state.pop(old)
+        self._params = current
+        self._index = {id(p): i for i, p in enumerate(current)}
+        if was_attached:
+            self.attach()
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.rebind()
         pending = [i for i, p in enumerate(self._params) if p.grad is not None and not self._stepped[i]]
         if pending:
             for i in pending:
@@ -208,6 +229,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         `layerwise_hf` entry (names, shapes, inner optimizer classes) for validated, name-keyed loading.
         Only tensors and plain values: loads with `torch.load(weights_only=True)`.
         """
+        self.rebind()
         state: dict[int, Any] = {}
         groups = []
         for i, inner in enumerate(self.inner):
@@ -227,6 +249,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load by parameter name. Everything is checked before anything is loaded."""
+        self.rebind()
         groups = state_dict.get("param_groups", [])
         saved_names = [g.get("name") for g in groups]
         if any(n is None for n in saved_names):
@@ -274,6 +297,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             self._sync_gradients = sync_gradients
         if self._handles:
             return
+        self.rebind()
         taken_from = set()
         for p in self._params:
             other = _OWNERS.get(id(p))

@@ -212,3 +212,20 @@ def test_factory_must_own_exactly_its_parameter():
     params = [LayerwiseParam(n, p, 0.0) for n, p in model.named_parameters()]
     with pytest.raises(ValueError, match="exactly one param group holding exactly that parameter"):
         LayerwiseOptimizer(params, lambda lp, args: torch.optim.SGD(others, lr=0.1))
+
+
+def test_follows_parameters_replaced_in_its_groups():
+    # What accelerate's FSDP2 prepare does: every group's parameter swapped for a new tensor.
+    model = nn.Linear(3, 3)
+    optimizer = _layerwise_sgd(model)
+    optimizer.attach()
+    replacement = nn.Linear(3, 3)
+    for group, new in zip(optimizer.param_groups, replacement.parameters()):
+        group["params"] = [new]
+    before = [p.detach().clone() for p in replacement.parameters()]
+    replacement(torch.ones(1, 3)).sum().backward()  # hooks follow the new parameters on the next entry point
+    optimizer.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, replacement.parameters()))
+    assert all(hook_count(p) == 1 for p in replacement.parameters())
+    assert all(hook_count(p) == 0 for p in model.parameters())
+    optimizer.detach()
