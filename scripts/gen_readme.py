@@ -31,10 +31,10 @@ SECTIONS = {"optimizers": optimizer_table}
 
 def render(text: str) -> str:
     for key, make in SECTIONS.items():
-        pattern = re.compile(rf"(<!-- {key}:start -->\n).*?(<!-- {key}:end -->)", re.S)
-        if not pattern.search(text):
+        match = re.search(rf"<!-- {key}:start -->\n.*?(?=<!-- {key}:end -->)", text, re.S)
+        if not match:
             raise SystemExit(f"README.md has no <!-- {key}:start --> / <!-- {key}:end --> markers")
-        text = pattern.sub(lambda m: m.group(1) + make() + "\n" + m.group(2), text)
+        text = text[: match.start()] + f"<!-- {key}:start -->\n{make()}\n" + text[match.end() :]
     return text
 
 

@@ -89,7 +89,7 @@ def test_tied_embeddings_match(tmp_path):
 def _available_bases():
     from layerwise_hf.registry import describe_layerwise_optimizers
 
-    for name, base, package in describe_layerwise_optimizers():
+    for _name, base, package in describe_layerwise_optimizers():
         if base in BASES:
             continue  # covered in depth above
         module = {"torch-optimi": "optimi"}.get(package, package)
