@@ -6,11 +6,12 @@ Launch:
     python examples/train.py configs/train/tiny_llama.yaml --max_steps 20 --learning_rate 1e-3
     python examples/train.py --optim sgd_layerwise --max_steps 10 --output_dir out
     python examples/train.py --optim adamw_torch --output_dir out   # the standard optimizer, for comparison
-    accelerate launch examples/train.py configs/train/tiny_llama.yaml
+    accelerate launch --num_processes 1 examples/train.py configs/train/tiny_llama.yaml
 
 A config file (.yaml, .yml or .json) must come first; any `--flag value` after it overrides the file. Every field of
 `ScriptArguments` and of `TrainingArguments` is a flag (`--help` lists them). The model is randomly initialised and
-the corpus is generated here from a small seeded grammar, so nothing is downloaded.
+the corpus is generated here from a small seeded grammar, so nothing is downloaded. Layer-wise optimizers run in a
+single process in this release (see the README's limitations).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 import yaml
-from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM
+from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, TrainerCallback
 
 from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments
 
@@ -39,8 +40,8 @@ TRAINING_DEFAULTS = {
     "lr_scheduler_type": "cosine",
     "warmup_steps": 6,
     "weight_decay": 0.1,
-    # Gradient clipping is not supported layer-wise yet: each layer is stepped before the global norm is known.
-    # grad_norm is still logged, and is the exact pre-clip norm.
+    # Off: a layer steps before the global norm is known, so exact clipping (layerwise_clip="exact") runs
+    # forward+backward twice per step; "previous" clips in one pass. grad_norm is logged either way (pre-clip).
     "max_grad_norm": 0.0,
     "logging_steps": 5,
     "logging_first_step": True,
@@ -139,6 +140,19 @@ def build_model(script_args: ScriptArguments) -> LlamaForCausalLM:
 # ---- reporting ----
 
 
+class LogLastStep(TrainerCallback):
+    """Log the final step too, so the last loss is shown whatever max_steps and logging_steps are."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == state.max_steps:
+            control.should_log = True
+
+
+def optim_name(args: LayerwiseTrainingArguments) -> str:
+    # TrainingArguments turns standard names into OptimizerNames members; layer-wise names stay strings.
+    return getattr(args.optim, "value", args.optim)
+
+
 def tensor_bytes(obj) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
@@ -159,24 +173,24 @@ def print_log_table(log_history: list[dict]) -> None:
 
 
 def print_memory_table(trainer: LayerwiseTrainer, model: torch.nn.Module) -> None:
-    trainable = [p for p in model.parameters() if p.requires_grad]
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    all_grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
     optimizer = trainer.layerwise_optimizer
     row = "{:<42} {:>12} {:>12}"
 
     def mib(n: int) -> str:
         return f"{n / MIB:.3f}"
 
-    print(f"\nMemory (MiB), optim={trainer.args.optim}")
+    print(f"\nMemory (MiB), optim={optim_name(trainer.args)}")
     if optimizer is None:
-        # A standard optimizer holds every gradient at its step.
+        # A standard optimizer holds every trainable gradient at its step.
+        all_grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         state_bytes = tensor_bytes(list(trainer.optimizer.state.values()))
-        print(row.format("", "this run", ""))
-        print(row.format("gradients alive at once (all of them)", mib(all_grad_bytes), ""))
-        print(row.format("optimizer state", mib(state_bytes), ""))
-        print(row.format("gradients + optimizer state", mib(all_grad_bytes + state_bytes), ""))
-        print(row.format("parameters", mib(param_bytes), ""))
+        row = "{:<42} {:>12}"
+        print(row.format("", "standard"))
+        print(row.format("gradients alive at once (all of them)", mib(all_grad_bytes)))
+        print(row.format("optimizer state", mib(state_bytes)))
+        print(row.format("gradients + optimizer state", mib(all_grad_bytes + state_bytes)))
+        print(row.format("parameters", mib(param_bytes)))
         return
 
     state_bytes = optimizer.state_bytes()
@@ -201,12 +215,12 @@ def main(argv: list[str]) -> None:
     model = build_model(script_args)
     dataset = build_dataset(script_args)
     # LayerwiseTrainer leaves standard optimizer names to Trainer, so one code path serves both.
-    trainer = LayerwiseTrainer(model=model, args=training_args, train_dataset=dataset)
+    trainer = LayerwiseTrainer(model=model, args=training_args, train_dataset=dataset, callbacks=[LogLastStep()])
     if trainer.is_world_process_zero():
         num_params = sum(p.numel() for p in model.parameters())
         print(
-            f"optim={training_args.optim} params={num_params / 1e6:.2f}M blocks={len(dataset)}x{script_args.seq_len} "
-            f"device={training_args.device}"
+            f"optim={optim_name(training_args)} params={num_params / 1e6:.2f}M "
+            f"blocks={len(dataset)}x{script_args.seq_len} device={training_args.device}"
         )
 
     start = time.perf_counter()

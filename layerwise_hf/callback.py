@@ -12,27 +12,35 @@ MIB = 2**20
 
 class LayerwiseCallback(TrainerCallback):
     """
-    Lifecycle of a `LayerwiseOptimizer` inside `Trainer`: hooks are registered at `on_train_begin` and removed at
-    `on_train_end`; every log line gets `layerwise_peak_grad_mib` (the most gradient memory alive at once) and
-    `layerwise_optimizer_state_mib`, plus `max_memory_allocated_mib` on CUDA.
+    Lifecycle of a `LayerwiseOptimizer` inside `Trainer`: gradients are routed to it at `on_train_begin` (local
+    hooks, or a DDP comm hook when the prepared model is DDP) and the hooks are removed at `on_train_end`.
+
+    Args:
+        trainer (`Trainer`, *optional*):
+            Gives access to the prepared (DDP / FSDP2) model; without it the callback uses the `model` Trainer passes.
     """
 
-    def __init__(self):
+    def __init__(self, trainer=None):
+        self.trainer = trainer
         self.optimizer = None
 
-    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self.optimizer = unwrap_layerwise_optimizer(optimizer)
         if self.optimizer is not None:
-            self.optimizer.attach()
+            self.optimizer.connect(getattr(self.trainer, "model_wrapped", None) or model)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.optimizer is not None:
             self.optimizer.detach()
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.optimizer is None or logs is None:
-            return
-        logs["layerwise_peak_grad_mib"] = round(self.optimizer.peak_grad_bytes / MIB, 3)
-        logs["layerwise_optimizer_state_mib"] = round(self.optimizer.state_bytes() / MIB, 3)
-        if torch.cuda.is_available():
-            logs["max_memory_allocated_mib"] = round(torch.cuda.max_memory_allocated() / MIB, 1)
+
+def memory_logs(optimizer) -> dict[str, float]:
+    """What a layer-wise run adds to each log line: the most gradient memory alive at once, the optimizer state,
+    and on CUDA the allocator's peak."""
+    logs = {
+        "layerwise_peak_grad_mib": round(optimizer.peak_grad_bytes / MIB, 3),
+        "layerwise_optimizer_state_mib": round(optimizer.state_bytes() / MIB, 3),
+    }
+    if torch.cuda.is_available():
+        logs["max_memory_allocated_mib"] = round(torch.cuda.max_memory_allocated() / MIB, 1)
+    return logs

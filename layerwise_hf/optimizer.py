@@ -148,7 +148,11 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._accumulating = False
         self._clip_coef: torch.Tensor | None = None
         self._running_sq: torch.Tensor | None = None
-        super().__init__([inner.param_groups[0] for inner in self.inner], defaults={})
+        # Set by distributed.connect when something other than the local hooks (a DDP comm hook) feeds the steps.
+        self._external_route: Any = None
+        # NOTE: some transformers schedulers read `optimizer.defaults["lr"]` (polynomial, cosine_with_min_lr).
+        defaults = {"lr": self.inner[0].defaults.get("lr", self.inner[0].param_groups[0]["lr"])}
+        super().__init__([inner.param_groups[0] for inner in self.inner], defaults=defaults)
 
     # ---- torch.optim.Optimizer surface ----
 
@@ -315,7 +319,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             _OWNERS[id(p)] = self
 
     def detach(self) -> None:
-        """Remove every hook this optimizer registered."""
+        """Remove every hook this optimizer registered (and release a DDP comm hook routing to it)."""
+        if self._external_route is not None:
+            self._external_route.close()
+            self._external_route = None
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -325,7 +332,17 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     @property
     def attached(self) -> bool:
-        return bool(self._handles)
+        """Whether gradients reach the per-layer steps (local hooks or a DDP comm hook)."""
+        return bool(self._handles) or self._external_route is not None
+
+    def connect(self, model: nn.Module | None = None) -> str:
+        """
+        Attach to `model` as prepared by Accelerate: local hooks, a DDP comm hook for a DDP-wrapped model (so every
+        layer steps on the all-reduced gradient), or the FSDP2 shards' hooks. Returns the route taken.
+        """
+        from .distributed import connect
+
+        return connect(self, model)
 
     def _owns(self, p: torch.Tensor) -> bool:
         i = self._index.get(id(p))
@@ -443,6 +460,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         norm before any layer steps: first to measure, then to clip and step. The RNG state is replayed so dropout
         draws the same masks. Otherwise run it once.
         """
+        if not self._sync_gradients():
+            # Under DDP's no_sync no hook fires on this micro-batch, so note the accumulation here.
+            self._accumulating = True
+            return forward_backward()
         if not self.needs_norm_pass():
             return forward_backward()
         cpu_rng = torch.get_rng_state()

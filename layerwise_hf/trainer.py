@@ -8,7 +8,7 @@ import warnings
 
 from transformers import Trainer
 
-from .callback import LayerwiseCallback
+from .callback import LayerwiseCallback, memory_logs
 from .optimizer import build_layerwise_optimizer, unwrap_layerwise_optimizer
 from .registry import is_layerwise_name
 
@@ -24,7 +24,14 @@ class LayerwiseTrainerMixin:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if not any(isinstance(cb, LayerwiseCallback) for cb in self.callback_handler.callbacks):
-            self.add_callback(LayerwiseCallback())
+            self.add_callback(LayerwiseCallback(trainer=self))
+
+    def log(self, logs, *args, **kwargs):
+        # NOTE: Trainer.log records and prints before callbacks' on_log run, so the memory figures go in here.
+        optimizer = self.layerwise_optimizer
+        if optimizer is not None:
+            logs = {**logs, **memory_logs(optimizer)}
+        return super().log(logs, *args, **kwargs)
 
     @property
     def layerwise_optimizer(self):

@@ -1,7 +1,7 @@
 """Regenerate the generated sections of README.md from the code, so they cannot drift.
 
-    python scripts/gen_readme.py          # rewrite README.md
-    python scripts/gen_readme.py --check  # exit 1 if README.md is stale (the test suite runs this)
+python scripts/gen_readme.py          # rewrite README.md
+python scripts/gen_readme.py --check  # exit 1 if README.md is stale (the test suite runs this)
 """
 
 from __future__ import annotations

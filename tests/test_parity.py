@@ -108,3 +108,41 @@ def test_every_other_base_matches_standard(tmp_path, base):
     layerwise = train(clone(model), training_args(tmp_path, f"{base}_layerwise", max_steps=3), dataset=dataset)
     assert_params_equal(standard.model, layerwise.model)
     assert logged(layerwise, "grad_norm") == logged(standard, "grad_norm")
+
+
+SCHEDULERS = [
+    ("linear", {}),
+    ("cosine", {}),
+    ("cosine_with_restarts", {"num_cycles": 2}),
+    ("polynomial", {"power": 2.0, "lr_end": 1e-4}),
+    ("constant", {}),
+    ("constant_with_warmup", {}),
+    ("inverse_sqrt", {}),
+    ("cosine_with_min_lr", {"min_lr": 1e-3}),
+    ("cosine_warmup_with_min_lr", {"min_lr_rate": 0.1}),
+    ("warmup_stable_decay", {"num_decay_steps": 2}),
+]
+
+
+@pytest.mark.parametrize("scheduler,kwargs", SCHEDULERS, ids=[s for s, _ in SCHEDULERS])
+def test_every_scheduler_drives_every_layer(tmp_path, scheduler, kwargs):
+    model = tiny_llama()
+    overrides = dict(lr_scheduler_type=scheduler, lr_scheduler_kwargs=kwargs, max_steps=5)
+    standard = train(clone(model), training_args(tmp_path, "sgd", **overrides))
+    layerwise = train(
+        clone(model), training_args(tmp_path, "sgd_layerwise", **overrides), trainer_cls=RecordingTrainer
+    )
+    assert_params_equal(standard.model, layerwise.model)
+    lrs = logged(standard, "learning_rate")
+    assert logged(layerwise, "learning_rate") == lrs
+    assert [layerwise.lr_recorder.applied[step] for step in sorted(layerwise.lr_recorder.applied)] == [
+        {lr} for lr in lrs
+    ]
+
+
+def test_memory_figures_reach_the_logs(tmp_path):
+    trainer = train(tiny_llama(), training_args(tmp_path, "adamw_torch_layerwise", max_steps=2))
+    entry = trainer.state.log_history[0]
+    largest = max(p.numel() * p.element_size() for p in trainer.model.parameters())
+    assert entry["layerwise_peak_grad_mib"] == round(largest / 2**20, 3)
+    assert entry["layerwise_optimizer_state_mib"] == round(trainer.layerwise_optimizer.state_bytes() / 2**20, 3) > 0
