@@ -1,6 +1,7 @@
 """Layer-wise optimizers for Hugging Face Trainer and Accelerate."""
 
 from .callback import LayerwiseCallback
+from .distributed import force_fsdp_on_cpu
 from .optimizer import LayerwiseOptimizer, build_layerwise_optimizer, unwrap_layerwise_optimizer
 from .registry import (
     LayerwiseParam,
@@ -22,6 +23,7 @@ __all__ = [
     "LayerwiseTrainerMixin",
     "LayerwiseTrainingArguments",
     "build_layerwise_optimizer",
+    "force_fsdp_on_cpu",
     "is_layerwise_name",
     "list_layerwise_optimizers",
     "register_layerwise_optimizer",

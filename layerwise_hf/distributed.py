@@ -41,13 +41,16 @@ def connect(optimizer: LayerwiseOptimizer, model: torch.nn.Module | None = None)
     if ddp is not None:
         optimizer.detach()
         _install_ddp_comm_hook(ddp, optimizer)
-        return "ddp"
-    if _is_sharded(optimizer):
+        route = "ddp"
+    elif _is_sharded(optimizer):
         check_fsdp2_supported(optimizer)
         optimizer.attach()
-        return "fsdp2"
-    optimizer.attach()
-    return "local"
+        route = "fsdp2"
+    else:
+        optimizer.attach()
+        route = "local"
+    optimizer.route = route
+    return route
 
 
 def _find_ddp(model):

@@ -150,6 +150,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._running_sq: torch.Tensor | None = None
         # Set by distributed.connect when something other than the local hooks (a DDP comm hook) feeds the steps.
         self._external_route: Any = None
+        self.route: str | None = None  # how gradients arrived in the last connect(): "local", "ddp" or "fsdp2"
         # NOTE: some transformers schedulers read `optimizer.defaults["lr"]` (polynomial, cosine_with_min_lr).
         defaults = {"lr": self.inner[0].defaults.get("lr", self.inner[0].param_groups[0]["lr"])}
         super().__init__([inner.param_groups[0] for inner in self.inner], defaults=defaults)

@@ -9,6 +9,7 @@ import warnings
 from transformers import Trainer
 
 from .callback import LayerwiseCallback, memory_logs
+from .distributed import check_fsdp2_supported
 from .optimizer import build_layerwise_optimizer, unwrap_layerwise_optimizer
 from .registry import is_layerwise_name
 
@@ -50,10 +51,17 @@ class LayerwiseTrainerMixin:
                 f"standard optim={self.args.optim.removesuffix('_layerwise')!r} with DeepSpeed, or run layer-wise "
                 "without DeepSpeed."
             )
+        if self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2:
+            raise ValueError(
+                f"optim={self.args.optim!r} needs FSDP2 (fsdp_version: 2) or DDP: FSDP1 flattens parameters, so "
+                "there is no per-parameter gradient to step. Set fsdp_config={'version': 2} / fsdp_version: 2."
+            )
         opt_model = self.model if model is None else model
         self.optimizer = build_layerwise_optimizer(
             opt_model, self.args, decay_parameter_names=self.get_decay_parameter_names(opt_model)
         )
+        if self.is_fsdp_enabled:
+            check_fsdp2_supported(self.optimizer)  # before any step, not at the first hook
         mode = getattr(self.args, "layerwise_clip", "exact")
         self.optimizer.configure_clipping(self.args.max_grad_norm, mode)
         _explain_clipping(self.args.max_grad_norm, mode, self.args.gradient_accumulation_steps)

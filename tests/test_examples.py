@@ -57,3 +57,10 @@ def test_cli_bad_optimizer_name_lists_valid_ones(tmp_path):
     for valid in ("adamw_8bit_layerwise", "sgd_layerwise", "adafactor_layerwise"):
         assert valid in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_accelerate_loop_single_process(tmp_path):
+    result = run("examples/accelerate_loop.py", "--output_dir", str(tmp_path), "--max_steps", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "gradients via local" in result.stdout and "step   3" in result.stdout
+    assert (tmp_path / "final" / "model.safetensors").is_file()

@@ -1,0 +1,101 @@
+"""Real 2-rank launches (gloo on CPU) through `accelerate launch` with the shipped configs."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from layerwise_hf import LayerwiseTrainingArguments
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(config: str, script: str, report: Path, extra_env: dict | None = None) -> dict:
+    env = {
+        **os.environ,
+        "ACCELERATE_USE_CPU": "true",  # the multi-process launcher does not forward `use_cpu`
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "distributed"), str(ROOT)]),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        **(extra_env or {}),
+    }
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / config)]
+    cmd += ["--main_process_port", str(free_port()), str(ROOT / script), str(report)]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return json.loads(report.read_text())
+
+
+def assert_exact(report: dict, route: str):
+    assert report["world_size"] == 2
+    for case in report["results"]:
+        assert case["route"] == route, case
+        assert case["max_diff"] == 0.0, case
+        assert case["grad_norm_equal"] and case["lr_equal"], case
+        assert case["ranks_agree"], case
+        assert case["steps_logged"] == 4, case
+
+
+def test_ddp_matches_standard_ddp_and_resumes(tmp_path):
+    report = launch("configs/accelerate/cpu_ddp.yaml", "tests/distributed/ddp_trainer.py", tmp_path / "r.json")
+    assert all(case["wrapped"] == "DistributedDataParallel" for case in report["results"])
+    assert {c["case"] for c in report["results"]} >= {"adamw_8bit ga2", "adamw_torch ga2 sync_each_batch", "resume"}
+    assert_exact(report, "ddp")
+
+
+def test_fsdp2_matches_standard_fsdp2_and_resumes(tmp_path):
+    report = launch(
+        "configs/accelerate/cpu_fsdp2.yaml",
+        "tests/distributed/fsdp2_trainer.py",
+        tmp_path / "r.json",
+        {"LAYERWISE_HF_FORCE_FSDP_CPU": "1"},
+    )
+    # Never a silent DDP fallback: the model must really be fully_shard'ed with DTensor parameters.
+    assert all(case["fully_sharded"] for case in report["results"])
+    assert_exact(report, "fsdp2")
+    assert "cannot step FSDP2 shards" in report["adafactor"] and "adamw_torch_layerwise" in report["adafactor"]
+
+
+def test_deepspeed_is_refused_with_alternatives(tmp_path):
+    with pytest.raises(ValueError, match="DeepSpeed.*'adamw_8bit'.*DDP or FSDP2"):
+        LayerwiseTrainingArguments(
+            output_dir=str(tmp_path), optim="adamw_8bit_layerwise", deepspeed={"zero_optimization": {"stage": 2}}
+        )
+
+
+def _loop(config, out, *extra, env=None):
+    base_env = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / config)]
+    cmd += ["--main_process_port", str(free_port()), str(ROOT / "examples" / "accelerate_loop.py")]
+    cmd += ["--output_dir", str(out), *extra]
+    result = subprocess.run(
+        cmd, cwd=ROOT, env={**base_env, **(env or {})}, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result.stdout
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_accelerate_loop_save_state_load_state(tmp_path, engine):
+    from safetensors.torch import load_file
+
+    config = f"configs/accelerate/cpu_{engine}.yaml"
+    env = {"LAYERWISE_HF_FORCE_FSDP_CPU": "1"} if engine == "fsdp2" else {}
+    first = _loop(config, tmp_path / "a", "--save_state_at", "4", env=env)
+    assert f"gradients via {engine}" in first
+    second = _loop(config, tmp_path / "b", "--resume_from", str(tmp_path / "a" / "state-4"), env=env)
+    assert "step   5" in second and "step   1 " not in second
+    a = load_file(tmp_path / "a" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "b" / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
