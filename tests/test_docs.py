@@ -32,6 +32,20 @@ def test_every_config_parses():
         data = yaml.safe_load(path.read_text())
         assert isinstance(data, dict), path
         assert path.read_text().startswith("#"), f"{path} must start with its launch command"
+        if "accelerate" in path.parts:
+            from accelerate.commands.config.config_args import load_config_from_file
+
+            config = load_config_from_file(str(path))
+            assert config.num_processes >= 1, path
+            header = []
+            for line in path.read_text().splitlines():
+                if not line.startswith("#"):
+                    break
+                header.append(line)
+            assert any("accelerate launch" in h and path.name in h for h in header), f"{path}: no launch command"
+            for line in path.read_text().splitlines():
+                if ":" in line and not line.lstrip().startswith("#") and not line.rstrip().endswith(":"):
+                    assert "#" in line, f"{path}: every key needs a comment: {line!r}"
         if "train" in path.parts:
             fields = {f.name for f in LayerwiseTrainingArguments.__dataclass_fields__.values()}
             args = {k: v for k, v in data.items() if k in fields}
