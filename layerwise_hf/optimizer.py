@@ -16,11 +16,11 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from .checkpoint import STATE_DICT_KEY, is_layerwise_state_dict, standard_to_layerwise
 from .registry import LayerwiseFactory, LayerwiseParam
 
 logger = logging.getLogger(__name__)
 
-STATE_DICT_KEY = "layerwise_hf"
 STATE_DICT_VERSION = 1
 
 CLIP_MODES = ("exact", "previous", "per_param", "off")
@@ -89,6 +89,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         sync_gradients (`Callable[[], bool]`, *optional*):
             Whether the current backward ends an accumulation window. Defaults to Accelerate's
             `GradientState().sync_gradients`, which is always `True` outside gradient accumulation.
+        in_decay_group (`Sequence[bool]`, *optional*):
+            Per parameter, whether Trainer's standard optimizer would put it in its weight-decay group; lets
+            checkpoints convert to and from the standard layout. Defaults to `weight_decay != 0`.
     """
 
     def __init__(
@@ -99,6 +102,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         *,
         optimizer_name: str | None = None,
         sync_gradients: Callable[[], bool] | None = None,
+        in_decay_group: Sequence[bool] | None = None,
     ):
         params = list(params)
         if not params:
@@ -114,6 +118,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             seen.add(id(lp.param))
         self.names = [lp.name for lp in params]
         self.optimizer_name = optimizer_name
+        self.in_decay_group = (
+            list(in_decay_group) if in_decay_group is not None else [lp.weight_decay != 0 for lp in params]
+        )
         self.inner: list[torch.optim.Optimizer] = []
         for lp in params:
             inner = factory(lp, args)
@@ -249,46 +256,86 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             "names": list(self.names),
             "shapes": [list(p.shape) for p in self._params],
             "optimizer_classes": [_qualname(inner) for inner in self.inner],
+            "in_decay_group": list(self.in_decay_group),
         }
         return {"state": state, "param_groups": groups, STATE_DICT_KEY: meta}
 
+    def standard_groups_names(self) -> list[list[str]]:
+        """The names in each param group of Trainer's standard optimizer: the weight-decay group, then the rest."""
+        return [
+            [n for n, d in zip(self.names, self.in_decay_group) if d],
+            [n for n, d in zip(self.names, self.in_decay_group) if not d],
+        ]
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load by parameter name. Everything is checked before anything is loaded."""
+        """
+        Load by parameter name; a standard optimizer's state (Trainer's two groups) is converted first. Everything is
+        checked before anything is loaded, and a failure while loading restores the previous state.
+
+        A parameter the state does not mention (newly made trainable) starts fresh, with a warning naming it; a state
+        for a parameter that is not trainable here, or a state from another model, is an error.
+        """
         self.rebind()
-        groups = state_dict.get("param_groups", [])
-        saved_names = [g.get("name") for g in groups]
-        if any(n is None for n in saved_names):
-            raise ValueError(
-                "This optimizer state has no parameter names: it was not saved by a LayerwiseOptimizer "
-                "(a standard optimizer's checkpoint cannot be loaded into a layer-wise one yet)."
+        if not is_layerwise_state_dict(state_dict):
+            state_dict = standard_to_layerwise(state_dict, self.standard_groups_names())
+            logger.warning(
+                "Converted a standard optimizer state to the layer-wise layout (%d parameters).", len(self.names)
             )
+        groups = state_dict["param_groups"]
+        saved_names = [g["name"] for g in groups]
         by_name = {n: i for i, n in enumerate(saved_names)}
+        ours = set(self.names)
+        unexpected = [n for n in saved_names if n not in ours]
         missing = [n for n in self.names if n not in by_name]
-        unexpected = [n for n in saved_names if n not in set(self.names)]
-        if missing or unexpected:
+        if unexpected or len(missing) == len(self.names):
             raise ValueError(
-                f"Optimizer state does not match the trainable parameters. Missing: {missing or 'none'}. "
-                f"Unexpected: {unexpected or 'none'}."
+                "Optimizer state does not match the trainable parameters (another model, or a changed set of "
+                f"trainable parameters). Saved but not trainable here: {unexpected or 'none'}. "
+                f"Trainable here but not saved: {missing or 'none'}."
             )
         meta = state_dict.get(STATE_DICT_KEY, {})
         shapes = meta.get("shapes")
         classes = meta.get("optimizer_classes")
         errors = []
         for i, name in enumerate(self.names):
-            j = by_name[name]
+            j = by_name.get(name)
+            if j is None:
+                continue
             if shapes is not None and list(shapes[j]) != list(self._params[i].shape):
                 errors.append(f"{name}: saved shape {list(shapes[j])}, parameter shape {list(self._params[i].shape)}")
             if classes is not None and classes[j] != _qualname(self.inner[i]):
                 errors.append(f"{name}: saved optimizer {classes[j]}, current optimizer {_qualname(self.inner[i])}")
         if errors:
             raise ValueError("Optimizer state does not fit this optimizer: " + "; ".join(errors))
+        if missing:
+            logger.warning(
+                "No saved optimizer state for %d newly trainable parameter(s); they start fresh: %s",
+                len(missing),
+                missing,
+            )
 
-        for i, name in enumerate(self.names):
-            group = groups[by_name[name]]
-            (saved_id,) = group["params"]
-            saved_state = state_dict["state"].get(saved_id)
-            inner_sd = {"state": {0: saved_state} if saved_state else {}, "param_groups": [{**group, "params": [0]}]}
-            self.inner[i].load_state_dict(inner_sd)
+        previous = [inner.state_dict() for inner in self.inner]
+        loaded = []
+        try:
+            for i, name in enumerate(self.names):
+                if name not in by_name:
+                    continue
+                group = groups[by_name[name]]
+                (saved_id,) = group["params"]
+                saved_state = state_dict["state"].get(saved_id)
+                inner_sd = {
+                    "state": {0: saved_state} if saved_state else {},
+                    "param_groups": [{**group, "params": [0]}],
+                }
+                self.inner[i].load_state_dict(inner_sd)
+                loaded.append(i)
+        except Exception as err:
+            for i in loaded:
+                self.inner[i].load_state_dict(previous[i])
+            self._relink_groups()
+            raise ValueError(
+                f"Loading the optimizer state of {self.names[len(loaded)]} failed; nothing was loaded: {err}"
+            ) from err
         self._relink_groups()
 
     # ---- hooks ----
@@ -585,6 +632,7 @@ def build_layerwise_optimizer(
         args,
         optimizer_name=str(getattr(args.optim, "value", args.optim)),
         sync_gradients=sync_gradients,
+        in_decay_group=[lp.name in decay for lp in params],
     )
 
 

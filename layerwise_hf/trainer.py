@@ -3,12 +3,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import tempfile
 import warnings
 
 from transformers import Trainer
 
 from .callback import LayerwiseCallback, memory_logs
+from .checkpoint import (
+    OPTIMIZER_NAME,
+    check_checkpoint,
+    convert_scheduler_state,
+    first_members,
+    is_layerwise_state_dict,
+    latest_complete_checkpoint,
+    layerwise_to_standard,
+    load_optimizer_file,
+    mark_complete,
+    standard_to_layerwise,
+)
 from .distributed import check_fsdp2_supported
 from .optimizer import build_layerwise_optimizer, unwrap_layerwise_optimizer
 from .registry import is_layerwise_name
@@ -75,14 +90,60 @@ class LayerwiseTrainerMixin:
             lambda: super(LayerwiseTrainerMixin, self).training_step(model, inputs, num_items_in_batch)
         )
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        # Everything that can be checked before a step is: where checkpoints go, and what we resume from.
+        if self.args.save_strategy != "no" and self.args.should_save:
+            _check_writable(self.args.output_dir)
+        if resume_from_checkpoint is True:
+            # Trainer would take the newest checkpoint-N even if a crash interrupted its writing.
+            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir) or True
+        if isinstance(resume_from_checkpoint, str):
+            check_checkpoint(resume_from_checkpoint)
         try:
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             # on_train_end detaches on success; this covers a train() that raised.
             optimizer = self.layerwise_optimizer
             if optimizer is not None:
                 optimizer.detach()
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        # A checkpoint is complete only once everything above is written (all ranks); a run killed mid-write
+        # leaves no marker, and resume_from_checkpoint=True then takes the previous one.
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            output_dir = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            mark_complete(output_dir, {"global_step": self.state.global_step, "optim": str(self.args.optim)})
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        # The user switched between X and X_layerwise: convert the optimizer and scheduler states on load.
+        path = os.path.join(checkpoint, OPTIMIZER_NAME) if checkpoint else None
+        if path is None or not os.path.isfile(path) or self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        state_dict = load_optimizer_file(path)
+        layerwise = self.layerwise_optimizer
+        if is_layerwise_state_dict(state_dict) == (layerwise is not None):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        if layerwise is not None:
+            groups_names = layerwise.standard_groups_names()
+            converted = standard_to_layerwise(state_dict, groups_names)
+            # Per parameter, the saved group it belonged to (Trainer's decay group 0, no-decay group 1).
+            source_group = [0 if d else 1 for d in layerwise.in_decay_group]
+        else:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            groups_names = [[names[id(p)] for p in group["params"]] for group in self.optimizer.param_groups]
+            converted = layerwise_to_standard(state_dict, groups_names)
+            source_group = first_members(state_dict, groups_names)
+        logger.warning(
+            "Converting the optimizer and scheduler states of %s for optim=%s.", checkpoint, self.args.optim
+        )
+        num_saved = len(state_dict["param_groups"])
+        with (
+            _loading(self.optimizer, lambda _: converted),
+            _loading(self.lr_scheduler, lambda saved: convert_scheduler_state(saved, source_group, num_saved)),
+        ):
+            return super()._load_optimizer_and_scheduler(checkpoint)
 
     # NOTE: Trainer computes the norm with clip_grad_norm_ over .grad after backward; the hooks have freed those
     # gradients by then, so the norm accumulated inside the hooks is returned instead.
@@ -97,6 +158,29 @@ class LayerwiseTrainerMixin:
         if optimizer is None:
             return super()._get_grad_norm(model, grad_norm=grad_norm)
         return grad_norm if grad_norm is not None else optimizer.grad_norm()
+
+
+def _check_writable(output_dir: str) -> None:
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=output_dir, prefix=".layerwise_write_check"):
+            pass
+    except OSError as err:
+        raise ValueError(
+            f"output_dir={output_dir!r} is not writable ({err}); checkpoints could not be saved. Choose another "
+            "output_dir, or save_strategy='no'."
+        ) from err
+
+
+@contextlib.contextmanager
+def _loading(obj, convert):
+    """Make Trainer's `obj.load_state_dict(torch.load(...))` load `convert(loaded)` instead."""
+    original = obj.load_state_dict
+    obj.load_state_dict = lambda loaded: original(convert(loaded))
+    try:
+        yield
+    finally:
+        del obj.load_state_dict
 
 
 def _explain_clipping(max_grad_norm: float, mode: str, gradient_accumulation_steps: int) -> None:
