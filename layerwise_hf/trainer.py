@@ -38,6 +38,10 @@ class LayerwiseTrainerMixin:
     """
 
     def __init__(self, *args, **kwargs):
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None and training_args.save_strategy != "no":
+            # Trainer creates output_dir in __init__; say clearly why that fails instead of an OSError.
+            _check_writable(training_args.output_dir)
         super().__init__(*args, **kwargs)
         if not any(isinstance(cb, LayerwiseCallback) for cb in self.callback_handler.callbacks):
             self.add_callback(LayerwiseCallback(trainer=self))
@@ -123,9 +127,18 @@ class LayerwiseTrainerMixin:
             return super()._load_optimizer_and_scheduler(checkpoint)
         state_dict = load_optimizer_file(path)
         layerwise = self.layerwise_optimizer
-        if is_layerwise_state_dict(state_dict) == (layerwise is not None):
+        saved_layerwise = is_layerwise_state_dict(state_dict)
+        if saved_layerwise and layerwise is not None:
+            saved = {g["name"]: i for i, g in enumerate(state_dict["param_groups"])}
+            if list(saved) == layerwise.names:
+                return super()._load_optimizer_and_scheduler(checkpoint)
+            # The trainable set changed (the optimizer validates and decides what that means): re-index the
+            # scheduler by name; a newly trainable parameter follows the same schedule as the first saved one.
+            converted = state_dict
+            source_group = [saved.get(n, 0) for n in layerwise.names]
+        elif not saved_layerwise and layerwise is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        if layerwise is not None:
+        elif layerwise is not None:
             groups_names = layerwise.standard_groups_names()
             converted = standard_to_layerwise(state_dict, groups_names)
             # Per parameter, the saved group it belonged to (Trainer's decay group 0, no-decay group 1).

@@ -1,0 +1,69 @@
+"""Train 8 steps with a checkpoint every 2, optionally SIGKILL-ing itself at a chosen point; save the final model.
+
+    python tests/scripts/crash_train.py OUTPUT_DIR [--kill step:5 | --kill save:6] [--resume]
+"""
+
+import argparse
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from helpers import TokenDataset, tiny_llama, training_args  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from layerwise_hf import LayerwiseTrainer  # noqa: E402
+
+
+class KillAtStep(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillDuringSave(LayerwiseTrainer):
+    """Dies after the model and half of optimizer.pt of checkpoint `kill_step` are written."""
+
+    kill_step = None
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        if self.state.global_step == self.kill_step:
+            super()._save_optimizer_and_scheduler(output_dir)
+            path = os.path.join(output_dir, "optimizer.pt")
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super()._save_optimizer_and_scheduler(output_dir)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("output_dir")
+    parser.add_argument("--kill", default=None)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--optim", default="adamw_torch_layerwise")
+    opts = parser.parse_args()
+    args = training_args(opts.output_dir, opts.optim, max_steps=8, save_strategy="steps", save_steps=2)
+    trainer_cls, callbacks = LayerwiseTrainer, []
+    if opts.kill:
+        where, step = opts.kill.split(":")
+        if where == "step":
+            callbacks.append(KillAtStep(int(step)))
+        else:
+            trainer_cls = KillDuringSave
+            KillDuringSave.kill_step = int(step)
+    trainer = trainer_cls(model=tiny_llama(), args=args, train_dataset=TokenDataset(), callbacks=callbacks)
+    if opts.resume:
+        from layerwise_hf.checkpoint import latest_complete_checkpoint
+
+        print("resuming from", latest_complete_checkpoint(opts.output_dir), flush=True)
+    trainer.train(resume_from_checkpoint=True if opts.resume else None)
+    trainer.save_model(os.path.join(opts.output_dir, "final"))
+
+
+if __name__ == "__main__":
+    main()
