@@ -63,6 +63,11 @@ def _tensor_bytes(obj: Any) -> int:
     return 0
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # A DTensor norm (FSDP2) is replicated: its local value is the global norm.
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _qualname(obj: Any) -> str:
     cls = type(obj)
     return f"{cls.__module__}.{cls.__qualname__}"
@@ -257,6 +262,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             "shapes": [list(p.shape) for p in self._params],
             "optimizer_classes": [_qualname(inner) for inner in self.inner],
             "in_decay_group": list(self.in_decay_group),
+            # layerwise_clip="previous" scales the first step after a resume by it.
+            "last_grad_norm": None if self.last_grad_norm is None else _local(self.last_grad_norm).detach().clone(),
         }
         return {"state": state, "param_groups": groups, STATE_DICT_KEY: meta}
 
@@ -307,6 +314,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 errors.append(f"{name}: saved optimizer {classes[j]}, current optimizer {_qualname(self.inner[i])}")
         if errors:
             raise ValueError("Optimizer state does not fit this optimizer: " + "; ".join(errors))
+        if meta.get("last_grad_norm") is not None:
+            self.last_grad_norm = meta["last_grad_norm"].to(self._params[0].device)
         if missing:
             logger.warning(
                 "No saved optimizer state for %d newly trainable parameter(s); they start fresh: %s",

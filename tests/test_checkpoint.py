@@ -133,3 +133,16 @@ def test_convert_checkpoint_offline(tmp_path, to):
         resume_from_checkpoint=converted,
     )
     assert_params_equal(uninterrupted.model, resumed.model)
+
+
+def test_resume_with_previous_norm_clipping_is_exact(tmp_path):
+    # layerwise_clip="previous" scales by the last step's norm: it must survive the checkpoint.
+    model = tiny_llama()
+    kwargs = dict(max_steps=6, save_strategy="steps", save_steps=3, max_grad_norm=0.5, layerwise_clip="previous")
+    full = train(clone(model), training_args(tmp_path / "full", "adamw_torch_layerwise", **kwargs))
+    resumed = train(
+        clone(model),
+        training_args(tmp_path / "resumed", "adamw_torch_layerwise", **kwargs),
+        resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"),
+    )
+    assert_params_equal(full.model, resumed.model)
