@@ -108,7 +108,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as work:
         start = time.perf_counter()
         reference = model()
-        LayerwiseTrainer(model=reference, args=args(f"{work}/ref", opts.steps, opts.steps), train_dataset=dataset).train()
+        LayerwiseTrainer(
+            model=reference, args=args(f"{work}/ref", opts.steps, opts.steps), train_dataset=dataset
+        ).train()
         reference_seconds = time.perf_counter() - start
 
         soaked = model()
