@@ -62,8 +62,10 @@ class LayerwiseTrainerMixin:
         return self.optimizer_cls_and_kwargs is None and is_layerwise_name(self.args.optim)
 
     def create_optimizer(self, model=None):
-        if not self._uses_layerwise() or self.optimizer is not None:
+        if self.optimizer is not None:
             return super().create_optimizer(model)
+        if not self._uses_layerwise():
+            return _strip_frozen(super().create_optimizer(model))
         if self.is_deepspeed_enabled:
             raise ValueError(
                 f"optim={self.args.optim!r} cannot run under DeepSpeed, which owns the optimizer step. Use the "
@@ -171,6 +173,21 @@ class LayerwiseTrainerMixin:
         if optimizer is None:
             return super()._get_grad_norm(model, grad_norm=grad_norm)
         return grad_norm if grad_norm is not None else optimizer.grad_norm()
+
+
+def _strip_frozen(optimizer):
+    """
+    No optimizer state or group for frozen parameters with standard optimizers either: Trainer's split leaves an
+    empty group when every trainable parameter falls on one side (LoRA: all adapters decay), which DeepSpeed ZeRO
+    gets handed as is; parameters passed in through `optimizer_cls_and_kwargs` params are not filtered at all.
+    """
+    groups = getattr(optimizer, "param_groups", None)
+    if groups is None:
+        return optimizer
+    for group in groups:
+        group["params"] = [p for p in group["params"] if p.requires_grad]
+    groups[:] = [g for g in groups if g["params"]]
+    return optimizer
 
 
 def _check_writable(output_dir: str) -> None:
