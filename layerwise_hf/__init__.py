@@ -1,32 +1,38 @@
 """Layer-wise optimizers for Hugging Face Trainer and Accelerate."""
 
-from .callback import LayerwiseCallback
-from .distributed import force_fsdp_on_cpu
-from .optimizer import LayerwiseOptimizer, build_layerwise_optimizer, unwrap_layerwise_optimizer
-from .registry import (
-    LayerwiseParam,
-    is_layerwise_name,
-    list_layerwise_optimizers,
-    register_layerwise_optimizer,
-    unregister_layerwise_optimizer,
-)
-from .trainer import LayerwiseTrainer, LayerwiseTrainerMixin
-from .training_args import LayerwiseTrainingArguments
+import importlib
+
+# NOTE: imported eagerly (it is light): it applies LAYERWISE_HF_FORCE_FSDP_CPU before any Accelerator exists.
+from .distributed import force_fsdp_on_cpu as force_fsdp_on_cpu
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "LayerwiseCallback",
-    "LayerwiseOptimizer",
-    "LayerwiseParam",
-    "LayerwiseTrainer",
-    "LayerwiseTrainerMixin",
-    "LayerwiseTrainingArguments",
-    "build_layerwise_optimizer",
-    "force_fsdp_on_cpu",
-    "is_layerwise_name",
-    "list_layerwise_optimizers",
-    "register_layerwise_optimizer",
-    "unregister_layerwise_optimizer",
-    "unwrap_layerwise_optimizer",
-]
+# The rest loads on first use: Trainer, peft and bitsandbytes imports take seconds, which the CLI should not pay.
+_LAZY = {
+    "LayerwiseCallback": "callback",
+    "LayerwiseOptimizer": "optimizer",
+    "LayerwiseParam": "registry",
+    "LayerwiseTrainer": "trainer",
+    "LayerwiseTrainerMixin": "trainer",
+    "LayerwiseTrainingArguments": "training_args",
+    "build_layerwise_optimizer": "optimizer",
+    "is_layerwise_name": "registry",
+    "list_layerwise_optimizers": "registry",
+    "register_layerwise_optimizer": "registry",
+    "unregister_layerwise_optimizer": "registry",
+    "unwrap_layerwise_optimizer": "optimizer",
+}
+
+__all__ = sorted([*_LAZY, "force_fsdp_on_cpu"])
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_LAZY])

@@ -253,7 +253,19 @@ def convert_checkpoint(checkpoint_dir: str, to: str, output_dir: str | None = No
     return output_dir
 
 
-def add_cli(subparsers) -> None:
+def _run_convert(args) -> int:
+    import sys
+
+    try:
+        print(convert_checkpoint(args.checkpoint, args.to, args.output_dir))
+    except ValueError as err:
+        print(f"layerwise-hf convert-checkpoint: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add the `convert-checkpoint` subcommand."""
     parser = subparsers.add_parser(
         "convert-checkpoint",
         help="convert a Trainer checkpoint's optimizer state between X and X_layerwise",
@@ -263,4 +275,4 @@ def add_cli(subparsers) -> None:
     parser.add_argument("checkpoint", help="a checkpoint-N directory")
     parser.add_argument("--to", required=True, choices=["layerwise", "standard"], help="the target format")
     parser.add_argument("--output_dir", default=None, help="defaults to CHECKPOINT-<to>; must not exist")
-    parser.set_defaults(func=lambda args: print(convert_checkpoint(args.checkpoint, args.to, args.output_dir)))
+    parser.set_defaults(func=_run_convert)

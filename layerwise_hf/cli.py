@@ -1,14 +1,26 @@
-"""`layerwise-hf` command line: subcommands are added by the modules that own them."""
+"""`layerwise-hf` command line: subcommands are added by the modules that own them.
+
+A subcommand is a module with `register(subparsers)`, which adds its parser and sets `func` (called with the parsed
+arguments; its return value is the exit status). Adding one: import the module and list it in `SUBCOMMANDS`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from . import checkpoint, estimate
+
+SUBCOMMANDS = (estimate, checkpoint)
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="layerwise-hf", description="Layer-wise optimizers for Hugging Face Trainer.")
-    parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="layerwise-hf", description="Layer-wise optimizers for Hugging Face Trainer."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in SUBCOMMANDS:
+        module.register(subparsers)
     return parser
 
 

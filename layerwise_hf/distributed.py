@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from .optimizer import LayerwiseOptimizer
+if TYPE_CHECKING:
+    from .optimizer import LayerwiseOptimizer
 
 # Optimizers whose update of an element depends only on that element's gradient and state, so stepping the local
 # FSDP2 shard equals stepping the whole tensor. Adafactor (factored row/column moments) and bitsandbytes' blockwise

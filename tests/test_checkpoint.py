@@ -119,7 +119,17 @@ def test_convert_checkpoint_offline(tmp_path, to):
     uninterrupted = train(clone(model), training_args(tmp_path / "full", first, **kwargs))
     source = tmp_path / "full" / "checkpoint-4"
     before = (source / "optimizer.pt").read_bytes()
-    converted = convert_checkpoint(str(source), to)
+    if to == "standard":
+        # Through the command line, as a user would.
+        import subprocess
+        import sys
+
+        cli = [sys.executable, "-m", "layerwise_hf.cli", "convert-checkpoint", str(source), "--to", to]
+        result = subprocess.run(cli, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-2000:]
+        converted = result.stdout.strip().splitlines()[-1]
+    else:
+        converted = convert_checkpoint(str(source), to)
     assert (source / "optimizer.pt").read_bytes() == before, "the source checkpoint must not change"
     state = torch.load(os.path.join(converted, "optimizer.pt"), weights_only=True)
     assert is_layerwise_state_dict(state) == (to == "layerwise")

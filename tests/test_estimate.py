@@ -1,0 +1,399 @@
+"""`layerwise-hf estimate-memory`: exact parameter counts, optimizer state as the optimizers really allocate it, and
+agreement with `accelerate estimate-memory`. Models are built from configs (tiny ones for real, full-size ones on the
+meta device); nothing is downloaded."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer
+from layerwise_hf.cli import build_parser, main
+from layerwise_hf.estimate import (
+    PRESETS,
+    EstimateError,
+    ModelSpec,
+    accelerate_estimate,
+    estimate,
+    list_presets,
+    load_model_spec,
+    resolve_config,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 2**30
+
+# What `accelerate estimate-memory meta-llama/Llama-2-70b-hf` printed for float16 (its "GB" are GiB).
+ACCELERATE_LLAMA2_70B_FP16_TOTAL_GB = 128.15
+ACCELERATE_LLAMA2_70B_FP16_ADAM_GB = 512.59
+
+# Published parameter counts (model cards / safetensors metadata).
+PUBLISHED_COUNTS = {
+    "llama-2-7b": 6_738_415_616,
+    "llama-2-13b": 13_015_864_320,
+    "llama-2-70b": 68_976_648_192,
+    "llama-3-8b": 8_030_261_248,
+    "llama-3-70b": 70_553_706_496,
+    "mistral-7b": 7_241_732_096,
+}
+
+
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+
+
+def tiny_config(**overrides):
+    values = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    values.update(overrides)
+    return LlamaConfig(**values)
+
+
+def within(value, reference, rel=0.01):
+    return abs(value - reference) <= rel * reference
+
+
+# ---- agreement with accelerate ----
+
+
+def test_llama2_70b_fp16_agrees_with_accelerate_within_1_percent():
+    (row,) = accelerate_estimate("llama-2-70b", ["float16"])
+    assert within(row.total_bytes / GIB, ACCELERATE_LLAMA2_70B_FP16_TOTAL_GB)
+    assert within(row.training_bytes / GIB, ACCELERATE_LLAMA2_70B_FP16_ADAM_GB)
+    # This package's own convention (lm_head included, weights + gradients + AdamW state summed) lands there too.
+    ours = estimate("llama-2-70b", optimizer="adamw_torch", dtype="fp16")
+    assert within(ours.weight_bytes / GIB, ACCELERATE_LLAMA2_70B_FP16_TOTAL_GB)
+    assert within(ours.total_bytes / GIB, ACCELERATE_LLAMA2_70B_FP16_ADAM_GB)
+
+
+@pytest.mark.parametrize("preset", ["llama-2-70b", "llama-3.2-1b", "qwen2.5-0.5b", "qwen3-8b"])
+def test_accelerate_mode_prints_what_accelerate_computes(preset):
+    from accelerate.commands.estimate import estimate_training_usage
+    from accelerate.utils import calculate_maximum_sizes, convert_bytes
+
+    config, _, _ = resolve_config(preset)
+    with torch.device("meta"):
+        model = AutoModel.from_config(config, dtype=torch.float32)
+    total, (largest, _) = calculate_maximum_sizes(model)
+    divisors = {"float32": 1, "float16": 2, "int8": 4, "int4": 8}
+    for row in accelerate_estimate(preset):
+        usage = max(estimate_training_usage(total, row.dtype).values())
+        expected = [
+            row.dtype,
+            convert_bytes(largest / divisors[row.dtype]),
+            convert_bytes(total / divisors[row.dtype]),
+            convert_bytes(usage) if usage != -1 else "N/A",
+        ]
+        assert row.format() == expected
+
+
+def test_accelerate_mode_for_an_architecture_without_formula(tmp_path):
+    from accelerate.utils import calculate_maximum_sizes
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300).to_json_file(tmp_path / "config.json")
+    config, _, _ = resolve_config(tmp_path)
+    with torch.device("meta"):
+        total, _ = calculate_maximum_sizes(AutoModel.from_config(config, dtype=torch.float32))
+    (row,) = accelerate_estimate(tmp_path, ["float32"])
+    assert row.total_bytes == total and row.training_bytes == 4 * total
+
+
+# ---- parameter counts ----
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        tiny_config(),
+        tiny_config(tie_word_embeddings=True),
+        tiny_config(num_key_value_heads=4, attention_bias=True, mlp_bias=True),
+        tiny_config(head_dim=24, num_key_value_heads=1),
+        MistralConfig(**SMALL),
+        Qwen2Config(**SMALL, num_key_value_heads=2, tie_word_embeddings=True),
+        Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=32),
+    ],
+    ids=["llama", "llama-tied", "llama-biases", "llama-head-dim", "mistral", "qwen2-tied", "qwen3"],
+)
+def test_formula_matches_models_built_from_configs(config):
+    model = AutoModelForCausalLM.from_config(config)
+    spec = ModelSpec.from_config(config)
+    assert spec.num_parameters() == sum(p.numel() for p in model.parameters())
+    expanded = []
+    for t in spec.tensors():
+        names = [t.name.replace("*", str(i)) for i in range(t.count)] if "*" in t.name else [t.name]
+        expanded += [(n, t.shape) for n in names]
+    assert sorted(expanded) == sorted((n, tuple(p.shape)) for n, p in model.named_parameters())
+    # The base model accelerate measures is the same without lm_head.
+    assert spec.num_parameters(include_lm_head=False) == sum(p.numel() for p in model.model.parameters())
+
+
+@pytest.mark.parametrize("preset", list_presets())
+def test_presets_count_exactly_what_transformers_builds(preset):
+    config, _, _ = resolve_config(preset)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    spec = load_model_spec(preset)
+    assert spec.num_parameters() == sum(p.numel() for p in model.parameters())
+    if preset in PUBLISHED_COUNTS:
+        assert spec.num_parameters() == PUBLISHED_COUNTS[preset]
+
+
+def test_presets_accept_their_hub_name():
+    spec = load_model_spec("meta-llama/Llama-2-70b-hf")
+    assert spec.name == "llama-2-70b" and spec.num_key_value_heads == 8
+
+
+# ---- gradients, sharding, accumulation ----
+
+
+def test_layerwise_gradient_term_is_the_largest_parameter():
+    spec = load_model_spec("llama-2-7b")
+    standard = estimate(spec, optimizer="adamw_torch", dtype="bf16")
+    layerwise = estimate(spec, optimizer="adamw_torch_layerwise", dtype="bf16")
+    embed = 32000 * 4096 * 2
+    assert layerwise.gradient_bytes == layerwise.largest_parameter_bytes == embed
+    assert layerwise.largest_parameter == "model.embed_tokens.weight"
+    assert standard.gradient_bytes == standard.all_gradient_bytes == 6_738_415_616 * 2
+    assert standard.weight_bytes == layerwise.weight_bytes == 6_738_415_616 * 2
+    assert standard.optimizer_state_bytes == layerwise.optimizer_state_bytes
+    assert standard.total_bytes - layerwise.total_bytes == standard.gradient_bytes - embed
+
+
+def test_tied_embedding_gradient_is_held_through_backward():
+    layerwise = estimate("llama-3.2-1b", optimizer="sgd_layerwise", dtype="bf16")
+    embed = 128256 * 2048 * 2
+    assert layerwise.largest_parameter == "model.embed_tokens.weight"
+    assert layerwise.gradient_bytes == 2 * embed
+    assert any("Tied" in n for n in layerwise.notes)
+
+
+def test_gradient_accumulation_keeps_all_gradients():
+    standard = estimate("mistral-7b", optimizer="adamw_torch", gradient_accumulation_steps=4)
+    layerwise = estimate("mistral-7b", optimizer="adamw_torch_layerwise", gradient_accumulation_steps=4)
+    assert layerwise.gradient_bytes == standard.gradient_bytes == layerwise.all_gradient_bytes
+    assert estimate("mistral-7b", gradient_accumulation_steps=1).gradient_bytes < layerwise.gradient_bytes
+
+
+def test_fsdp2_divides_weights_gradients_and_state():
+    one = estimate("llama-3-70b", optimizer="adamw_torch")
+    standard = estimate("llama-3-70b", optimizer="adamw_torch", world_size=8, sharding="fsdp2")
+    assert standard.total_bytes == one.total_bytes
+    assert standard.per_gpu_bytes == math.ceil(one.total_bytes / 8)
+    # Layer-wise, a whole FSDP2 unit's gradient shards arrive from one reduce-scatter: here the root unit
+    # (embeddings + lm_head + final norm), larger than a decoder layer.
+    layerwise = estimate("llama-3-70b", optimizer="adamw_torch_layerwise", world_size=8, sharding="fsdp2")
+    root = (2 * 128256 * 8192 + 8192) * 2
+    layer = (2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192) * 2
+    assert layerwise.gradient_bytes == max(root, layer) == root
+    assert layerwise.per_gpu_bytes == math.ceil((one.weight_bytes + root + one.optimizer_state_bytes) / 8)
+    assert (
+        estimate("llama-2-70b", optimizer="sgd_layerwise", world_size=8, sharding="fsdp2").gradient_bytes
+        == (2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192) * 2
+    )  # Llama-2's 32000-token vocabulary: a decoder layer is the largest unit
+    refused = estimate("llama-3-70b", optimizer="adamw_8bit_layerwise", world_size=8, sharding="fsdp2")
+    assert any("refused under FSDP2" in n for n in refused.notes)
+
+
+def test_ddp_replicates_and_keeps_bucket_buffers():
+    one = estimate("llama-2-7b", optimizer="adamw_torch_layerwise")
+    ddp = estimate("llama-2-7b", optimizer="adamw_torch_layerwise", world_size=4)
+    assert ddp.sharding == "ddp" and ddp.per_gpu_bytes == ddp.total_bytes
+    assert ddp.gradient_bytes == one.all_gradient_bytes + one.gradient_bytes
+    standard = estimate("llama-2-7b", optimizer="adamw_torch", world_size=4)
+    assert standard.gradient_bytes == 2 * one.all_gradient_bytes
+    view = estimate("llama-2-7b", optimizer="adamw_torch", world_size=4, gradient_as_bucket_view=True)
+    assert view.gradient_bytes == one.all_gradient_bytes
+
+
+# ---- optimizer state against the real optimizers ----
+
+OPTIMIZERS = [
+    "adamw_torch",
+    "sgd",
+    "adagrad",
+    "rmsprop",
+    "adafactor",
+    "adamw_8bit",
+    "paged_adamw_32bit",
+    "lion_8bit",
+    "lion_32bit",
+    "rmsprop_bnb_8bit",
+    "ademamix_8bit",
+]
+
+
+@pytest.mark.filterwarnings("ignore:Paged optimizers are not supported on CPU:UserWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_state_bytes_match_the_layerwise_optimizer(tmp_path, tie, dtype):
+    config = tiny_config(tie_word_embeddings=tie)
+    for name in OPTIMIZERS:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).to(dtype)
+        args = LayerwiseTrainingArguments(
+            output_dir=str(tmp_path), optim=f"{name}_layerwise", use_cpu=True, report_to="none"
+        )
+        optimizer = build_layerwise_optimizer(model, args)
+        optimizer.attach()
+        ids = torch.randint(0, config.vocab_size, (2, 8))
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.detach()
+        from_config = estimate(config, optimizer=f"{name}_layerwise", dtype=str(dtype).removeprefix("torch."))
+        from_model = estimate(model, optimizer=f"{name}_layerwise")
+        assert from_config.optimizer_state_bytes == from_model.optimizer_state_bytes == optimizer.state_bytes(), name
+        assert from_config.weight_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+        assert from_config.all_gradient_bytes == optimizer.full_grad_bytes()
+
+
+def test_lora_estimate_matches_peft(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    config = tiny_config()
+    targets = ["q_proj", "v_proj", "down_proj"]
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    est = estimate(config, optimizer="adamw_torch_layerwise", dtype="fp32", lora_rank=4, lora_target_modules=targets)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert est.num_trainable_parameters == sum(p.numel() for p in trainable)
+    assert est.num_parameters == sum(p.numel() for p in model.parameters())
+    assert est.largest_parameter_bytes == max(p.numel() * 4 for p in trainable)
+    args = LayerwiseTrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise", use_cpu=True)
+    optimizer = build_layerwise_optimizer(model, args)
+    optimizer.attach()
+    ids = torch.randint(0, config.vocab_size, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.detach()
+    assert est.optimizer_state_bytes == optimizer.state_bytes()
+    assert estimate(model, optimizer="adamw_torch_layerwise").optimizer_state_bytes == optimizer.state_bytes()
+
+
+def test_lora_on_a_quantized_base_counts_adapters_only():
+    full = estimate("llama-2-70b", optimizer="adamw_torch", dtype="bf16")
+    qlora = estimate("llama-2-70b", dtype="bf16", lora_rank=16, lora_target_modules=["all-linear"], frozen_dtype="nf4")
+    assert qlora.num_trainable_parameters < 0.01 * full.num_trainable_parameters
+    assert qlora.weight_bytes < 0.35 * full.weight_bytes
+    with pytest.raises(EstimateError, match="gate"):
+        estimate("llama-2-7b", lora_rank=8, lora_target_modules=["gate"])
+
+
+# ---- inputs ----
+
+
+def test_config_json_path_and_directory(tmp_path):
+    values = {k: v for k, v in PRESETS["llama-2-7b"].items() if k != "source"}
+    LlamaConfig(**values).to_json_file(tmp_path / "config.json")
+    preset = estimate("llama-2-7b", dtype="bf16")
+    for source in (tmp_path, tmp_path / "config.json", str(tmp_path / "config.json")):
+        from_file = estimate(source, dtype="bf16")
+        assert from_file.num_parameters == preset.num_parameters == PUBLISHED_COUNTS["llama-2-7b"]
+        assert from_file.total_bytes == preset.total_bytes
+
+
+def test_config_json_of_an_architecture_without_formula(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300)
+    config.to_json_file(tmp_path / "config.json")
+    est = estimate(tmp_path, optimizer="adamw_torch_layerwise", dtype="fp32")
+    assert est.num_parameters == sum(p.numel() for p in GPT2LMHeadModel(config).parameters())
+
+
+def test_bad_inputs_name_the_choices(tmp_path):
+    with pytest.raises(EstimateError, match="llama-2-70b"):
+        estimate("llama-9-7b")
+    with pytest.raises(EstimateError, match="adamw_8bit"):
+        estimate("llama-2-7b", optimizer="adamw_9bit_layerwise")
+    with pytest.raises(EstimateError, match="fp32/bf16/fp16"):
+        estimate("llama-2-7b", dtype="fp8")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(EstimateError, match="JSON"):
+        estimate(tmp_path)
+
+
+# ---- command line ----
+
+
+def _cli(*args):
+    return subprocess.Popen(
+        [sys.executable, "-m", "layerwise_hf.cli", "estimate-memory", *args],
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_cli_subprocess_json_and_bad_preset():
+    # Both at once: most of each process's time is importing torch and transformers.
+    good = _cli("llama-2-70b", "--dtypes", "fp16", "--json")
+    bad = _cli("llama-9-7b")
+    out, err = good.communicate(timeout=300)
+    assert good.returncode == 0, err[-3000:]
+    by_optim = {e["optimizer"]: e for e in json.loads(out)["estimates"]}
+    assert set(by_optim) == {"adamw_torch", "adamw_torch_layerwise"}
+    assert within(by_optim["adamw_torch"]["total_bytes"] / GIB, ACCELERATE_LLAMA2_70B_FP16_ADAM_GB)
+    assert by_optim["adamw_torch_layerwise"]["gradient_bytes"] == 32000 * 8192 * 2
+
+    out, err = bad.communicate(timeout=300)
+    assert bad.returncode == 2 and out == ""
+    assert "Unknown model 'llama-9-7b'" in err and "Traceback" not in err
+    for preset in list_presets():
+        assert preset in err
+
+
+def test_cli_table(capsys):
+    assert main(["estimate-memory", "llama-2-70b", "--dtypes", "fp16", "--optim", "adamw_8bit_layerwise"]) == 0
+    out = capsys.readouterr().out
+    for header in ("Weights", "Gradients", "Optimizer state", "Total", "Per GPU"):
+        assert header in out
+    assert "adamw_8bit_layerwise" in out and "128.48 GiB" in out and "500.00 MiB" in out
+
+
+def test_cli_accelerate_mode(capsys):
+    assert main(["estimate-memory", "llama-2-70b", "--accelerate"]) == 0
+    out = capsys.readouterr().out
+    assert "Training using Adam" in out and "127.99 GB" in out and "511.96 GB" in out and "N/A" in out
+    assert main(["estimate-memory", "llama-2-70b", "--accelerate", "--lora-rank", "8"]) == 2
+    assert "--lora-rank" in capsys.readouterr().err
+
+
+def test_cli_lora_fsdp2_and_presets(capsys):
+    argv = ["estimate-memory", "llama-3-8b", "--lora-rank", "16", "--world-size", "2", "--sharding", "fsdp2"]
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert all(e["per_gpu_bytes"] == math.ceil(e["total_bytes"] / 2) for e in data["estimates"])
+    assert main(["estimate-memory", "--list-presets"]) == 0
+    out = capsys.readouterr().out
+    assert "6,738,415,616" in out and all(p in out for p in list_presets())
+
+
+def test_parser_registers_subcommands():
+    from layerwise_hf import estimate as estimate_module
+
+    args = build_parser().parse_args(["estimate-memory", "llama-2-7b"])
+    assert args.func is estimate_module.run
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([])
