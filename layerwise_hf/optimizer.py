@@ -60,6 +60,9 @@ def _tensor_bytes(obj: Any) -> int:
         return sum(_tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
         return sum(_tensor_bytes(v) for v in obj)
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        # Objects kept in optimizer state (GaLore's projector holds its projection matrix).
+        return sum(_tensor_bytes(v) for v in vars(obj).values())
     return 0
 
 

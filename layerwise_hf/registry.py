@@ -23,19 +23,20 @@ SUFFIX = "_layerwise"
 _REFUSED_BASES: dict[str, str] = {
     "lomo": "LOMO fuses the update into backward over the whole model; it is already layer-wise",
     "adalomo": "AdaLomo fuses the update into backward over the whole model; it is already layer-wise",
-    "galore_adamw": "GaLore needs the model to choose projected parameters; use transformers' galore_adamw_layerwise",
-    "galore_adamw_8bit": "GaLore needs the model to choose projected parameters; "
-    "use transformers' galore_adamw_8bit_layerwise",
-    "galore_adafactor": "GaLore needs the model to choose projected parameters; "
-    "use transformers' galore_adafactor_layerwise",
-    "apollo_adamw": "APOLLO needs the model to choose projected parameters; use transformers' apollo_adamw_layerwise",
     "schedule_free_adamw": "schedule-free optimizers swap weights in optimizer.train()/eval() for the whole model",
     "schedule_free_radam": "schedule-free optimizers swap weights in optimizer.train()/eval() for the whole model",
     "schedule_free_sgd": "schedule-free optimizers swap weights in optimizer.train()/eval() for the whole model",
 }
 
-# Layer-wise names transformers defines itself; they keep going through transformers' own code path.
-TRANSFORMERS_LAYERWISE_NAMES = tuple(sorted(n.value for n in OptimizerNames if n.value.endswith(SUFFIX)))
+# Low-rank projection optimizers (GaLore, APOLLO): the model chooses which tensors are projected, so their factory is
+# built from the model (layerwise_hf.galore); each tensor's update still only reads its own gradient. transformers
+# defines their `_layerwise` names itself; this plugin serves them (scheduled lr, weight decay, grad_norm, state).
+_LOW_RANK_REQUIRES = {
+    "galore_adamw": "galore-torch",
+    "galore_adamw_8bit": "galore-torch",
+    "galore_adafactor": "galore-torch",
+    "apollo_adamw": "apollo-torch",
+}
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,17 @@ def _builtin_bases() -> list[str]:
     return sorted(n.value for n in OptimizerNames if not n.value.endswith(SUFFIX) and n.value not in _REFUSED_BASES)
 
 
+# Layer-wise names transformers defines itself that still go through transformers' own code path (none at present:
+# this plugin serves galore_*_layerwise and apollo_adamw_layerwise).
+TRANSFORMERS_LAYERWISE_NAMES = tuple(
+    sorted(
+        n.value
+        for n in OptimizerNames
+        if n.value.endswith(SUFFIX) and n.value.removesuffix(SUFFIX) not in set(_builtin_bases())
+    )
+)
+
+
 def list_layerwise_optimizers() -> list[str]:
     """All names `LayerwiseTrainingArguments(optim=...)` accepts for this plugin's layer-wise path, sorted."""
     return sorted({f"{b}{SUFFIX}" for b in _builtin_bases()} | set(_REGISTRY))
@@ -89,6 +101,7 @@ def describe_layerwise_optimizers() -> list[tuple[str, str, str]]:
     from transformers.trainer_optimizer import _BITSANDBYTES_OPTIMIZERS, _TORCHAO_OPTIMIZERS
 
     requires = dict(_BASE_REQUIRES)
+    requires.update(_LOW_RANK_REQUIRES)
     requires.update({n.value: "bitsandbytes" for n in _BITSANDBYTES_OPTIMIZERS})
     requires.update({n.value: "torchao" for n in _TORCHAO_OPTIMIZERS})
     return [(f"{base}{SUFFIX}", base, requires.get(base, "")) for base in _builtin_bases()]
@@ -109,7 +122,7 @@ def register_layerwise_optimizer(name: str, factory: LayerwiseFactory, *, overwr
     """
     if not re.fullmatch(r"[a-z0-9_]+", name) or not name.endswith(SUFFIX) or name == SUFFIX:
         raise ValueError(f"Layer-wise optimizer names are lower-case [a-z0-9_] and end in '{SUFFIX}'; got {name!r}.")
-    builtin = {f"{b}{SUFFIX}" for b in _builtin_bases()} | set(TRANSFORMERS_LAYERWISE_NAMES)
+    builtin = {f"{b}{SUFFIX}" for b in _builtin_bases()} | {n.value for n in OptimizerNames}
     if name in builtin:
         raise ValueError(f"{name!r} is a built-in optimizer name and cannot be registered.")
     if name in _REGISTRY and not overwrite:
@@ -125,9 +138,10 @@ def unregister_layerwise_optimizer(name: str) -> None:
 
 
 def _unknown_name_error(name: str) -> ValueError:
+    own = f"transformers' own layer-wise names: {', '.join(TRANSFORMERS_LAYERWISE_NAMES)}. "
     return ValueError(
         f"Unknown optimizer {name!r}. Layer-wise names: {', '.join(list_layerwise_optimizers())}. "
-        f"transformers' own layer-wise names: {', '.join(TRANSFORMERS_LAYERWISE_NAMES)}. "
+        f"{own if TRANSFORMERS_LAYERWISE_NAMES else ''}"
         f"Standard names: {', '.join(sorted(n.value for n in OptimizerNames))}."
     )
 
@@ -136,17 +150,18 @@ def parse_optim_name(name) -> str | None:
     """
     Return the base optimizer of a layer-wise name handled by this plugin, or `None` for a name Trainer handles.
 
-    Registered third-party names return `""` (they have no Trainer base). Raises `ValueError` naming the valid
-    choices for an unknown or refused name.
+    The base is the standard Trainer name the layer-wise one trains like (`"galore_adamw"` for
+    `"galore_adamw_layerwise"`), so `TrainingArguments` validates the arguments against it. Registered third-party
+    names return `""` (they have no Trainer base). Raises `ValueError` naming the valid choices for an unknown or
+    refused name.
     """
     name = getattr(name, "value", name)
     if not isinstance(name, str):
         raise ValueError(f"optim must be a string, got {type(name).__name__}.")
     if name in _REGISTRY:
         return ""
-    if name in TRANSFORMERS_LAYERWISE_NAMES or name in {n.value for n in OptimizerNames}:
-        return None
-    if name.endswith(SUFFIX):
+    # NOTE: before the check against OptimizerNames, which also holds transformers' galore_*_layerwise names.
+    if name.endswith(SUFFIX) and name not in TRANSFORMERS_LAYERWISE_NAMES:
         base = name[: -len(SUFFIX)]
         if base in _REFUSED_BASES:
             raise ValueError(
@@ -155,6 +170,8 @@ def parse_optim_name(name) -> str | None:
             )
         if base in _builtin_bases():
             return base
+    if name in TRANSFORMERS_LAYERWISE_NAMES or name in {n.value for n in OptimizerNames}:
+        return None
     raise _unknown_name_error(name)
 
 
@@ -171,6 +188,10 @@ def resolve_factory(args: TrainingArguments, model: nn.Module | None = None) -> 
         raise ValueError(f"{name!r} is not a layer-wise optimizer of this plugin.")
     if base == "":
         return _REGISTRY[name]
+    if base in _LOW_RANK_REQUIRES:
+        from .galore import low_rank_factory
+
+        return low_rank_factory(name, base, args, model)
 
     base_args = copy.copy(args)
     # NOTE: a shallow copy is enough: only `optim` changes, and Trainer's handlers read `args` without mutating it.

@@ -19,7 +19,8 @@ class LayerwiseTrainingArguments(TrainingArguments):
         optim (`str`, *optional*, defaults to Trainer's default):
             A Trainer optimizer name (`"adamw_torch"`, ...), or its layer-wise form (`"adamw_8bit_layerwise"`): one
             optimizer per trainable parameter, stepped as soon as its gradient is ready, the gradient freed right
-            after. transformers' own `galore_*_layerwise` / `apollo_adamw_layerwise` keep working unchanged.
+            after. transformers' own `galore_*_layerwise` / `apollo_adamw_layerwise` names are served here too (with
+            the scheduled lr, weight decay and checkpoints transformers' built-in path lacks).
         layerwise_clip (`str`, *optional*, defaults to `"exact"`):
             How `max_grad_norm` is applied with a layer-wise optimizer: `"exact"` (Trainer's global clipping, bit for
             bit; without gradient accumulation each step runs forward+backward twice), `"previous"` (one pass,

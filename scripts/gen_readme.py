@@ -21,8 +21,9 @@ def optimizer_table() -> str:
     lines += [f"| `{name}` | `{base}` | {package or '-'} |" for name, base, package in describe_layerwise_optimizers()]
     lines += ["", "Refused (not per-tensor), with the reason the error gives:", ""]
     lines += [f"- `{base}_layerwise`: {why}" for base, why in sorted(_REFUSED_BASES.items())]
-    lines += ["", "transformers' own names keep going through transformers unchanged: "]
-    lines[-1] += ", ".join(f"`{n}`" for n in TRANSFORMERS_LAYERWISE_NAMES) + "."
+    if TRANSFORMERS_LAYERWISE_NAMES:
+        lines += ["", "transformers' own names keep going through transformers unchanged: "]
+        lines[-1] += ", ".join(f"`{n}`" for n in TRANSFORMERS_LAYERWISE_NAMES) + "."
     return "\n".join(lines)
 
 
