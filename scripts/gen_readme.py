@@ -27,7 +27,19 @@ def optimizer_table() -> str:
     return "\n".join(lines)
 
 
-SECTIONS = {"optimizers": optimizer_table}
+def results_table() -> str:
+    import importlib.util
+
+    results = README.parent / "benchmarks" / "results" / "memory_suite.json"
+    if not results.is_file():
+        return "_No results yet: run `python benchmarks/memory_suite.py`._"
+    spec = importlib.util.spec_from_file_location("memory_suite", README.parent / "benchmarks" / "memory_suite.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.results_markdown(str(results)).strip()
+
+
+SECTIONS = {"optimizers": optimizer_table, "results": results_table}
 
 
 def render(text: str) -> str:
