@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .registry import LayerwiseParam
+from .registry import LayerwiseParam, isolate_bnb_overrides
 
 logger = logging.getLogger(__name__)
 
@@ -299,16 +299,7 @@ class LowRankFactory:
         group: dict[str, Any] = {"params": [lp.param], "weight_decay": lp.weight_decay}
         if self.is_target(lp.name):
             group.update(self.group_kwargs)
-        optimizer = self.optimizer_cls([group], **self.kwargs)
-        if hasattr(optimizer, "mng"):
-            # NOTE: as for bitsandbytes bases (registry._ClassFactory): a private manager, because the process-wide
-            # one is keyed by (group, index), which is (0, 0) for every per-parameter optimizer.
-            from bitsandbytes.optim import GlobalOptimManager
-
-            private = GlobalOptimManager.__new__(GlobalOptimManager)
-            private.initialize()
-            optimizer.mng = private
-        return optimizer
+        return isolate_bnb_overrides(self.optimizer_cls([group], **self.kwargs))
 
     def __repr__(self) -> str:
         return (

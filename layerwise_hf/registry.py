@@ -210,6 +210,21 @@ def resolve_factory(args: TrainingArguments, model: nn.Module | None = None) -> 
     return _ClassFactory(optimizer_cls, dict(kwargs), bnb_8bit)
 
 
+def isolate_bnb_overrides(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """
+    Give a bitsandbytes optimizer a private override manager. bitsandbytes consults a process-wide
+    GlobalOptimManager keyed by (group, index), which is (0, 0) for every per-parameter optimizer, so another
+    run's overrides (Trainer registers one per embedding) would leak into all of them.
+    """
+    if hasattr(optimizer, "mng"):
+        from bitsandbytes.optim import GlobalOptimManager
+
+        private = GlobalOptimManager.__new__(GlobalOptimManager)
+        private.initialize()
+        optimizer.mng = private
+    return optimizer
+
+
 class _ClassFactory:
     def __init__(self, optimizer_cls: type[torch.optim.Optimizer], kwargs: dict, bnb_8bit: bool):
         self.optimizer_cls = optimizer_cls
@@ -221,15 +236,7 @@ class _ClassFactory:
         if self.bnb_8bit and lp.is_embedding:
             kwargs["optim_bits"] = 32
         optimizer = self.optimizer_cls([{"params": [lp.param], "weight_decay": lp.weight_decay}], **kwargs)
-        if hasattr(optimizer, "mng"):
-            # NOTE: bitsandbytes consults a process-wide GlobalOptimManager keyed by (group, index); a private
-            # manager keeps another run's overrides (Trainer registers one per embedding) from leaking in.
-            from bitsandbytes.optim import GlobalOptimManager
-
-            private = GlobalOptimManager.__new__(GlobalOptimManager)
-            private.initialize()
-            optimizer.mng = private
-        return optimizer
+        return isolate_bnb_overrides(optimizer)
 
     def __repr__(self) -> str:
         return f"{self.optimizer_cls.__module__}.{self.optimizer_cls.__qualname__}({self.kwargs})"
