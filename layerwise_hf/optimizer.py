@@ -55,7 +55,9 @@ def _accelerate_sync_gradients() -> bool:
 
 def _tensor_bytes(obj: Any) -> int:
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
+        # A DTensor's numel() is the global size; this rank holds only its local shard.
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return local.numel() * local.element_size()
     if isinstance(obj, dict):
         return sum(_tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
@@ -514,6 +516,22 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         total = self._total_norm()
         self._clip_coef = self._coef(total) if total is not None else None
 
+    def backward_with_norm_pass(self, loss: torch.Tensor, backward: Callable[..., Any] | None = None, **kwargs):
+        """
+        `backward(loss)`, preceded (when exact clipping needs the global norm first) by a measuring backward over the
+        same graph, kept with `retain_graph=True`: one forward, two backwards. Only for a single process: DDP and
+        FSDP2 run their collectives once per forward, so use `run_with_norm_pass` there.
+        """
+        backward = backward or (lambda tensor, **kw: tensor.backward(**kw))
+        if not self._sync_gradients():
+            self._accumulating = True
+            return backward(loss, **kwargs)
+        if not self.needs_norm_pass():
+            return backward(loss, **kwargs)
+        with self.norm_pass():
+            backward(loss, retain_graph=True, **kwargs)
+        return backward(loss, **kwargs)
+
     def run_with_norm_pass(self, forward_backward: Callable[[], T]) -> T:
         """
         Run `forward_backward` (forward + backward of one micro-batch) twice when exact clipping needs the global
@@ -579,7 +597,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def full_grad_bytes(self) -> int:
         """Bytes all trainable gradients take at once (what a standard optimizer holds at its step)."""
-        return sum(p.numel() * p.element_size() for p in self._params)
+        return sum(_tensor_bytes(p) for p in self._params)
 
     def parameters(self) -> Iterable[torch.Tensor]:
         return iter(self._params)

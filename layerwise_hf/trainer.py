@@ -92,9 +92,18 @@ class LayerwiseTrainerMixin:
         optimizer = self.layerwise_optimizer
         if optimizer is None:
             return super().training_step(model, inputs, num_items_in_batch)
-        return optimizer.run_with_norm_pass(
-            lambda: super(LayerwiseTrainerMixin, self).training_step(model, inputs, num_items_in_batch)
-        )
+        if optimizer.route == "ddp" or optimizer.route == "fsdp2":
+            # Collectives run once per forward: measure with a whole second forward+backward.
+            return optimizer.run_with_norm_pass(
+                lambda: super(LayerwiseTrainerMixin, self).training_step(model, inputs, num_items_in_batch)
+            )
+        # One process: one forward, and a measuring backward over the retained graph before the real one.
+        backward = self.accelerator.backward
+        self.accelerator.backward = lambda loss, **kw: optimizer.backward_with_norm_pass(loss, backward, **kw)
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            del self.accelerator.backward
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         # Everything that can be checked before a step is: where checkpoints go, and what we resume from.
@@ -226,8 +235,8 @@ def _explain_clipping(max_grad_norm: float, mode: str, gradient_accumulation_ste
         )
     elif mode == "exact" and gradient_accumulation_steps == 1:
         logger.warning(
-            "max_grad_norm=%s with layerwise_clip='exact' and no gradient accumulation: each step runs forward and "
-            "backward twice (the first pass measures the global norm) to clip exactly like Trainer. "
+            "max_grad_norm=%s with layerwise_clip='exact' and no gradient accumulation: each step runs backward twice "
+            "(the first pass measures the global norm; under DDP/FSDP2 forward too) to clip exactly like Trainer. "
             "layerwise_clip='previous' clips in one pass with the previous step's norm.",
             max_grad_norm,
         )

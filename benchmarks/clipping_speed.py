@@ -1,0 +1,408 @@
+"""Step time of each layer-wise clipping mode (`layerwise_clip`) relative to no clipping, and how close `previous`
+stays to `exact`, on the example task (examples/train.py: byte-level Llama, generated grammar corpus).
+
+Launch (single process, CPU):
+
+    python benchmarks/clipping_speed.py                   # example-task model, GA 1 and GA 4, ~5 min on 2 busy cores
+    python benchmarks/clipping_speed.py --small --rounds 2 --warmup 1 --accuracy_steps 3 --output_dir /tmp/bench
+    python benchmarks/clipping_speed.py --rounds 15 --threads 2   # more repeats / threads
+
+Timing: every configuration (mode x GA) has its own model copy and `adamw_torch_layerwise` optimizer, and one
+optimizer step of each runs per round, in a shuffled order each round, so machine noise hits all of them alike.
+The first `--warmup` rounds are dropped; the median of the remaining step times is compared with the median of
+no clipping (`max_grad_norm=0`) at the same GA. Steps go through `LayerwiseOptimizer.run_with_norm_pass`, as
+`LayerwiseTrainer.training_step` does, so `exact` at GA 1 runs forward+backward twice.
+
+Accuracy: `exact`, `previous`, `per_param` and no clipping each train `--accuracy_steps` steps (GA 1, cosine schedule
+with warmup, max_grad_norm 1.0) from the same weights on the same batches; the parameter and loss differences to
+`exact` are printed.
+
+Writes `<output_dir>/clipping_speed.json` and `.png`; prints tables and the PASS/FAIL of the goals (exact two-pass
+<= 1.7x no clipping, one-pass modes <= 1.05x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # `examples.train` is the example task: its model, corpus and defaults
+
+from transformers import get_scheduler  # noqa: E402
+
+from examples.train import ScriptArguments, build_dataset, build_model  # noqa: E402
+from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer  # noqa: E402
+
+OPTIM = "adamw_torch_layerwise"
+MAX_GRAD_NORM = 1.0  # Trainer's default
+# name -> (max_grad_norm, layerwise_clip). "none" is the reference; "off" clips nothing either (an A/A noise check).
+MODES = {
+    "none": (0.0, "off"),
+    "exact": (MAX_GRAD_NORM, "exact"),
+    "previous": (MAX_GRAD_NORM, "previous"),
+    "per_param": (MAX_GRAD_NORM, "per_param"),
+    "off": (MAX_GRAD_NORM, "off"),
+}
+GOAL_TWO_PASS = 1.7  # the floor of a second forward+backward is 5/3 of a step
+GOAL_ONE_PASS = 1.05
+# The example task's model and batch (configs/train/tiny_llama.yaml); --small shrinks both.
+FULL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=688,
+            seq_len=128, batch_size=8)  # fmt: skip
+SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=176,
+             seq_len=32, batch_size=4)  # fmt: skip
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output_dir", default=str(ROOT / "benchmarks" / "results"), help="JSON and PNG go here")
+    parser.add_argument("--small", action="store_true", help="a tiny model (smoke run); explicit size flags win")
+    for key, value in FULL.items():
+        parser.add_argument(f"--{key}", type=int, default=None, help=f"default {value} ({SMALL[key]} with --small)")
+    parser.add_argument("--grad_accum", type=int, nargs="+", default=[1, 4], help="GA values timed")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--warmup", type=int, default=2, help="rounds dropped before timing")
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds (one step per configuration each)")
+    parser.add_argument("--accuracy_steps", type=int, default=60, help="steps of the previous-vs-exact comparison")
+    parser.add_argument("--learning_rate", type=float, default=3e-3, help="the example task's peak lr")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: less sensitive to shared cores)")
+    parser.add_argument("--seed", type=int, default=42)
+    opts = parser.parse_args(argv)
+    sizes = SMALL if opts.small else FULL
+    for key, value in sizes.items():
+        if getattr(opts, key) is None:
+            setattr(opts, key, value)
+    return opts
+
+
+class Run:
+    """One configuration: its own model copy and layer-wise optimizer, stepped through `run_with_norm_pass`."""
+
+    def __init__(self, base_model, mode: str, ga: int, opts, total_steps: int | None = None):
+        self.mode, self.ga = mode, ga
+        self.model = copy.deepcopy(base_model)
+        self.model.train()
+        self.forwards = 0
+        self.model.register_forward_pre_hook(self._count)
+        self.sync = True
+        args = LayerwiseTrainingArguments(
+            output_dir="unused", optim=OPTIM, learning_rate=opts.learning_rate, weight_decay=0.1, report_to="none"
+        )
+        # Outside Accelerate the window's last micro-batch is ours to say.
+        self.optimizer = build_layerwise_optimizer(self.model, args, sync_gradients=lambda: self.sync)
+        max_norm, clip = MODES[mode]
+        self.optimizer.configure_clipping(max_norm, clip)
+        self.optimizer.attach()
+        self.scheduler = None
+        if total_steps:
+            warmup = max(1, total_steps // 10)
+            self.scheduler = get_scheduler(
+                "cosine", self.optimizer, num_warmup_steps=warmup, num_training_steps=total_steps
+            )
+        self.times: list[float] = []
+        self.cpu_times: list[float] = []
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+
+    def _count(self, module, inputs):
+        self.forwards += 1
+
+    def step(self, micro_batches: list[dict]) -> tuple[float, float]:
+        """One optimizer step; returns its wall and process CPU seconds."""
+        start, cpu_start = time.perf_counter(), time.process_time()
+        total = 0.0
+        for k, batch in enumerate(micro_batches):
+            self.sync = k == len(micro_batches) - 1
+
+            def forward_backward(batch=batch):
+                loss = self.model(**batch).loss / len(micro_batches)
+                loss.backward()
+                return loss
+
+            total += float(self.optimizer.run_with_norm_pass(forward_backward).detach())
+        grad_norm = self.optimizer.grad_norm()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        self.losses.append(total)
+        self.grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+        return elapsed, cpu
+
+    def close(self) -> None:
+        self.optimizer.detach()
+
+
+def collate(examples: list[dict]) -> dict:
+    return {k: torch.stack([e[k] for e in examples]) for k in examples[0]}
+
+
+def micro_batches(dataset, step: int, ga: int, batch_size: int) -> list[dict]:
+    out = []
+    for k in range(ga):
+        start = ((step * ga + k) * batch_size) % (len(dataset) - batch_size + 1)
+        out.append(collate(dataset[start : start + batch_size]))
+    return out
+
+
+def time_modes(base_model, dataset, opts) -> dict:
+    runs = [Run(base_model, mode, ga, opts) for ga in opts.grad_accum for mode in opts.modes]
+    order_rng = random.Random(opts.seed)
+    forwards_per_step = {}
+    for rnd in range(opts.warmup + opts.rounds):
+        order = list(runs)
+        order_rng.shuffle(order)
+        for run in order:
+            before = run.forwards
+            elapsed, cpu = run.step(micro_batches(dataset, rnd, run.ga, opts.batch_size))
+            forwards_per_step[(run.mode, run.ga)] = run.forwards - before
+            if rnd >= opts.warmup:
+                run.times.append(elapsed)
+                run.cpu_times.append(cpu)
+        print(f"  round {rnd + 1}/{opts.warmup + opts.rounds}{' (warm-up)' if rnd < opts.warmup else ''}", flush=True)
+    results = {}
+    for ga in opts.grad_accum:
+        ref = next((r for r in runs if r.ga == ga and r.mode == "none"), None)
+        for run in (r for r in runs if r.ga == ga):
+            median = statistics.median(run.times)
+            cpu_median = statistics.median(run.cpu_times)
+            entry = {
+                "mode": run.mode,
+                "grad_accum": ga,
+                "times_s": run.times,
+                "cpu_times_s": run.cpu_times,
+                "median_s": median,
+                "cpu_median_s": cpu_median,
+                "forwards_per_step": forwards_per_step[(run.mode, ga)],
+            }
+            if ref is not None:
+                entry["ratio"] = median / statistics.median(ref.times)
+                # Same-round pairs cancel slow drifts of the machine load.
+                entry["paired_ratio_median"] = statistics.median(t / r for t, r in zip(run.times, ref.times))
+                # Single-threaded, the process CPU time hardly sees other processes competing for the cores.
+                entry["cpu_ratio"] = cpu_median / statistics.median(ref.cpu_times)
+            results[f"{run.mode} ga{ga}"] = entry
+    for run in runs:
+        run.close()
+    return results
+
+
+def goals(timing: dict) -> list[dict]:
+    out = []
+    for key, entry in timing.items():
+        if entry["mode"] == "none" or "ratio" not in entry:
+            continue
+        two_pass = entry["forwards_per_step"] > entry["grad_accum"]
+        limit = GOAL_TWO_PASS if two_pass else GOAL_ONE_PASS
+        out.append(
+            {
+                "config": key,
+                "passes": "two-pass" if two_pass else "one-pass",
+                "ratio": entry["ratio"],
+                "cpu_ratio": entry["cpu_ratio"],
+                "limit": limit,
+                "pass": entry["ratio"] <= limit,
+                "cpu_pass": entry["cpu_ratio"] <= limit,
+            }
+        )
+    return out
+
+
+def flat_params(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def accuracy(base_model, dataset, opts) -> dict:
+    modes = [m for m in ("exact", "previous", "per_param", "none") if m in MODES]
+    runs = {m: Run(base_model, m, 1, opts, total_steps=opts.accuracy_steps) for m in modes}
+    drift = {m: [] for m in modes}  # ||theta - theta_exact|| / ||theta_exact|| after each step
+    for step in range(opts.accuracy_steps):
+        batch = micro_batches(dataset, step, 1, opts.batch_size)
+        for run in runs.values():
+            run.step(batch)
+        exact_flat = flat_params(runs["exact"].model)
+        for mode, run in runs.items():
+            diff = torch.linalg.vector_norm(flat_params(run.model) - exact_flat) / torch.linalg.vector_norm(exact_flat)
+            drift[mode].append(float(diff))
+    exact = dict(runs["exact"].model.named_parameters())
+    report = {"steps": opts.accuracy_steps, "max_grad_norm": MAX_GRAD_NORM, "modes": {}}
+    exact_norms = runs["exact"].grad_norms
+    report["clipped_steps_exact"] = sum(n > MAX_GRAD_NORM for n in exact_norms)
+    for mode, run in runs.items():
+        per_tensor, absolute = [], 0.0
+        with torch.no_grad():
+            for name, p in run.model.named_parameters():
+                ref = exact[name]
+                diff = torch.linalg.vector_norm(p - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-12)
+                per_tensor.append((float(diff), name))
+                absolute = max(absolute, float((p - ref).abs().max()))
+        worst = max(per_tensor)
+        losses = run.losses
+        report["modes"][mode] = {
+            "losses": losses,
+            "grad_norms": run.grad_norms,
+            "final_loss": losses[-1],
+            "rel_param_diff_vs_exact": drift[mode][-1],
+            "rel_param_diff_vs_exact_per_step": drift[mode],
+            "max_rel_param_diff_vs_exact": worst[0],
+            "max_rel_param_diff_tensor": worst[1],
+            "median_rel_param_diff_vs_exact": statistics.median(d for d, _ in per_tensor),
+            "max_abs_param_diff_vs_exact": absolute,
+            "max_abs_loss_diff_vs_exact": max(abs(a - b) for a, b in zip(losses, runs["exact"].losses)),
+            "forwards": run.forwards,
+        }
+        run.close()
+    return report
+
+
+def print_report(timing: dict, checks: list[dict], acc: dict, desc: str) -> None:
+    print(f"\n{desc}")
+    header = (
+        f"{'mode':<10} {'GA':>3} {'fwd/step':>8} {'wall med s':>10} {'vs none':>8} {'paired':>7} "
+        f"{'cpu med s':>9} {'vs none':>8}  wall seconds of each timed step"
+    )
+    print(header)
+    print("-" * len(header))
+    for entry in timing.values():
+        ratio = f"{entry['ratio']:.3f}x" if "ratio" in entry else "-"
+        paired = f"{entry['paired_ratio_median']:.3f}" if "paired_ratio_median" in entry else "-"
+        cpu_ratio = f"{entry['cpu_ratio']:.3f}x" if "cpu_ratio" in entry else "-"
+        steps = " ".join(f"{t:.3f}" for t in entry["times_s"])
+        print(
+            f"{entry['mode']:<10} {entry['grad_accum']:>3} {entry['forwards_per_step']:>8} {entry['median_s']:>10.4f} "
+            f"{ratio:>8} {paired:>7} {entry['cpu_median_s']:>9.4f} {cpu_ratio:>8}  {steps}"
+        )
+    print(
+        "fwd/step: model forwards per optimizer step. paired: median of same-round wall ratios to none. cpu: process "
+        "CPU time (single-threaded: barely touched by other processes)."
+    )
+    print("\nGoals (ratio of median step times to no clipping at the same GA; wall = the goal, cpu = cross-check):")
+    for c in checks:
+        print(
+            f"  {c['config']:<16} {c['passes']:<9} <= {c['limit']:.2f}x   wall {c['ratio']:.3f}x "
+            f"{'PASS' if c['pass'] else 'FAIL'}   cpu {c['cpu_ratio']:.3f}x {'PASS' if c['cpu_pass'] else 'FAIL'}"
+        )
+    print(
+        f"\nAccuracy vs exact after {acc['steps']} steps (GA 1, max_grad_norm {acc['max_grad_norm']}; exact clipped "
+        f"{acc['clipped_steps_exact']}/{acc['steps']} steps). rel = ||p - p_exact|| / ||p_exact||:"
+    )
+    header = (
+        f"{'mode':<10} {'final loss':>10} {'max |dloss|':>11} {'rel (all params)':>16} {'rel median tensor':>17} "
+        f"{'rel max tensor':>14} {'max |dp|':>9}  worst tensor"
+    )
+    print(header)
+    for mode, m in acc["modes"].items():
+        print(
+            f"{mode:<10} {m['final_loss']:>10.4f} {m['max_abs_loss_diff_vs_exact']:>11.4f} "
+            f"{m['rel_param_diff_vs_exact']:>16.3e} {m['median_rel_param_diff_vs_exact']:>17.3e} "
+            f"{m['max_rel_param_diff_vs_exact']:>14.3e} {m['max_abs_param_diff_vs_exact']:>9.2e}  "
+            f"{m['max_rel_param_diff_tensor'] if m['max_rel_param_diff_vs_exact'] > 0 else '-'}"
+        )
+    exact = acc["modes"]["exact"]["losses"]
+    marks = sorted({0, 1, 4, len(exact) // 4, len(exact) // 2, 3 * len(exact) // 4, len(exact) - 1} - {len(exact)})
+    marks = [k for k in marks if k < len(exact)]
+    print("\nloss / rel (all params) at steps " + ", ".join(str(k + 1) for k in marks) + ":")
+    for mode, m in acc["modes"].items():
+        cells = "  ".join(f"{m['losses'][k]:.4f}/{m['rel_param_diff_vs_exact_per_step'][k]:.1e}" for k in marks)
+        print(f"  {mode:<10} {cells}")
+
+
+def plot(timing: dict, acc: dict, path: Path, desc: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(18, 4.8))
+    gas = sorted({e["grad_accum"] for e in timing.values()})
+    modes = [m for m in MODES if any(e["mode"] == m for e in timing.values())]
+    width = 0.8 / max(1, 2 * len(gas))
+    for k, ga in enumerate(gas):
+        for j, (key, label) in enumerate((("ratio", "wall"), ("cpu_ratio", "cpu"))):
+            ys = [timing.get(f"{m} ga{ga}", {}).get(key, float("nan")) for m in modes]
+            slot = 2 * k + j
+            xs = [i + (slot - (2 * len(gas) - 1) / 2) * width for i in range(len(modes))]
+            bars = left.bar(xs, ys, width, label=f"GA {ga} {label}", color=f"C{k}", alpha=1.0 if j == 0 else 0.5)
+            left.bar_label(bars, fmt="%.2f", fontsize=7)
+    left.axhline(GOAL_TWO_PASS, color="red", ls="--", lw=1, label=f"two-pass goal {GOAL_TWO_PASS}x")
+    left.axhline(GOAL_ONE_PASS, color="green", ls="--", lw=1, label=f"one-pass goal {GOAL_ONE_PASS}x")
+    left.set_xticks(range(len(modes)), modes)
+    left.set_ylabel("median step time / no clipping")
+    left.set_title("step time by layerwise_clip mode")
+    left.legend(fontsize=7)
+    for k, (mode, m) in enumerate(acc["modes"].items()):
+        steps = range(1, len(m["losses"]) + 1)
+        middle.plot(steps, m["losses"], label=mode, lw=1.2, color=f"C{k}")
+        if mode != "exact":
+            right.plot(steps, m["rel_param_diff_vs_exact_per_step"], label=mode, lw=1.2, color=f"C{k}")
+    middle.set_xlabel("step")
+    middle.set_ylabel("training loss")
+    middle.set_title(f"loss, GA 1, max_grad_norm {acc['max_grad_norm']}")
+    middle.legend(fontsize=8)
+    right.set_yscale("log")
+    right.set_xlabel("step")
+    right.set_ylabel("||theta - theta_exact|| / ||theta_exact||")
+    right.set_title("parameter drift from exact clipping")
+    right.legend(fontsize=8)
+    fig.suptitle(desc, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    opts = parse_args(argv)
+    torch.set_num_threads(opts.threads)
+    out = Path(opts.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    script_args = ScriptArguments(
+        hidden_size=opts.hidden_size,
+        num_hidden_layers=opts.num_hidden_layers,
+        num_attention_heads=opts.num_attention_heads,
+        num_key_value_heads=opts.num_key_value_heads,
+        intermediate_size=opts.intermediate_size,
+        seq_len=opts.seq_len,
+        num_samples=512,
+    )
+    torch.manual_seed(opts.seed)
+    base_model = build_model(script_args)
+    dataset = build_dataset(script_args)
+    num_params = sum(p.numel() for p in base_model.parameters())
+    desc = (
+        f"{OPTIM}, Llama {num_params / 1e6:.2f}M params (hidden {opts.hidden_size}, {opts.num_hidden_layers} layers), "
+        f"batch {opts.batch_size}x{opts.seq_len}, {opts.threads} thread(s), {opts.rounds} timed rounds after "
+        f"{opts.warmup} warm-up"
+    )
+    print(f"timing {len(opts.modes) * len(opts.grad_accum)} configurations, interleaved: {desc}", flush=True)
+    timing = time_modes(base_model, dataset, opts)
+    print(f"accuracy: {opts.accuracy_steps} steps per mode", flush=True)
+    acc = accuracy(base_model, dataset, opts)
+    checks = goals(timing)
+    print_report(timing, checks, acc, desc)
+    report = {
+        "config": {k: v for k, v in vars(opts).items() if k != "output_dir"} | {"num_params": num_params},
+        "timing": timing,
+        "goals": checks,
+        "all_goals_pass": all(c["pass"] for c in checks),
+        "all_goals_pass_cpu_time": all(c["cpu_pass"] for c in checks),
+        "accuracy": acc,
+        "wall_time_s": time.perf_counter() - started,
+    }
+    (out / "clipping_speed.json").write_text(json.dumps(report, indent=1))
+    plot(timing, acc, out / "clipping_speed.png", desc)
+    print(f"\nwrote {out / 'clipping_speed.json'} and .png in {report['wall_time_s']:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
