@@ -43,3 +43,36 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, uninterrupted, kill)
     assert final.keys() == uninterrupted.keys()
     for name in final:
         assert torch.equal(final[name], uninterrupted[name]), name
+
+
+def launch_ddp(out, *extra):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(root / "configs/accelerate/cpu_ddp.yaml"),
+    ]
+    cmd += ["--main_process_port", str(port), str(SCRIPT), str(out), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_ddp_sigkill_during_checkpoint_write_then_resume(tmp_path):
+    full = launch_ddp(tmp_path / "full")
+    assert full.returncode == 0, full.stderr[-3000:]
+    crashed = launch_ddp(tmp_path / "run", "--kill", "save:6")
+    assert crashed.returncode != 0
+    assert not (tmp_path / "run" / "checkpoint-6" / "layerwise_complete.json").exists()
+    resumed = launch_ddp(tmp_path / "run", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {tmp_path / 'run' / 'checkpoint-4'}" in resumed.stdout
+    a = load_file(tmp_path / "full" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "run" / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
