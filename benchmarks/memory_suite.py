@@ -1,0 +1,1205 @@
+"""Peak memory, counted gradient / optimizer-state bytes and step time of standard vs layer-wise optimizers on one CPU
+process, next to the analytic floor and `layerwise_hf.estimate.estimate()`.
+
+Launch:
+
+    python benchmarks/memory_suite.py                                  # 58.1M-param Llama, 12 configurations
+    python benchmarks/memory_suite.py --small --output_dir /tmp/bench  # smoke run, seconds
+    python benchmarks/memory_suite.py --configs adamw_torch adamw_torch_layerwise --batch_size 4 --rounds 15
+
+Configurations (`--configs`): adamw_torch, adamw_8bit, adafactor and galore_adamw (rank 16, gap 50, on attn + mlp),
+each standard and `_layerwise`; LoRA (peft, r=8 on q_proj/v_proj, base frozen) with adamw_torch standard and
+layer-wise; adamw_torch standard and layer-wise at gradient accumulation 4. The standard optimizer is the one
+Trainer builds (`Trainer.create_optimizer`: its decay split, bitsandbytes' 32-bit embeddings, GaLore's groups); the
+layer-wise one is `build_layerwise_optimizer(model, args)` + `attach()`. Both run the same plain loop (forward,
+backward, `step()`, `zero_grad()`), fp32, no clipping, on the same random tokens.
+
+Memory: each configuration runs in its own process (forked from a server that imported the libraries once), with
+`MALLOC_MMAP_THRESHOLD_=65536` so freed tensors go back to the OS and RSS follows live memory. Before any optimizer
+exists it measures the RSS at rest (weights + runtime) and the activations: a forward+backward as in training whose
+every weight gradient is freed as soon as it appears (its peak RSS, and its RSS at the first weight gradient). Then
+`--steps` training steps: the RSS high-water mark (VmHWM, reset by writing "5" to /proc/self/clear_refs) per phase
+(forward+backward, step), the live `.grad` bytes counted in a hook on every parameter, the optimizer state counted
+by the storage its tensors keep. Last, the optimizer's temporaries: the RSS one step of a single tensor adds
+(the first-stepped tensor and the two largest), measured alone. Checks:
+- agreement: at the moment holding the peak, peak RSS - the RSS of weights and activations then = gradients alive
+  then + state + temporaries, within 16 MiB + 2%;
+- floor: (peak RSS - runtime) / (weights + state + largest gradient + activation peak), runtime = RSS at rest -
+  weights; layer-wise target <= 1.05x.
+
+Time: one separate process (default malloc) holds every configuration and steps them round-robin, in a shuffled
+order each round, so machine noise falls on all of them alike; medians after `--warmup` rounds (`--rounds 0`: no
+timing). Layer-wise / standard median step time, target <= 1.05x.
+
+Writes `<output_dir>/memory_suite.json` and `.png` and prints the tables, the estimator's errors and the PASS/FAIL of
+each target. `results_markdown(json_path)` returns the results as a markdown table (for the README generator).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import types
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parent.parent
+MIB = 2**20
+FLOOR_GOAL = 1.05
+TIME_GOAL = 1.05
+# RSS and the counted bytes agree when they differ by at most this: heap slack and small buffers no count sees.
+AGREEMENT_SLACK = 16 * MIB
+AGREEMENT_FRACTION = 0.02  # of the counted bytes above the baseline
+# ~58M parameters: 2 x 16.4M (embeddings, untied lm_head) + 8 x 3.16M (decoder layers), as distributed_memory.py.
+# One 256-token sequence per micro-batch keeps activations below the gradients, as with activation checkpointing
+# or long-context micro-batches of 1: the regime where the gradient term shows in the peak at all.
+FULL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
+            num_key_value_heads=8, seq_len=256, batch_size=1)  # fmt: skip
+SMALL = dict(vocab_size=1024, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=4, seq_len=32, batch_size=1)  # fmt: skip
+# steps (memory), warmup and rounds (timing)
+FULL_RUN = dict(steps=3, warmup=2, rounds=13)
+SMALL_RUN = dict(steps=2, warmup=1, rounds=2)
+LORA = dict(r=8, lora_alpha=16, target_modules=("q_proj", "v_proj"))
+GALORE = dict(optim_target_modules=("attn", "mlp"), optim_args="rank=16,update_proj_gap=50")
+
+
+# NOTE: a NamedTuple, not a dataclass: scripts/gen_readme.py loads this file without registering it as a module,
+# which dataclasses cannot resolve string annotations in.
+class Config(NamedTuple):
+    name: str
+    optim: str
+    ga: int = 1
+    lora: bool = False
+    standard: str | None = None  # the standard configuration a layer-wise one is compared with
+    galore: bool = False
+
+    @property
+    def layerwise(self) -> bool:
+        return self.optim.endswith("_layerwise")
+
+
+CONFIGS = [
+    Config("adamw_torch", "adamw_torch"),
+    Config("adamw_torch_layerwise", "adamw_torch_layerwise", standard="adamw_torch"),
+    Config("adamw_8bit", "adamw_8bit"),
+    Config("adamw_8bit_layerwise", "adamw_8bit_layerwise", standard="adamw_8bit"),
+    Config("adafactor", "adafactor"),
+    Config("adafactor_layerwise", "adafactor_layerwise", standard="adafactor"),
+    Config("galore_adamw", "galore_adamw", galore=True),
+    Config("galore_adamw_layerwise", "galore_adamw_layerwise", standard="galore_adamw", galore=True),
+    Config("lora_adamw_torch", "adamw_torch", lora=True),
+    Config("lora_adamw_torch_layerwise", "adamw_torch_layerwise", lora=True, standard="lora_adamw_torch"),
+    Config("adamw_torch_ga4", "adamw_torch", ga=4),
+    Config("adamw_torch_layerwise_ga4", "adamw_torch_layerwise", ga=4, standard="adamw_torch_ga4"),
+]
+BY_NAME = {c.name: c for c in CONFIGS}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output_dir", default=str(ROOT / "benchmarks" / "results"), help="JSON and PNG go here")
+    parser.add_argument("--small", action="store_true", help="a tiny model (smoke run); explicit flags win")
+    for key, value in FULL.items():
+        parser.add_argument(f"--{key}", type=int, default=None, help=f"default {value} ({SMALL[key]} with --small)")
+    for key, value in FULL_RUN.items():
+        what = {"steps": "measured training steps per configuration", "warmup": "timing rounds dropped"}
+        parser.add_argument(
+            f"--{key}",
+            type=int,
+            default=None,
+            help=f"{what.get(key, 'timed rounds')}: default {value} ({SMALL_RUN[key]} with --small)",
+        )
+    parser.add_argument("--configs", nargs="+", default=[c.name for c in CONFIGS], choices=list(BY_NAME))
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: less sensitive to shared cores)")
+    parser.add_argument("--learning_rate", type=float, default=1e-4)
+    parser.add_argument("--weight_decay", type=float, default=0.1, help="0 for GaLore (see GALORE_WEIGHT_DECAY)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per memory configuration / for timing")
+    # Internal: the memory server and the timing process.
+    parser.add_argument("--worker", choices=("memory", "timing"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    opts = parser.parse_args(argv)
+    for full, small in ((FULL, SMALL), (FULL_RUN, SMALL_RUN)):
+        for key, value in (small if opts.small else full).items():
+            if getattr(opts, key) is None:
+                setattr(opts, key, value)
+    return opts
+
+
+# ---- measuring (inside the workers) ----
+
+
+def proc_status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> None:
+    # "5" resets VmHWM to the current RSS (Linux >= 4.0), so the peak read next belongs to what ran in between.
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def settle() -> None:
+    # Garbage from the previous phase must not be counted in the next one, nor heap the allocator still holds.
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def state_tensors(obj, found: dict | None = None) -> dict:
+    """Every tensor in `obj` by id, also inside objects kept in an optimizer state (GaLore's projector)."""
+    import torch
+
+    found = {} if found is None else found
+    if isinstance(obj, torch.Tensor):
+        found[id(obj)] = obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            state_tensors(v, found)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            state_tensors(v, found)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        for v in vars(obj).values():
+            state_tensors(v, found)
+    return found
+
+
+def tensor_bytes(tensors: dict) -> int:
+    """What the tensors' shapes say (numel x element size): what `LayerwiseOptimizer.state_bytes()` counts."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def storage_bytes(tensors: dict) -> int:
+    """What the tensors keep allocated: their distinct storages, in full even when a tensor is a view of a part."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors.values()}
+    return sum(storages.values())
+
+
+def model_config(opts):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=opts.vocab_size,
+        hidden_size=opts.hidden_size,
+        intermediate_size=opts.intermediate_size,
+        num_hidden_layers=opts.num_hidden_layers,
+        num_attention_heads=opts.num_attention_heads,
+        num_key_value_heads=opts.num_key_value_heads,
+        max_position_embeddings=opts.seq_len,
+        tie_word_embeddings=False,
+    )
+
+
+def build_model(cfg: Config, opts):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(opts.seed)  # every configuration starts from the same weights (and the same LoRA init)
+    model = LlamaForCausalLM(model_config(opts))
+    if cfg.lora:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=LORA["r"],
+            lora_alpha=LORA["lora_alpha"],
+            lora_dropout=0.0,
+            target_modules=list(LORA["target_modules"]),
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora)
+    model.train()
+    return model
+
+
+# GaLore through transformers groups parameters without Trainer's decay split (no weight decay), so both GaLore sides
+# train without it; every other pair uses --weight_decay with Trainer's split on both sides.
+GALORE_WEIGHT_DECAY = 0.0
+
+
+def training_args(cfg: Config, opts, output_dir: str):
+    from layerwise_hf import LayerwiseTrainingArguments
+
+    extra = {}
+    if cfg.galore:
+        extra = {"optim_target_modules": list(GALORE["optim_target_modules"]), "optim_args": GALORE["optim_args"]}
+    return LayerwiseTrainingArguments(
+        output_dir=output_dir,  # nothing is written there
+        optim=cfg.optim,
+        learning_rate=opts.learning_rate,
+        weight_decay=GALORE_WEIGHT_DECAY if cfg.galore else opts.weight_decay,
+        max_grad_norm=0.0,  # no clipping on either side: clipping's cost is clipping_speed.py's subject
+        gradient_accumulation_steps=cfg.ga,
+        report_to="none",
+        use_cpu=True,
+        **extra,
+    )
+
+
+def standard_optimizer(model, args):
+    from transformers import Trainer
+
+    # Trainer's own create_optimizer, run on a stand-in that has the attributes it reads, so the standard side is
+    # exactly what Trainer builds: get_optimizer_cls_and_kwargs, its decay split, bitsandbytes' 32-bit embedding
+    # override and GaLore's projected groups.
+    trainer = types.SimpleNamespace(
+        model=model,
+        args=args,
+        optimizer=None,
+        optimizer_cls_and_kwargs=None,
+        get_optimizer_cls_and_kwargs=Trainer.get_optimizer_cls_and_kwargs,
+    )
+    trainer.get_decay_parameter_names = types.MethodType(Trainer.get_decay_parameter_names, trainer)
+    return Trainer.create_optimizer(trainer)
+
+
+def build_optimizer(model, cfg: Config, args, sync: dict):
+    """The optimizer and, for a layer-wise one, the `LayerwiseOptimizer` (hooks not attached yet)."""
+    if not cfg.layerwise:
+        return standard_optimizer(model, args), None
+    from layerwise_hf import build_layerwise_optimizer
+
+    # Outside Accelerate the last micro-batch of a window is ours to say.
+    optimizer = build_layerwise_optimizer(model, args, sync_gradients=lambda: sync["value"])
+    optimizer.configure_clipping(0.0)
+    return optimizer, optimizer
+
+
+def micro_batches(opts, step: int, ga: int) -> list:
+    import torch
+
+    out = []
+    for k in range(ga):
+        g = torch.Generator().manual_seed(10_000 + 100 * step + k)
+        out.append(torch.randint(0, opts.vocab_size, (opts.batch_size, opts.seq_len), generator=g))
+    return out
+
+
+def optimizer_state(optimizer, lw) -> dict:
+    states = [s for inner in lw.inner for s in inner.state.values()] if lw is not None else optimizer.state.values()
+    return state_tensors(list(states))
+
+
+class GradMeter:
+    """Live `.grad` bytes of the trainable parameters, sampled in a post-accumulate-grad hook on every parameter.
+
+    Registered before the layer-wise hooks, so each sample sees the gradient before its step frees it. `first` is
+    the sample at the first hook of a backward: the first weight gradient (lm_head's), where a layer-wise optimizer
+    takes its first step while most activations are still alive.
+    """
+
+    def __init__(self, named_params):
+        self.params = [p for _, p in named_params]
+        self.names = {id(p): n for n, p in named_params}
+        self.first: int | None = None
+        self.first_name: str | None = None
+        self.first_max = 0
+        self.peak = 0
+        self.handles = [p.register_post_accumulate_grad_hook(self.hook) for p in self.params]
+
+    def live(self) -> int:
+        return sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
+
+    def start_step(self) -> None:
+        self.first_max = 0
+        self.peak = 0
+
+    def start_backward(self) -> None:
+        self.first = None
+
+    def hook(self, param) -> None:
+        live = self.live()
+        if self.first is None:
+            self.first = live
+            self.first_name = self.names[id(param)]
+            self.first_max = max(self.first_max, live)
+        self.peak = max(self.peak, live)
+
+
+def activation_probe(model, ids) -> tuple[int, int, str]:
+    """
+    Activations, measured before any optimizer exists: a forward+backward exactly as in training, whose every weight
+    gradient is freed the moment it is produced. Returns the peak RSS without gradients (the high-water mark when
+    the loss and logit buffers have peaked, before lm_head's backward, or the RSS less the gradient at a later
+    gradient, whichever is higher), the RSS less the gradient when backward produces its first weight gradient
+    (where a layer-wise optimizer takes its first step), and that parameter's name.
+    """
+    names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    samples: list[tuple[int, str]] = []
+    before_gradients: list[int] = []
+
+    # NOTE: weights stay trainable: a linear layer saves its input only when its weight needs a gradient, so
+    # freezing them would hide part of the activations (about 30 MiB at the default size).
+    def free(param) -> None:
+        grad_bytes = param.grad.numel() * param.grad.element_size()
+        samples.append((proc_status_bytes("VmRSS") - grad_bytes, names[id(param)]))
+        param.grad = None
+
+    def on_logits(module, args, output) -> None:
+        output.register_hook(lambda grad: before_gradients.append(proc_status_bytes("VmHWM")))
+
+    handles = [p.register_post_accumulate_grad_hook(free) for p in model.parameters() if p.requires_grad]
+    handles.append(model.get_output_embeddings().register_forward_hook(on_logits))
+    try:
+        settle()
+        reset_peak_rss()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        del loss
+    finally:
+        for handle in handles:
+            handle.remove()
+    settle()
+    peak = max([*before_gradients, *(rss for rss, _ in samples)])
+    return peak, samples[0][0], samples[0][1]
+
+
+def step_temporaries(model, cfg: Config, opts, lw, names: list[str]) -> dict[str, int]:
+    """
+    Peak RSS one optimizer step of each named tensor adds beyond its gradient and its (existing) state: the
+    temporaries the optimizer allocates while it steps that tensor, which no count includes.
+    """
+    import torch
+
+    probe = lw
+    if probe is None:
+        # The standard optimizers here step tensor by tensor on CPU, with the same per-tensor code as their
+        # one-tensor form, so the layer-wise form of the same base measures one tensor's temporaries alone.
+        lw_cfg = Config(cfg.name, f"{cfg.optim}_layerwise", cfg.ga, cfg.lora, None, cfg.galore)
+        with tempfile.TemporaryDirectory() as tmp:
+            probe, _ = build_optimizer(model, lw_cfg, training_args(lw_cfg, opts, tmp), {"value": True})
+    params = dict(probe.named_parameters())
+    out = {}
+    for name in dict.fromkeys(names):
+        inner = probe.inner[probe.names.index(name)]
+        param = params[name]
+        # A fresh optimizer's first step creates its state (and GaLore's projection): measure a later one.
+        for _ in range(1 if lw is not None else 2):
+            param.grad = torch.randn_like(param).mul_(1e-3)
+            settle()
+            before = proc_status_bytes("VmRSS")
+            reset_peak_rss()
+            inner.step()
+            out[name] = proc_status_bytes("VmHWM") - before
+            param.grad = None
+    del probe
+    settle()
+    return out
+
+
+def measure_memory(cfg: Config, opts) -> dict:
+    import torch
+
+    torch.set_num_threads(opts.threads)
+    model = build_model(cfg, opts)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    sizes = {n: p.numel() * p.element_size() for n, p in named}
+    largest = max(sizes, key=sizes.get)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes += sum(b.numel() * b.element_size() for b in model.buffers())
+
+    # Warm-up (lazy library state, thread pools, autograd), then the RSS at rest: weights + runtime.
+    ids = micro_batches(opts, -1, 1)[0]
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    del loss
+    model.zero_grad(set_to_none=True)
+    settle()
+    rss_rest = proc_status_bytes("VmRSS")
+    probe_peak, probe_at_first_gradient, first = activation_probe(model, ids)
+    rss_rest_after_probe = proc_status_bytes("VmRSS")
+
+    sync = {"value": True}
+    with tempfile.TemporaryDirectory() as tmp:
+        args = training_args(cfg, opts, tmp)
+    optimizer, lw = build_optimizer(model, cfg, args, sync)
+    meter = GradMeter(named)
+    if lw is not None:
+        lw.attach()
+
+    steps = []
+    for step in range(opts.steps):
+        batches = micro_batches(opts, step, cfg.ga)
+        meter.start_step()
+        settle()
+        rss_start = proc_status_bytes("VmRSS")
+        reset_peak_rss()
+        t0 = time.perf_counter()
+        losses = []
+        grads_before = 0
+        for k, batch in enumerate(batches):
+            sync["value"] = k == len(batches) - 1
+            grads_before = max(grads_before, meter.live())
+            meter.start_backward()
+            loss = model(input_ids=batch, labels=batch).loss / len(batches)
+            loss.backward()
+            losses.append(float(loss.detach()))
+            del loss
+        peak_backward = proc_status_bytes("VmHWM")
+        grads_at_step = meter.live()
+        settle()
+        rss_before_step = proc_status_bytes("VmRSS")
+        reset_peak_rss()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        peak_step = proc_status_bytes("VmHWM")
+        steps.append(
+            {
+                "rss_start_bytes": rss_start,
+                "peak_backward_bytes": peak_backward,
+                "rss_before_step_bytes": rss_before_step,
+                "peak_step_bytes": peak_step,
+                "grads_before_backward_bytes": grads_before,
+                "grads_first_hook_bytes": meter.first_max,
+                "grads_peak_bytes": max(meter.peak, grads_at_step),
+                "grads_at_step_bytes": grads_at_step,
+                # GaLore's projection matrix is a slice of its SVD factor, which it keeps whole: count storages.
+                "state_bytes": storage_bytes(optimizer_state(optimizer, lw)),
+                "state_view_bytes": tensor_bytes(optimizer_state(optimizer, lw)),
+                "first_gradient": meter.first_name,
+                "seconds": time.perf_counter() - t0,  # with the malloc setting and the meter: not the timing
+                "loss": sum(losses),
+            }
+        )
+    if lw is not None:
+        lw.detach()
+    for handle in meter.handles:
+        handle.remove()
+    # The two largest tensors bound a standard step's temporaries (they are freed tensor by tensor); the first
+    # gradient's tensor is the one a layer-wise optimizer steps first, with most activations still alive.
+    largest_two = sorted(sizes, key=sizes.get, reverse=True)[:2]
+    temporaries = step_temporaries(model, cfg, opts, lw, [steps[-1]["first_gradient"], *largest_two])
+    result = {
+        "config": cfg._asdict(),
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "num_trainable_params": sum(p.numel() for p in params),
+        "num_trainable_tensors": len(params),
+        "weight_bytes": weight_bytes,
+        "trainable_bytes": sum(sizes.values()),
+        "largest_trainable_name": largest,
+        "largest_trainable_bytes": sizes[largest],
+        "rss_rest_bytes": rss_rest,
+        "rss_rest_after_probe_bytes": rss_rest_after_probe,
+        "probe_peak_bytes": probe_peak,
+        "probe_rss_at_first_gradient_bytes": probe_at_first_gradient,
+        "first_gradient": first,
+        "steps": steps,
+        "step_temporaries_bytes": temporaries,
+        "optimizer": type(optimizer).__name__,
+        "inner_optimizer": sorted({type(i).__name__ for i in lw.inner}) if lw is not None else None,
+    }
+    if lw is not None:
+        result["package"] = {
+            "peak_grad_bytes": lw.peak_grad_bytes,
+            "state_bytes": lw.state_bytes(),
+            "full_grad_bytes": lw.full_grad_bytes(),
+        }
+    return result
+
+
+def quiet_target_warnings() -> None:
+    import logging
+    import warnings
+
+    # Deprecation notices of the libraries (GaLore's own AdamW, PEFT's is_gradient_checkpointing): not results.
+    warnings.filterwarnings("ignore", message=".*implementation of AdamW is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
+    # optim_target_modules "attn" / "mlp" are substrings, so they also match the attention and MLP containers and
+    # the activation, which transformers and layerwise_hf warn about once per module (48 lines per GaLore
+    # configuration); the projected Linear weights are the same either way.
+    for name in ("transformers.trainer_optimizer", "layerwise_hf.galore"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def memory_server(opts) -> None:
+    """Import the libraries once, then fork one process per configuration (each measures alone, from scratch)."""
+    quiet_target_warnings()
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    from transformers import LlamaForCausalLM, Trainer  # noqa: F401
+
+    import layerwise_hf  # noqa: F401
+    from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer  # noqa: F401
+
+    names = opts.configs
+    if any(BY_NAME[n].lora for n in names):
+        import peft  # noqa: F401
+    for module in ("bitsandbytes", "galore_torch"):
+        try:
+            __import__(module)
+        except ImportError:
+            pass  # the configuration that needs it reports the error
+    # The imported objects are never garbage: keep the collector (run between phases) off them, which makes it fast
+    # and leaves the pages shared with the forked processes untouched.
+    gc.collect()
+    gc.freeze()
+    out_dir = Path(opts.result)
+    for name in names:
+        path = out_dir / f"{name}.json"
+        started = time.perf_counter()
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                signal.alarm(opts.timeout)  # a hung configuration is killed, the next one still runs
+                payload = measure_memory(BY_NAME[name], opts)
+            except BaseException as err:  # noqa: B036 - the child reports everything, then exits
+                payload = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-4000:]}
+                code = 1
+            path.write_text(json.dumps(payload, indent=1))
+            sys.stdout.flush()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        if not path.is_file():
+            path.write_text(json.dumps({"error": f"the measuring process died (wait status {status})"}))
+        print(f"  memory {name:<28} {time.perf_counter() - started:5.1f}s", flush=True)
+
+
+class TimedRun:
+    """One configuration of the timing process: its own model, optimizer and step times."""
+
+    def __init__(self, cfg: Config, opts):
+        self.cfg = cfg
+        self.model = build_model(cfg, opts)
+        self.sync = {"value": True}
+        with tempfile.TemporaryDirectory() as tmp:
+            args = training_args(cfg, opts, tmp)
+        self.optimizer, self.lw = build_optimizer(self.model, cfg, args, self.sync)
+        self.optimizer_seconds = 0.0
+        self.norm_seconds = 0.0
+        if self.lw is not None:
+            step_one, record_norm = self.lw._step_one, self.lw._record_norm
+
+            # Time spent stepping inner optimizers inside the hooks: with the standard `step()` it gives the
+            # per-tensor cost of one optimizer per parameter; of it, the gradient norm each step records (for the
+            # logged grad_norm, also when clipping is off).
+            def timed_step_one(i):
+                t0 = time.perf_counter()
+                step_one(i)
+                self.optimizer_seconds += time.perf_counter() - t0
+
+            def timed_record_norm(i):
+                t0 = time.perf_counter()
+                record_norm(i)
+                self.norm_seconds += time.perf_counter() - t0
+
+            self.lw._step_one = timed_step_one
+            self.lw._record_norm = timed_record_norm
+            self.lw.attach()
+        self.times: list[float] = []
+        self.cpu_times: list[float] = []
+        self.optimizer_times: list[float] = []
+        self.norm_times: list[float] = []
+
+    def step(self, batches: list, record: bool) -> None:
+        self.optimizer_seconds = self.norm_seconds = 0.0
+        start, cpu_start = time.perf_counter(), time.process_time()
+        for k, batch in enumerate(batches):
+            self.sync["value"] = k == len(batches) - 1
+            loss = self.model(input_ids=batch, labels=batch).loss / len(batches)
+            loss.backward()
+        t0 = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_seconds += time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        if record:
+            self.times.append(elapsed)
+            self.cpu_times.append(cpu)
+            self.optimizer_times.append(self.optimizer_seconds)
+            self.norm_times.append(self.norm_seconds)
+
+
+def timing_worker(opts) -> None:
+    import torch
+
+    quiet_target_warnings()
+    torch.set_num_threads(opts.threads)
+    runs, errors = [], {}
+    for name in opts.configs:
+        try:
+            runs.append(TimedRun(BY_NAME[name], opts))
+        except Exception as err:
+            errors[name] = f"{type(err).__name__}: {err}"
+    order_rng = random.Random(opts.seed)
+    for rnd in range(opts.warmup + opts.rounds):
+        order = list(runs)
+        order_rng.shuffle(order)
+        for run in order:
+            run.step(micro_batches(opts, rnd, run.cfg.ga), record=rnd >= opts.warmup)
+        print(f"  timing round {rnd + 1}/{opts.warmup + opts.rounds}{' (warm-up)' * (rnd < opts.warmup)}", flush=True)
+    result = {
+        run.cfg.name: {
+            "times_s": run.times,
+            "cpu_times_s": run.cpu_times,
+            "optimizer_times_s": run.optimizer_times,
+            "norm_times_s": run.norm_times,
+            "num_trainable_tensors": sum(p.requires_grad for p in run.model.parameters()),
+        }
+        for run in runs
+    }
+    Path(opts.result).write_text(json.dumps({"runs": result, "errors": errors}, indent=1))
+
+
+# ---- driver ----
+
+
+def worker_cmd(opts, worker: str, result: Path) -> list[str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--result", str(result)]
+    for key in (*FULL, *FULL_RUN, "threads", "learning_rate", "weight_decay", "seed", "timeout"):
+        cmd += [f"--{key}", str(getattr(opts, key))]
+    return cmd + ["--configs", *opts.configs]
+
+
+def run_workers(opts, tmp: Path) -> tuple[dict, dict]:
+    base_env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": str(opts.threads),
+    }
+    base_env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    # Freed tensors above 64 KiB go back to the OS at once, so RSS follows live memory instead of heap slack. Not for
+    # timing: an mmap per tensor makes every step pay for page faults.
+    memory_env = {**base_env, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    mem_dir = tmp / "memory"
+    mem_dir.mkdir()
+    print(f"memory: {len(opts.configs)} configurations, one process each", flush=True)
+    proc = subprocess.run(
+        worker_cmd(opts, "memory", mem_dir), cwd=ROOT, env=memory_env, timeout=opts.timeout * (len(opts.configs) + 1)
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"the memory server failed (exit {proc.returncode})")
+    memory = {name: json.loads((mem_dir / f"{name}.json").read_text()) for name in opts.configs}
+    timed = [n for n in opts.configs if "error" not in memory[n]]
+    timing = {"runs": {}, "errors": {}}
+    if timed and opts.rounds > 0:
+        print(f"timing: {len(timed)} configurations in one process, round-robin", flush=True)
+        result = tmp / "timing.json"
+        cmd = worker_cmd(argparse.Namespace(**{**vars(opts), "configs": timed}), "timing", result)
+        proc = subprocess.run(cmd, cwd=ROOT, env=base_env, timeout=opts.timeout)
+        if proc.returncode != 0 or not result.is_file():
+            raise RuntimeError(f"the timing process failed (exit {proc.returncode})")
+        timing = json.loads(result.read_text())
+    return memory, timing
+
+
+def estimate_for(cfg: Config, opts) -> dict:
+    from layerwise_hf.estimate import EstimateError, estimate
+
+    kwargs = {"optimizer": cfg.optim, "dtype": "float32", "gradient_accumulation_steps": cfg.ga}
+    if cfg.lora:
+        kwargs.update(lora_rank=LORA["r"], lora_target_modules=LORA["target_modules"], adapter_dtype="float32")
+    try:
+        est = estimate(model_config(opts), **kwargs)
+    except EstimateError as err:
+        return {"error": str(err)}
+    keys = ("weight_bytes", "gradient_bytes", "optimizer_state_bytes", "total_bytes", "largest_parameter_bytes")
+    return {k: getattr(est, k) for k in keys} | {"notes": est.notes}
+
+
+def rel(a: float, b: float) -> float | None:
+    return None if not b else (a - b) / b
+
+
+def analyse(cfg: Config, mem: dict, est: dict) -> dict:
+    """Peak, floor, the agreement of RSS with the counted bytes, and the estimator's errors for one configuration."""
+    steps = mem["steps"]
+    steady = steps[1:] or steps  # step 1 creates the optimizer state; later steps are the steady state
+    state = steps[-1]["state_bytes"]
+    rest, probe, weights = mem["rss_rest_bytes"], mem["probe_peak_bytes"], mem["weight_bytes"]
+    runtime = rest - weights  # Python, libraries, allocator: what the process holds besides the model
+    activations = probe - rest
+    peak = max(max(s["peak_backward_bytes"], s["peak_step_bytes"]) for s in steps)
+    training_peak = peak - runtime
+    grads = max(s["grads_peak_bytes"] for s in steps)
+    floor = weights + state + mem["largest_trainable_bytes"] + activations
+    # Counted prediction per phase: forward+backward holds the activations with the gradients alive when they peak
+    # (and, layer-wise, the temporaries of stepping the first gradient's tensor right then); at the step the
+    # activations are gone, every gradient not yet consumed is alive, and a standard optimizer's temporaries are
+    # those of its largest tensor (it frees them tensor by tensor).
+    temporaries = mem["step_temporaries_bytes"]
+    first_temps = temporaries.get(steady[-1]["first_gradient"], 0) if cfg.layerwise else 0
+    step_temps = 0 if cfg.layerwise else max(temporaries.values())
+    # Backward has two candidate peaks: the activations' own (loss and logits, before any new gradient) and the
+    # first weight gradient (the activations then are the probe's sample at lm_head).
+    at_first = mem["probe_rss_at_first_gradient_bytes"]
+    candidates = {
+        "backward, activation peak": (probe, max(s["grads_before_backward_bytes"] for s in steady), 0),
+        "backward, first gradient": (at_first, max(s["grads_first_hook_bytes"] for s in steady), first_temps),
+        "step": (rest, max(s["grads_at_step_bytes"] for s in steady), step_temps),
+    }
+    predictions = {k: base + state + grads + temps for k, (base, grads, temps) in candidates.items()}
+    measured_bwd = max(s["peak_backward_bytes"] for s in steady)
+    measured_step = max(s["peak_step_bytes"] for s in steady)
+    phase = "backward" if measured_bwd >= measured_step else "step"
+    measured = measured_bwd if phase == "backward" else measured_step
+    moment = "step" if phase == "step" else max(list(predictions)[:2], key=predictions.get)
+    predicted = predictions[moment]
+    baseline, _, temps = candidates[moment]
+    tolerance = AGREEMENT_SLACK + round(AGREEMENT_FRACTION * (predicted - baseline))
+    out = {
+        "runtime_bytes": runtime,
+        "activation_bytes": activations,
+        "peak_rss_bytes": peak,
+        "training_peak_bytes": training_peak,
+        "peak_in_first_step": max(steps[0]["peak_backward_bytes"], steps[0]["peak_step_bytes"]) == peak,
+        "grads_counted_bytes": grads,
+        "state_counted_bytes": state,
+        "state_view_bytes": steps[-1]["state_view_bytes"],
+        "floor_bytes": floor,
+        "floor_ratio": training_peak / floor,
+        "floor_plus_temporaries_ratio": training_peak / (floor + first_temps) if cfg.layerwise else None,
+        "ga_floor_bytes": weights + state + mem["trainable_bytes"] + activations,
+        "agreement": {
+            "peak_phase": phase,
+            "peak_moment": moment,
+            "predictions": predictions,
+            "measured_rss_bytes": measured,
+            "predicted_rss_bytes": predicted,
+            "baseline_rss_bytes": baseline,
+            "measured_minus_baseline_bytes": measured - baseline,
+            "counted_bytes": predicted - baseline - temps,  # gradients + state
+            "temporaries_bytes": temps,
+            "discrepancy_bytes": measured - predicted,
+            "discrepancy_without_temporaries_bytes": measured - predicted + temps,
+            "measured_backward_bytes": measured_bwd,
+            "measured_step_bytes": measured_step,
+            "tolerance_bytes": tolerance,
+            "pass": abs(measured - predicted) <= tolerance,
+        },
+    }
+    if "package" in mem:
+        out["package_matches"] = {
+            # The package counts shapes (numel x element size), as does the view count here.
+            "state_bytes": mem["package"]["state_bytes"] == steps[-1]["state_view_bytes"],
+            "peak_grad_bytes": mem["package"]["peak_grad_bytes"] == grads,
+        }
+    if "error" not in est:
+        out["estimate_errors"] = {
+            "weights": rel(est["weight_bytes"], weights),
+            "gradients": rel(est["gradient_bytes"], grads),
+            "state": rel(est["optimizer_state_bytes"], state),
+            # The estimator leaves activations out; a user adds them: compare that sum with the measured peak.
+            "total_plus_activations_vs_peak": rel(est["total_bytes"] + activations, training_peak),
+        }
+    return out
+
+
+def time_summary(cfg: Config, timing: dict) -> dict | None:
+    run = timing["runs"].get(cfg.name)
+    if run is None or not run["times_s"]:
+        return None
+    out = {
+        "median_s": statistics.median(run["times_s"]),
+        "cpu_median_s": statistics.median(run["cpu_times_s"]),
+        "optimizer_median_s": statistics.median(run["optimizer_times_s"]),
+        "norm_median_s": statistics.median(run["norm_times_s"]),
+        "num_trainable_tensors": run["num_trainable_tensors"],
+    }
+    ref = timing["runs"].get(cfg.standard) if cfg.standard else None
+    if ref and ref["times_s"]:
+        out["ratio"] = out["median_s"] / statistics.median(ref["times_s"])
+        # Same-round pairs cancel slow drifts of the machine load.
+        paired = [t / r for t, r in zip(run["times_s"], ref["times_s"])]
+        out["paired_ratio"] = statistics.median(paired)
+        # The spread of the same-round ratios says how much of a difference the machine's noise can make.
+        out["paired_ratio_quartiles"] = statistics.quantiles(paired, n=4) if len(paired) > 1 else [paired[0]] * 3
+        out["cpu_ratio"] = out["cpu_median_s"] / statistics.median(ref["cpu_times_s"])
+        extra = out["optimizer_median_s"] - statistics.median(ref["optimizer_times_s"])
+        out["optimizer_extra_s"] = extra
+        out["optimizer_extra_per_tensor_us"] = 1e6 * extra / out["num_trainable_tensors"]
+        out["optimizer_extra_share_of_step"] = extra / statistics.median(ref["times_s"])
+    return out
+
+
+def mib(n) -> str:
+    return "-" if n is None else f"{n / MIB:.1f}"
+
+
+def pct(x) -> str:
+    return "-" if x is None else f"{100 * x:+.1f}%"
+
+
+MOMENTS = {"backward, activation peak": "act", "backward, first gradient": "1st", "step": "step"}
+
+
+def print_report(report: dict) -> None:
+    print(f"\n{report['description']}")
+    print(
+        "\nMemory (MiB). training = peak RSS - runtime (runtime = RSS at rest - weights); act = activation probe "
+        "peak - RSS at rest;\ngrads = most .grad bytes alive at once; state = optimizer state; floor = weights + "
+        "state + largest gradient + act.\nAgreement at the moment holding the peak (at: act = activation peak, 1st = "
+        "first weight gradient in backward, step):\npeak - base (base: the probe's peak / the probe's RSS when "
+        "backward passes lm_head / RSS at rest) vs G+S (gradients alive then + state)\n+ temps (the optimizer's "
+        "temporaries for one tensor, measured alone: the first-stepped tensor layer-wise, the largest at a standard "
+        "step);\ndisc = (peak - base) - (G+S + temps)."
+    )
+    header = (
+        f"{'config':<27} {'GA':>2} {'peak RSS':>8} {'runtime':>7} {'training':>8} {'weights':>7} {'act':>6} "
+        f"{'grads':>6} {'state':>6} {'floor':>6} {'xfloor':>6} {'at':>4} {'peak-base':>9} {'G+S':>6} "
+        f"{'temps':>6} {'disc':>6} {'tol':>5} agree"
+    )
+    print(header)
+    print("-" * len(header))
+    for c in report["configs"]:
+        if "error" in c:
+            print(f"{c['name']:<27} {c['config']['ga']:>2}  ERROR: {c['error'].splitlines()[0][:150]}")
+            continue
+        a, m, g = c["analysis"], c["memory"], c["analysis"]["agreement"]
+        print(
+            f"{c['name']:<27} {c['config']['ga']:>2} {mib(a['peak_rss_bytes']):>8} {mib(a['runtime_bytes']):>7} "
+            f"{mib(a['training_peak_bytes']):>8} {mib(m['weight_bytes']):>7} {mib(a['activation_bytes']):>6} "
+            f"{mib(a['grads_counted_bytes']):>6} {mib(a['state_counted_bytes']):>6} {mib(a['floor_bytes']):>6} "
+            f"{a['floor_ratio']:>5.3f}x {MOMENTS[g['peak_moment']]:>4} {mib(g['measured_minus_baseline_bytes']):>9} "
+            f"{mib(g['counted_bytes']):>6} {mib(g['temporaries_bytes']):>6} {g['discrepancy_bytes'] / MIB:>+6.1f} "
+            f"{mib(g['tolerance_bytes']):>5} {'PASS' if g['pass'] else 'FAIL'}"
+        )
+    print(
+        f"tol = {AGREEMENT_SLACK // MIB} MiB + {100 * AGREEMENT_FRACTION:g}% of G+S+temps: heap slack and small "
+        "buffers no count sees."
+    )
+
+    print("\nStep time (one process, round-robin in shuffled order; layer-wise vs its standard configuration)")
+    header = (
+        f"{'config':<27} {'median s':>8} {'vs std':>7} {'paired':>7} {'cpu':>7} {'opt ms':>7} {'norm ms':>7} "
+        f"{'tensors':>7} {'+opt us/tensor':>14} {'+opt % step':>11}"
+    )
+    print(header)
+    print("-" * len(header))
+    for c in report["configs"]:
+        t = c.get("timing")
+        if not t:
+            continue
+        ratio = f"{t['ratio']:.3f}x" if "ratio" in t else "-"
+        paired = f"{t['paired_ratio']:.3f}" if "paired_ratio" in t else "-"
+        cpu = f"{t['cpu_ratio']:.3f}x" if "cpu_ratio" in t else "-"
+        per = f"{t['optimizer_extra_per_tensor_us']:+.1f}" if "ratio" in t else "-"
+        share = f"{100 * t['optimizer_extra_share_of_step']:+.2f}%" if "ratio" in t else "-"
+        print(
+            f"{c['name']:<27} {t['median_s']:>8.3f} {ratio:>7} {paired:>7} {cpu:>7} "
+            f"{1000 * t['optimizer_median_s']:>7.1f} {1000 * t['norm_median_s']:>7.1f} "
+            f"{t['num_trainable_tensors']:>7} {per:>14} {share:>11}"
+        )
+    print(
+        "opt ms: optimizer work per step (standard: step(); layer-wise: the inner steps in the hooks + step()); norm "
+        "ms: of it, the gradient\nnorms the layer-wise steps record (for the logged grad_norm, also without "
+        "clipping). +opt: layer-wise minus standard, per trainable\ntensor and as a share of the standard step: the "
+        "cost of one optimizer call per tensor."
+    )
+
+    print("\nEstimator (layerwise_hf.estimate.estimate, float32, same options) vs measured")
+    header = (
+        f"{'config':<27} {'est W':>7} {'est G':>7} {'est S':>7} {'est total':>9} {'+act':>7} {'W err':>7} "
+        f"{'G err':>7} {'S err':>7} {'total+act vs peak':>17}"
+    )
+    print(header)
+    print("-" * len(header))
+    for c in report["configs"]:
+        est = c.get("estimate")
+        if est is None or "error" in c:
+            continue
+        if "error" in est:
+            print(f"{c['name']:<27} n/a: {est['error'][:120]}")
+            continue
+        e = c["analysis"]["estimate_errors"]
+        print(
+            f"{c['name']:<27} {mib(est['weight_bytes']):>7} {mib(est['gradient_bytes']):>7} "
+            f"{mib(est['optimizer_state_bytes']):>7} {mib(est['total_bytes']):>9} "
+            f"{mib(est['total_bytes'] + c['analysis']['activation_bytes']):>7} {pct(e['weights']):>7} "
+            f"{pct(e['gradients']):>7} {pct(e['state']):>7} {pct(e['total_plus_activations_vs_peak']):>17}"
+        )
+    for c in report["configs"]:
+        a = c.get("analysis", {})
+        if a and a["state_counted_bytes"] - a["state_view_bytes"] > MIB:
+            print(
+                f"NOTE {c['name']}: the optimizer state keeps {mib(a['state_counted_bytes'])} MiB allocated but its "
+                f"tensors' shapes say {mib(a['state_view_bytes'])} MiB: GaLore's projection matrices are slices of "
+                "their SVD factors, whose whole storage stays alive (LayerwiseOptimizer.state_bytes() counts shapes)."
+            )
+        pm = a.get("package_matches")
+        if pm and not all(pm.values()):
+            p = c["memory"]["package"]
+            print(
+                f"NOTE {c['name']}: LayerwiseOptimizer reports state {mib(p['state_bytes'])} MiB / peak_grad "
+                f"{mib(p['peak_grad_bytes'])} MiB; counted here {mib(c['analysis']['state_counted_bytes'])} / "
+                f"{mib(c['analysis']['grads_counted_bytes'])} MiB."
+            )
+
+    print("\nTargets")
+    for goal in report["goals"]:
+        verdict = goal["verdict"]
+        print(f"  {goal['config']:<27} {goal['target']:<34} {goal['value']:<8} {verdict}{goal.get('note', '')}")
+    for line in report["overhead_notes"]:
+        print(f"  {line}")
+
+
+def goals_of(configs: list[dict]) -> list[dict]:
+    out = []
+    for c in configs:
+        cfg = BY_NAME[c["name"]]
+        if not cfg.layerwise or "error" in c:
+            continue
+        a = c["analysis"]
+        goal = {
+            "config": cfg.name,
+            "target": f"peak <= {FLOOR_GOAL}x floor",
+            "kind": "floor",
+            "value": f"{a['floor_ratio']:.3f}x",
+        }
+        if cfg.ga > 1:
+            # Documented limitation: under accumulation every gradient is held through the window.
+            goal["verdict"] = "n/a"
+            goal["note"] = (
+                f" (GA {cfg.ga} holds every gradient by design; vs weights + state + all gradients + act: "
+                f"{a['training_peak_bytes'] / a['ga_floor_bytes']:.3f}x)"
+            )
+            goal["pass"] = None
+        else:
+            goal["pass"] = a["floor_ratio"] <= FLOOR_GOAL
+            goal["verdict"] = "PASS" if goal["pass"] else "FAIL"
+            first = c["memory"]["steps"][-1]["first_gradient"]
+            temps = c["memory"]["step_temporaries_bytes"].get(first, 0)
+            goal["note"] = (
+                f" (vs floor + the {mib(temps)} MiB temporaries of stepping {first}: "
+                f"{a['floor_plus_temporaries_ratio']:.3f}x)"
+            )
+        out.append(goal)
+        t = c.get("timing") or {}
+        if "ratio" in t:
+            passed = t["ratio"] <= TIME_GOAL
+            out.append(
+                {
+                    "config": cfg.name,
+                    "target": f"step time <= {TIME_GOAL}x {cfg.standard}",
+                    "kind": "time",
+                    "value": f"{t['ratio']:.3f}x",
+                    "pass": passed,
+                    "verdict": "PASS" if passed else "FAIL",
+                    "note": (
+                        f" (paired {t['paired_ratio']:.3f}, quartiles {t['paired_ratio_quartiles'][0]:.3f}-"
+                        f"{t['paired_ratio_quartiles'][2]:.3f}; cpu {t['cpu_ratio']:.3f}x)"
+                    ),
+                }
+            )
+    for c in configs:
+        if "error" in c:
+            continue
+        g = c["analysis"]["agreement"]
+        out.append(
+            {
+                "config": c["name"],
+                "target": "RSS agrees with counted bytes",
+                "kind": "agreement",
+                "value": f"{g['discrepancy_bytes'] / MIB:+.1f}MiB",
+                "pass": g["pass"],
+                "verdict": "PASS" if g["pass"] else "FAIL",
+                "note": f" (|disc| <= {g['tolerance_bytes'] / MIB:.1f} MiB, peak at {g['peak_moment']})",
+            }
+        )
+    return out
+
+
+def overhead_notes(configs: list[dict]) -> list[str]:
+    """Whether one optimizer call per tensor shows in the step time, with the numbers."""
+    notes = []
+    for c in configs:
+        t = c.get("timing") or {}
+        if "optimizer_extra_s" not in t:
+            continue
+        rest = (t["ratio"] - 1) - t["optimizer_extra_share_of_step"]
+        shows = t["optimizer_extra_share_of_step"] > 0.01
+        norms = t["norm_median_s"]
+        notes.append(
+            f"per-tensor overhead {c['name']}: {t['num_trainable_tensors']} tensors, optimizer work "
+            f"{1000 * t['optimizer_extra_s']:+.1f} ms/step vs standard ({t['optimizer_extra_per_tensor_us']:+.0f} "
+            f"us/tensor, {100 * t['optimizer_extra_share_of_step']:+.2f}% of the step; of it {1000 * norms:.1f} ms "
+            f"gradient norms, {1000 * (t['optimizer_extra_s'] - norms) / t['num_trainable_tensors'] * 1000:+.0f} "
+            f"us/tensor the rest; the rest of the step {100 * rest:+.2f}%): "
+            f"{'SHOWS' if shows else 'does not show'} in step time"
+        )
+    return notes
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = [c for c in report["configs"] if "error" not in c]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(17, 6), gridspec_kw={"width_ratios": [3, 1.3]})
+    xs = range(len(configs))
+    # The left bar is the counted prediction at the moment holding the peak, part by part.
+    parts = [
+        ("weights", lambda c: c["memory"]["weight_bytes"]),
+        (
+            "activations then",
+            lambda c: c["analysis"]["agreement"]["baseline_rss_bytes"] - c["memory"]["rss_rest_bytes"],
+        ),
+        ("optimizer state", lambda c: c["analysis"]["state_counted_bytes"]),
+        (
+            "gradients alive then",
+            lambda c: c["analysis"]["agreement"]["counted_bytes"] - c["analysis"]["state_counted_bytes"],
+        ),
+        ("optimizer temporaries", lambda c: c["analysis"]["agreement"]["temporaries_bytes"]),
+    ]
+    bottom = [0.0] * len(configs)
+    width = 0.38
+    for k, (label, fn) in enumerate(parts):
+        ys = [fn(c) / MIB for c in configs]
+        left.bar([x - width / 2 for x in xs], ys, width, bottom=bottom, label=f"counted: {label}", color=f"C{k}")
+        bottom = [b + y for b, y in zip(bottom, ys)]
+    peaks = [c["analysis"]["training_peak_bytes"] / MIB for c in configs]
+    bars = left.bar([x + width / 2 for x in xs], peaks, width, color="0.35", label="measured: peak RSS - runtime")
+    left.bar_label(bars, fmt="%.0f", fontsize=7)
+    left.scatter([x + width / 2 for x in xs], [c["analysis"]["floor_bytes"] / MIB for c in configs], marker="_",
+                 s=500, color="red", zorder=3, label="floor: weights + state + largest gradient + act")  # fmt: skip
+    est = [
+        (x, (c["estimate"]["total_bytes"] + c["analysis"]["activation_bytes"]) / MIB)
+        for x, c in zip(xs, configs)
+        if "error" not in c["estimate"]
+    ]
+    left.scatter([x + width / 2 for x, _ in est], [y for _, y in est], marker="x", color="black", zorder=3,
+                 label="estimate() total + act")  # fmt: skip
+    left.set_xticks(list(xs), [c["name"] for c in configs], rotation=30, ha="right", fontsize=8)
+    left.set_ylabel("MiB")
+    left.set_title("Training memory at the peak: counted (left bar) vs measured (right bar)")
+    left.set_ylim(0, 1.35 * max(peaks))  # room for the legend above the bars
+    left.legend(fontsize=7, ncol=3, loc="upper center")
+    timed = [c for c in configs if "ratio" in (c.get("timing") or {})]
+    ratios = right.bar(range(len(timed)), [c["timing"]["ratio"] for c in timed], color="C4")
+    right.bar_label(ratios, fmt="%.3f", fontsize=7)
+    right.axhline(TIME_GOAL, color="red", ls="--", lw=1, label=f"target {TIME_GOAL}x")
+    right.axhline(1.0, color="0.5", lw=0.8)
+    right.set_xticks(range(len(timed)), [c["name"] for c in timed], rotation=30, ha="right", fontsize=8)
+    right.set_ylabel("median step time, layer-wise / standard")
+    right.set_title("Step time")
+    right.set_ylim(min([0.9, *(c["timing"]["ratio"] - 0.02 for c in timed)]), None)
+    right.legend(fontsize=7)
+    fig.suptitle(report["description"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def results_markdown(json_path) -> str:
+    """The results of `json_path` (a memory_suite.json) as a markdown table, for the README generator."""
+    report = json.loads(Path(json_path).read_text())
+    lines = [
+        "| config | GA | peak RSS MiB | training peak MiB | grads MiB | state MiB | peak / floor | step time vs "
+        "standard | estimate error |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in report["configs"]:
+        if "error" in c:
+            error = c["error"].splitlines()[0].replace("|", "/")
+            lines.append(f"| `{c['name']}` | {c['config']['ga']} | error: {error} | | | | | | |")
+            continue
+        a, t, est = c["analysis"], c.get("timing") or {}, c.get("estimate") or {}
+        ratio = f"{t['ratio']:.3f}x" if "ratio" in t else "-"
+        error = "n/a" if "error" in est else pct(a["estimate_errors"]["total_plus_activations_vs_peak"])
+        lines.append(
+            f"| `{c['name']}` | {c['config']['ga']} | {mib(a['peak_rss_bytes'])} | {mib(a['training_peak_bytes'])} | "
+            f"{mib(a['grads_counted_bytes'])} | {mib(a['state_counted_bytes'])} | {a['floor_ratio']:.3f}x | {ratio} | "
+            f"{error} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    if opts.worker == "memory":
+        memory_server(opts)
+        return 0
+    if opts.worker == "timing":
+        timing_worker(opts)
+        return 0
+    out = Path(opts.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    load_start = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        memory, timing = run_workers(opts, Path(tmp))
+    configs = []
+    for name in opts.configs:
+        cfg = BY_NAME[name]
+        entry = {"name": name, "config": cfg._asdict()}
+        if "error" in memory[name]:
+            entry["error"] = memory[name]["error"]
+            entry["traceback"] = memory[name].get("traceback")
+        else:
+            entry["memory"] = memory[name]
+            entry["estimate"] = estimate_for(cfg, opts)
+            entry["analysis"] = analyse(cfg, memory[name], entry["estimate"])
+            entry["timing"] = time_summary(cfg, timing)
+            if entry["timing"] is not None:
+                entry["timing"]["raw"] = timing["runs"][name]
+        if name in timing.get("errors", {}):
+            entry["timing_error"] = timing["errors"][name]
+        configs.append(entry)
+    ok = next((c for c in configs if "memory" in c and not c["config"]["lora"]), None)
+    num_params = ok["memory"]["num_params"] if ok else None
+    description = (
+        f"Llama {num_params / 1e6:.1f}M params (vocab {opts.vocab_size}, hidden {opts.hidden_size}, "
+        f"{opts.num_hidden_layers} layers), fp32, micro-batch {opts.batch_size}x{opts.seq_len}, {opts.steps} memory "
+        f"steps, {opts.rounds} timed rounds after {opts.warmup}, {opts.threads} thread(s), CPU"
+        if num_params
+        else "no configuration ran"
+    )
+    goals = goals_of(configs)
+    report = {
+        "description": description,
+        "model": {k: getattr(opts, k) for k in FULL} | {"num_params": num_params},
+        "settings": {
+            k: getattr(opts, k)
+            for k in ("steps", "warmup", "rounds", "threads", "learning_rate", "weight_decay", "seed", "configs")
+        }
+        | {"lora": LORA, "galore": GALORE, "galore_weight_decay": GALORE_WEIGHT_DECAY},
+        "environment": {
+            "memory_malloc_mmap_threshold": "65536",
+            "timing_malloc": "default",
+            "cpus": os.cpu_count(),
+            "loadavg_start": load_start,
+            "loadavg_end": os.getloadavg(),
+            "python": sys.version.split()[0],
+        },
+        "targets": {"floor_ratio": FLOOR_GOAL, "step_time_ratio": TIME_GOAL},
+        "configs": configs,
+        "goals": goals,
+        "overhead_notes": overhead_notes(configs),
+        "errors": {c["name"]: c["error"] for c in configs if "error" in c},
+        "wall_time_s": time.perf_counter() - started,
+    }
+    print_report(report)
+    (out / "memory_suite.json").write_text(json.dumps(report, indent=1))
+    if any("error" not in c for c in configs):
+        plot(report, out / "memory_suite.png")
+    for name, error in report["errors"].items():
+        print(f"\nERROR {name}: {error}")
+    print(f"\nwrote {out / 'memory_suite.json'} and .png in {report['wall_time_s']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
