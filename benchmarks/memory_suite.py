@@ -834,7 +834,8 @@ def time_summary(cfg: Config, timing: dict) -> dict | None:
 
 
 def mib(n) -> str:
-    return "-" if n is None else f"{n / MIB:.1f}"
+    # Three decimals under 1 MiB, so a LoRA adapter's gradient does not read as zero.
+    return "-" if n is None else f"{n / MIB:.3f}" if abs(n) < MIB else f"{n / MIB:.1f}"
 
 
 def pct(x) -> str:

@@ -45,7 +45,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, uninterrupted, kill)
         assert torch.equal(final[name], uninterrupted[name]), name
 
 
-def launch_ddp(out, *extra):
+def launch(engine, out, *extra):
     import socket
 
     with socket.socket() as s:
@@ -64,13 +64,15 @@ def launch_ddp(out, *extra):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
-def test_ddp_sigkill_during_checkpoint_write_then_resume(tmp_path):
-    full = launch_ddp(tmp_path / "full")
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_two_ranks_sigkill_during_checkpoint_write_then_resume(tmp_path, engine):
+    full = launch(engine, tmp_path / "full")
     assert full.returncode == 0, full.stderr[-3000:]
-    crashed = launch_ddp(tmp_path / "run", "--kill", "save:6")
+    crashed = launch(engine, tmp_path / "run", "--kill", "save:6")
     assert crashed.returncode != 0
+    assert (tmp_path / "run" / "checkpoint-4" / "layerwise_complete.json").exists()
     assert not (tmp_path / "run" / "checkpoint-6" / "layerwise_complete.json").exists()
-    resumed = launch_ddp(tmp_path / "run", "--resume")
+    resumed = launch(engine, tmp_path / "run", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {tmp_path / 'run' / 'checkpoint-4'}" in resumed.stdout
     a = load_file(tmp_path / "full" / "final" / "model.safetensors")

@@ -1,6 +1,6 @@
 """Train 8 steps with a checkpoint every 2, optionally SIGKILL-ing itself at a chosen point; save the final model.
 
-    python tests/scripts/crash_train.py OUTPUT_DIR [--kill step:5 | --kill save:6] [--resume]
+python tests/scripts/crash_train.py OUTPUT_DIR [--kill step:5 | --kill save:6] [--resume]
 """
 
 import argparse
@@ -34,8 +34,9 @@ class KillDuringSave(LayerwiseTrainer):
         if self.state.global_step == self.kill_step:
             super()._save_optimizer_and_scheduler(output_dir)
             path = os.path.join(output_dir, "optimizer.pt")
-            with open(path, "r+b") as f:
-                f.truncate(os.path.getsize(path) // 2)
+            if os.path.isfile(path):  # under FSDP the optimizer goes to a DCP directory instead
+                with open(path, "r+b") as f:
+                    f.truncate(os.path.getsize(path) // 2)
             os.kill(os.getpid(), signal.SIGKILL)
         return super()._save_optimizer_and_scheduler(output_dir)
 
@@ -62,7 +63,16 @@ def main():
 
         print("resuming from", latest_complete_checkpoint(opts.output_dir), flush=True)
     trainer.train(resume_from_checkpoint=True if opts.resume else None)
-    trainer.save_model(os.path.join(opts.output_dir, "final"))
+    # Full parameters on every engine (FSDP2 shards are gathered; every rank takes part, rank 0 writes).
+    final = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in trainer.model.named_parameters()
+    }
+    if trainer.args.process_index == 0:
+        os.makedirs(os.path.join(opts.output_dir, "final"), exist_ok=True)
+        from safetensors.torch import save_file
+
+        save_file(final, os.path.join(opts.output_dir, "final", "model.safetensors"))
 
 
 if __name__ == "__main__":
