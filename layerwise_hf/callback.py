@@ -28,6 +28,9 @@ class LayerwiseCallback(TrainerCallback):
         self.optimizer = unwrap_layerwise_optimizer(optimizer)
         if self.optimizer is not None:
             self.optimizer.connect(getattr(self.trainer, "model_wrapped", None) or model)
+            # fp16: Accelerate's GradScaler decides skips and the scale from what the hooks find (None otherwise).
+            accelerator = getattr(self.trainer, "accelerator", None)
+            self.optimizer.use_grad_scaler(getattr(accelerator, "scaler", None))
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.optimizer is not None:

@@ -162,9 +162,17 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = 0.0
         self.clip_mode = "off"
         self._in_norm_pass = False
+        self._measured = False  # a norm pass has measured (and, with a scaler, inf-checked) this window
+        self._fired = [False] * len(self._params)  # hooks seen in this window's final backward
         self._accumulating = False
         self._clip_coef: torch.Tensor | None = None
         self._running_sq: torch.Tensor | None = None
+        # fp16 loss scaling (`use_grad_scaler`): the scaler, this window's per-device found-inf flags and inverse
+        # scales, and the scaler's record of this optimizer for the open window (replaced by `scaler.update()`).
+        self._scaler: Any = None
+        self._found_inf: dict[torch.device, torch.Tensor] = {}
+        self._inv_scale: dict[torch.device, torch.Tensor] = {}
+        self._scaler_record: dict | None = None
         # Set by distributed.connect when something other than the local hooks (a DDP comm hook) feeds the steps.
         self._external_route: Any = None
         self.route: str | None = None  # how gradients arrived in the last connect(): "local", "ddp" or "fsdp2"
@@ -221,24 +229,37 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.rebind()
+        self._close_skipped_window()
         pending = [i for i, p in enumerate(self._params) if p.grad is not None and not self._stepped[i]]
         if pending:
+            # With a scaler, GradScaler.step has unscaled these held gradients before calling this step().
             for i in pending:
                 self._record_norm(i)
             if self._clips_exactly():
                 self._clip_coef = self._coef(self._total_norm())
             for i in pending:
                 self._step_one(i)
-        self.last_grad_norm = self._total_norm()
-        self._stepped = [False] * len(self._params)
-        self._norms = [None] * len(self._params)
+        self._end_window()
+        self.steps_taken += 1
+        return loss
+
+    def _end_window(self) -> None:
+        total = self._total_norm()
+        if total is not None:
+            self.last_grad_norm = total
+        n = len(self._params)
+        self._stepped = [False] * n
+        self._fired = [False] * n
+        self._norms = [None] * n
         self._held.clear()
         self._held_bytes = 0
         self._accumulating = False
+        self._measured = False
         self._clip_coef = None
         self._running_sq = None
-        self.steps_taken += 1
-        return loss
+        self._found_inf = {}
+        self._inv_scale = {}
+        self._scaler_record = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
@@ -412,26 +433,34 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
+            self._close_skipped_window()
             if not self._sync_gradients():
                 # Accumulating: the gradient stays in .grad until the window's last micro-batch.
                 self._accumulating = True
                 self._hold(i, param.grad)
                 return
+            if self._scaler is not None and self._scaler_record is None:
+                self._scaler_record = self._scaler._per_optimizer_states[id(self)]
             if self._in_norm_pass:
                 if self._norms[i] is not None:
                     self._double_fire(i)
                 self._hold(i, param.grad)
+                self._unscale(i)
                 self._record_norm(i)
                 param.grad = None
                 self._held_bytes -= self._held.pop(i, 0)
                 return
-            if self._stepped[i] or (self._norms[i] is not None and self._clip_coef is None):
+            if self._stepped[i] or self._fired[i]:
                 self._double_fire(i)
-            if self._clips_exactly() and self._clip_coef is None:
-                # No norm pass ran for this window: hold the gradient, step() clips and steps exactly.
+            self._fired[i] = True
+            if self._needs_whole_step() and not self._measured:
+                # No norm pass ran for this window: hold the gradient; step() clips and steps exactly (with a
+                # scaler, after GradScaler has unscaled and inf-checked every held gradient).
                 self._hold(i, param.grad)
-                self._record_norm(i)
+                if self._scaler is None:
+                    self._record_norm(i)
                 return
+            self._unscale(i)
             self._step_one(i)
 
         return hook
@@ -477,11 +506,20 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         """Apply `max_grad_norm` (`<= 0` or `None`: no clipping) the way `mode` says; see `CLIP_MODES`."""
         if mode not in CLIP_MODES:
             raise ValueError(f"Unknown clipping mode {mode!r}; choose one of {', '.join(CLIP_MODES)}.")
-        self.max_grad_norm = float(max_grad_norm or 0.0)
-        self.clip_mode = mode if self.max_grad_norm > 0 else "off"
+        max_grad_norm = float(max_grad_norm or 0.0)
+        resolved = mode if max_grad_norm > 0 else "off"
+        if self._scaler is not None:
+            _check_scaler_compatible(self, resolved)
+        self.max_grad_norm = max_grad_norm
+        self.clip_mode = resolved
 
     def _clips_exactly(self) -> bool:
         return self.clip_mode == "exact"
+
+    def _needs_whole_step(self) -> bool:
+        # Exact clipping needs the global norm, and fp16 loss scaling every gradient's inf check, before any layer
+        # steps: from a norm pass, or by holding the gradients until step().
+        return self._clips_exactly() or self._scaler is not None
 
     def _coef(self, norm: torch.Tensor) -> torch.Tensor:
         # NOTE: the expression of torch's `_clip_grads_with_norm_`, so exact clipping is bit-identical.
@@ -502,19 +540,35 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         return None
 
     def needs_norm_pass(self) -> bool:
-        """Whether the coming backward ends a window that exact clipping wants measured first (no accumulation)."""
-        return self.attached and self._clips_exactly() and self._sync_gradients() and not self._accumulating
+        """
+        Whether the coming backward ends a window (no accumulation) that exact clipping or fp16 loss scaling wants
+        measured first.
+        """
+        self._close_skipped_window()
+        return self.attached and self._needs_whole_step() and self._sync_gradients() and not self._accumulating
 
     @contextlib.contextmanager
     def norm_pass(self) -> Iterator[None]:
-        """Within it, hooks only measure gradient norms and free the gradients; after it, the clip is known."""
+        """
+        Within it, hooks only measure gradient norms (of unscaled gradients, checked for inf/nan with a scaler) and
+        free the gradients; after it, the clip is known and `step_will_be_skipped` says whether any was not finite.
+        """
+        self._close_skipped_window()
         self._in_norm_pass = True
         try:
             yield
         finally:
             self._in_norm_pass = False
         total = self._total_norm()
-        self._clip_coef = self._coef(total) if total is not None else None
+        self._measured = True
+        self._clip_coef = self._coef(total) if total is not None and self._clips_exactly() else None
+        if self._scaler is not None:
+            self._publish_found_inf()
+
+    @property
+    def step_will_be_skipped(self) -> bool:
+        """After a norm pass with a scaler: some gradient was inf/nan, so GradScaler will skip this step."""
+        return any(bool(t.item()) for t in self._found_inf.values())
 
     def backward_with_norm_pass(self, loss: torch.Tensor, backward: Callable[..., Any] | None = None, **kwargs):
         """
@@ -529,7 +583,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if not self.needs_norm_pass():
             return backward(loss, **kwargs)
         with self.norm_pass():
-            backward(loss, retain_graph=True, **kwargs)
+            result = backward(loss, retain_graph=True, **kwargs)
+        if self.step_will_be_skipped:
+            return result  # nothing will step: the second backward would be wasted
         return backward(loss, **kwargs)
 
     def run_with_norm_pass(self, forward_backward: Callable[[], T]) -> T:
@@ -547,11 +603,83 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         with self.norm_pass():
-            forward_backward()
+            result = forward_backward()
+        if self.step_will_be_skipped:
+            return result  # every rank agrees (reduced gradients): no second pass anywhere
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
         return forward_backward()
+
+    # ---- fp16 loss scaling ----
+
+    def use_grad_scaler(self, scaler: Any) -> None:
+        """
+        Step under fp16 loss scaling with `scaler` (Accelerate's `accelerator.scaler`, a `torch.amp.GradScaler`;
+        `None` or a disabled scaler: none). Every gradient is then unscaled and checked for inf/nan before any layer
+        steps: in a norm pass without gradient accumulation (so each step runs backward twice, like exact
+        clipping), or by holding the gradients until step() with it. A step with an inf/nan anywhere changes no
+        parameter and no optimizer state, and the scaler backs off / grows exactly as with a standard optimizer,
+        because `GradScaler.step` / `update` make those decisions from the flags recorded here.
+        """
+        if scaler is not None and not scaler.is_enabled():
+            scaler = None
+        if scaler is not None:
+            _check_scaler_compatible(self, self.clip_mode)
+        self._scaler = scaler
+
+    def _unscale(self, i: int) -> None:
+        if self._scaler is None:
+            return
+        # NOTE: the kernel GradScaler.unscale_ runs (elementwise, so one tensor at a time is bit-identical), on the
+        # local shard of an FSDP2 DTensor: found-inf is all-reduced once per step, not once per parameter.
+        grad = _local(self._params[i].grad)
+        device = grad.device
+        if device not in self._found_inf:
+            if self._scaler._scale is None:
+                raise RuntimeError(
+                    "fp16: the loss was not scaled by the GradScaler given to use_grad_scaler (call "
+                    "accelerator.backward(loss), or scaler.scale(loss).backward())."
+                )
+            # GradScaler's own inverse: double reciprocal, then float.
+            inv_scale = self._scaler._scale.double().reciprocal().float()
+            self._inv_scale[device] = inv_scale.to(device)
+            self._found_inf[device] = torch.zeros((), dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_([grad], self._found_inf[device], self._inv_scale[device])
+
+    def _publish_found_inf(self) -> None:
+        # NOTE: GradScaler keeps, per optimizer, a stage and the found-inf flags unscale_() produced; step() skips
+        # optimizer.step() when any flag is set and update() backs off from them. The gradients are gone by the
+        # time Trainer calls scaler.step, so the flags the hooks produced are recorded there as unscale_() would.
+        from torch.amp.grad_scaler import OptState
+
+        if self.route == "fsdp2" and self._found_inf and _dist_ready():
+            # Each rank checked its own shards; GradScaler's DTensor handler would all-reduce the flag the same way.
+            import torch.distributed as dist
+
+            for flag in self._found_inf.values():
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        record = self._scaler._per_optimizer_states[id(self)]
+        if record["stage"] is OptState.UNSCALED and record["found_inf_per_device"] is not self._found_inf:
+            raise RuntimeError("GradScaler.unscale_() was called on the layer-wise optimizer during its norm pass.")
+        if not self._found_inf:
+            # No gradient reached a hook (nothing trainable was used): a flag of 0, as unscale_ over no grads gives
+            # none and GradScaler.step would assert.
+            device = self._scaler._scale.device
+            self._found_inf[device] = torch.zeros((), dtype=torch.float32, device=device)
+        record["found_inf_per_device"] = self._found_inf
+        record["stage"] = OptState.UNSCALED
+        self._scaler_record = record
+
+    def _close_skipped_window(self) -> None:
+        # GradScaler.step skips our step() on inf/nan, and update() then replaces its per-optimizer records; seeing
+        # ours replaced while a window is still open means that window was skipped: forget it without stepping.
+        record = self._scaler_record
+        if record is None or self._scaler is None:
+            return
+        if self._scaler._per_optimizer_states.get(id(self)) is record:
+            return
+        self._end_window()
 
     # ---- gradient norm ----
 
@@ -584,8 +712,17 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def grad_norm(self) -> torch.Tensor | None:
         """
         The pre-clip global L2 norm of the gradients of the current step (accumulated in the hooks), or of the last
-        completed step once `step()` has run. Identical to what `clip_grad_norm_` would have returned.
+        completed step once `step()` has run. Identical to what `clip_grad_norm_` would have returned (with fp16, of
+        the unscaled gradients, inf/nan on a step GradScaler skips).
         """
+        self._close_skipped_window()
+        if self._scaler is not None and not self._measured and self._sync_gradients():
+            # Held gradients are still scaled: unscale them the way Trainer's clip_grad_norm_ path does.
+            from torch.amp.grad_scaler import OptState
+
+            record = self._scaler._per_optimizer_states[id(self)]
+            if record["stage"] is OptState.READY and any(p.grad is not None for p in self._params):
+                self._scaler.unscale_(self)
         current = self._total_norm()
         return current if current is not None else self.last_grad_norm
 
@@ -608,6 +745,28 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         kinds = sorted({type(inner).__name__ for inner in self.inner})
         return f"LayerwiseOptimizer({self.optimizer_name or '/'.join(kinds)}, {len(self.inner)} parameters)"
+
+
+def _dist_ready() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _check_scaler_compatible(optimizer: LayerwiseOptimizer, clip_mode: str) -> None:
+    if clip_mode in ("previous", "per_param"):
+        raise ValueError(
+            f"layerwise_clip={clip_mode!r} cannot run with fp16 loss scaling: it steps each layer during the single "
+            "backward, before later gradients are checked for inf/nan, so an overflowing step would still change "
+            "parameters. Use layerwise_clip='exact' (or 'off') with fp16, or bf16=True with any mode."
+        )
+    fp16 = [n for n, p in zip(optimizer.names, optimizer._params) if p.dtype == torch.float16]
+    if fp16:
+        raise ValueError(
+            f"fp16 loss scaling needs fp32 trainable weights (GradScaler refuses to unscale fp16 gradients); "
+            f"{len(fp16)} parameter(s) are float16, e.g. {fp16[0]}. Load the model in float32 and let fp16=True "
+            "autocast, or use bf16."
+        )
 
 
 def build_layerwise_optimizer(

@@ -25,7 +25,9 @@ class LayerwiseTrainingArguments(TrainingArguments):
             How `max_grad_norm` is applied with a layer-wise optimizer: `"exact"` (Trainer's global clipping, bit for
             bit; without gradient accumulation each step runs forward+backward twice), `"previous"` (one pass,
             scaled by the previous step's global norm, bounded on spikes), `"per_param"` (one pass, each tensor
-            clipped alone) or `"off"`.
+            clipped alone) or `"off"`. With `fp16=True` only `"exact"` and `"off"` run: fp16 loss scaling checks every
+            gradient for inf/nan before any layer steps, which costs the same second backward as `"exact"` (none
+            with gradient accumulation).
     """
 
     # NOTE: re-declared as plain `str` so HfArgumentParser does not turn OptimizerNames into argparse `choices`.
@@ -65,11 +67,13 @@ class LayerwiseTrainingArguments(TrainingArguments):
             self.optim = name
 
     def _refuse_unsupported(self, name: str) -> None:
-        if self.fp16:
+        one_pass = self.layerwise_clip in ("previous", "per_param")
+        if self.fp16 and one_pass and self.max_grad_norm and self.max_grad_norm > 0:
             raise ValueError(
-                f"optim={name!r} with fp16=True is not supported: fp16 loss scaling must check every gradient for "
-                "inf/nan before any layer steps. Use bf16=True, or the standard optimizer "
-                f"optim={name.removesuffix('_layerwise')!r} with fp16."
+                f"optim={name!r} with fp16=True and layerwise_clip={self.layerwise_clip!r} is not supported: that "
+                "mode steps each layer during the single backward, before later gradients are checked for inf/nan, "
+                "so an overflowing step would still change parameters. Use layerwise_clip='exact' (the default) or "
+                "'off' with fp16, or bf16=True with any mode."
             )
         if self.deepspeed:
             raise ValueError(

@@ -120,11 +120,6 @@ def test_pure_bf16_weights_match_standard(tmp_path, base):
     assert_params_equal(standard.model, layerwise.model)
 
 
-def test_fp16_is_refused_with_alternatives(tmp_path):
-    with pytest.raises(ValueError, match="fp16=True is not supported.*bf16=True.*'adamw_torch'"):
-        LayerwiseTrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise", fp16=True)
-
-
 def test_unknown_clip_mode_lists_valid_ones(tmp_path):
     with pytest.raises(ValueError, match="exact, previous, per_param, off"):
         LayerwiseTrainingArguments(output_dir=str(tmp_path), optim="sgd_layerwise", layerwise_clip="global")
