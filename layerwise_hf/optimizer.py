@@ -577,6 +577,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         FSDP2 run their collectives once per forward, so use `run_with_norm_pass` there.
         """
         backward = backward or (lambda tensor, **kw: tensor.backward(**kw))
+        # First: a window GradScaler skipped must be closed before this one notes its accumulation.
+        self._close_skipped_window()
         if not self._sync_gradients():
             self._accumulating = True
             return backward(loss, **kwargs)
@@ -594,6 +596,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         norm before any layer steps: first to measure, then to clip and step. The RNG state is replayed so dropout
         draws the same masks. Otherwise run it once.
         """
+        # First: a window GradScaler skipped must be closed before this one notes its accumulation (under DDP's
+        # no_sync no hook fires that would close it).
+        self._close_skipped_window()
         if not self._sync_gradients():
             # Under DDP's no_sync no hook fires on this micro-batch, so note the accumulation here.
             self._accumulating = True

@@ -21,7 +21,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(config: str, script: str, report: Path, extra_env: dict | None = None) -> dict:
+def launch(config: str, script: str, report: Path, extra_env: dict | None = None, launch_args=()) -> dict:
     env = {
         **os.environ,
         "ACCELERATE_USE_CPU": "true",  # the multi-process launcher does not forward `use_cpu`
@@ -31,7 +31,7 @@ def launch(config: str, script: str, report: Path, extra_env: dict | None = None
         **(extra_env or {}),
     }
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / config)]
-    cmd += ["--main_process_port", str(free_port()), str(ROOT / script), str(report)]
+    cmd += [*launch_args, "--main_process_port", str(free_port()), str(ROOT / script), str(report)]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return json.loads(report.read_text())
@@ -65,6 +65,25 @@ def test_fsdp2_matches_standard_fsdp2_and_resumes(tmp_path):
     assert all(case["fully_sharded"] for case in report["results"])
     assert_exact(report, "fsdp2")
     assert "cannot step FSDP2 shards" in report["adafactor"] and "adamw_torch_layerwise" in report["adafactor"]
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_fp16_gradscaler_matches_standard(tmp_path, engine):
+    report = launch(
+        f"configs/accelerate/cpu_{engine}.yaml",
+        "tests/distributed/fp16_trainer.py",
+        tmp_path / "r.json",
+        {"LAYERWISE_HF_FORCE_FSDP_CPU": "1"} if engine == "fsdp2" else {},
+        launch_args=["--mixed_precision", "fp16"],
+    )
+    assert report["world_size"] == 2
+    for case in report["results"]:
+        assert case["route"] == engine, case
+        # Exact, every rank the same, and the run really skipped (injected on rank 0 only) and grew the scale.
+        assert case["max_diff"] == 0.0 and case["ranks_agree"], case
+        assert case["grad_norm_equal"] and case["lr_equal"] and case["scales_equal"], case
+        assert case["injected_step_skipped"] and case["scale_grew"], case
+        assert case["layerwise_steps_taken"] == case["steps_logged"] - case["skipped_steps"] > 0, case
 
 
 def test_deepspeed_is_refused_with_alternatives(tmp_path):
