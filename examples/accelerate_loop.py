@@ -95,6 +95,9 @@ def main(argv=None) -> None:
     layerwise = unwrap_layerwise_optimizer(optimizer)
     # After prepare: under DDP the steps must run on all-reduced gradients, under FSDP2 on the sharded parameters.
     route = layerwise.connect(model)
+    # fp16 (--mixed_precision fp16 on a GPU): every gradient is unscaled and inf-checked before any layer steps, and
+    # the scaler skips and rescales as with a standard optimizer. None otherwise.
+    layerwise.use_grad_scaler(accelerator.scaler)
     accelerator.print(f"{opts.optim}: {len(layerwise.inner)} per-parameter optimizers, gradients via {route}")
 
     skip_batches = 0

@@ -257,6 +257,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._measured = False
         self._clip_coef = None
         self._running_sq = None
+        # New dicts, not clear(): step() runs inside GradScaler.step, and update() reads the flags afterwards.
         self._found_inf = {}
         self._inv_scale = {}
         self._scaler_record = None
@@ -658,8 +659,14 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         # time Trainer calls scaler.step, so the flags the hooks produced are recorded there as unscale_() would.
         from torch.amp.grad_scaler import OptState
 
-        if self.route == "fsdp2" and self._found_inf and _dist_ready():
-            # Each rank checked its own shards; GradScaler's DTensor handler would all-reduce the flag the same way.
+        if not self._found_inf:
+            # No gradient reached a hook (nothing trainable was used): a flag of 0, as unscale_ over no grads gives
+            # none and GradScaler.step would assert.
+            device = self._scaler._scale.device
+            self._found_inf[device] = torch.zeros((), dtype=torch.float32, device=device)
+        if self.route == "fsdp2" and _dist_ready():
+            # Each rank checked its own shards; GradScaler's DTensor handler all-reduces the flag the same way. Every
+            # rank gets here once per step (the norm pass runs everywhere), so the collectives line up.
             import torch.distributed as dist
 
             for flag in self._found_inf.values():
@@ -667,11 +674,6 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         record = self._scaler._per_optimizer_states[id(self)]
         if record["stage"] is OptState.UNSCALED and record["found_inf_per_device"] is not self._found_inf:
             raise RuntimeError("GradScaler.unscale_() was called on the layer-wise optimizer during its norm pass.")
-        if not self._found_inf:
-            # No gradient reached a hook (nothing trainable was used): a flag of 0, as unscale_ over no grads gives
-            # none and GradScaler.step would assert.
-            device = self._scaler._scale.device
-            self._found_inf[device] = torch.zeros((), dtype=torch.float32, device=device)
         record["found_inf_per_device"] = self._found_inf
         record["stage"] = OptState.UNSCALED
         self._scaler_record = record

@@ -85,7 +85,7 @@ class LayerwiseTrainerMixin:
             check_fsdp2_supported(self.optimizer)  # before any step, not at the first hook
         mode = getattr(self.args, "layerwise_clip", "exact")
         self.optimizer.configure_clipping(self.args.max_grad_norm, mode)
-        _explain_clipping(self.args.max_grad_norm, mode, self.args.gradient_accumulation_steps)
+        _explain_clipping(self.args.max_grad_norm, mode, self.args.gradient_accumulation_steps, self.args.fp16)
         return self.optimizer
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -222,9 +222,16 @@ def _loading(obj, convert):
         del obj.load_state_dict
 
 
-def _explain_clipping(max_grad_norm: float, mode: str, gradient_accumulation_steps: int) -> None:
-    # Never silent: say once what max_grad_norm does here and what it costs.
-    if not max_grad_norm or max_grad_norm <= 0:
+def _explain_clipping(max_grad_norm: float, mode: str, gradient_accumulation_steps: int, fp16: bool = False) -> None:
+    # Never silent: say once what max_grad_norm (and fp16 loss scaling) does here and what it costs.
+    clips = bool(max_grad_norm) and max_grad_norm > 0
+    if fp16 and gradient_accumulation_steps == 1 and not (clips and mode == "exact"):
+        logger.warning(
+            "fp16 loss scaling with a layer-wise optimizer and no gradient accumulation: each step runs backward "
+            "twice (the first pass unscales every gradient and checks it for inf/nan, so an overflowing step changes "
+            "nothing, as with GradScaler and a standard optimizer)."
+        )
+    if not clips:
         return
     if mode == "off":
         warnings.warn(
@@ -236,9 +243,11 @@ def _explain_clipping(max_grad_norm: float, mode: str, gradient_accumulation_ste
     elif mode == "exact" and gradient_accumulation_steps == 1:
         logger.warning(
             "max_grad_norm=%s with layerwise_clip='exact' and no gradient accumulation: each step runs backward twice "
-            "(the first pass measures the global norm; under DDP/FSDP2 forward too) to clip exactly like Trainer. "
-            "layerwise_clip='previous' clips in one pass with the previous step's norm.",
+            "(the first pass measures the global norm%s; under DDP/FSDP2 forward too) to clip exactly like Trainer. "
+            "%s",
             max_grad_norm,
+            " and checks for fp16 inf/nan" if fp16 else "",
+            "" if fp16 else "layerwise_clip='previous' clips in one pass with the previous step's norm.",
         )
 
 
