@@ -1,6 +1,7 @@
 """The benchmark scripts run end to end with their smallest settings (no timing or memory thresholds here)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -78,3 +79,21 @@ def test_clipping_speed_small(tmp_path):
     assert set(modes) == {"exact", "previous", "per_param", "none"}
     assert modes["exact"]["max_rel_param_diff_vs_exact"] == 0.0
     assert all(len(m["losses"]) == 3 for m in modes.values())
+
+
+def test_fp16_speed_small(tmp_path):
+    run_script("fp16_speed.py", "--small", "--warmup", "1", "--rounds", "2", "--output_dir", str(tmp_path))
+    report = json.loads((tmp_path / "fp16_speed.json").read_text())
+    assert (tmp_path / "fp16_speed.png").stat().st_size > 0
+    assert {"config", "timing", "wall_time_s"} <= report.keys()
+    timing = report["timing"]
+    assert set(timing) == {f"{kind} ga{ga}" for kind in ("standard", "layerwise") for ga in (1, 4)}
+    for entry in timing.values():
+        assert len(entry["times_s"]) == 2 and math.isfinite(entry["median_s"]) and entry["median_s"] > 0
+        assert math.isfinite(entry["ratio"]) and entry["steps"] == 3 and 0 <= entry["skipped_steps"] <= 3
+    # Without accumulation the inf check runs a second backward over the same forward.
+    layerwise = timing["layerwise ga1"]
+    assert layerwise["forwards_per_step"] == 1
+    assert 0 < layerwise["peak_grad_bytes"] < layerwise["full_grad_bytes"]
+    assert layerwise["full_grad_bytes"] == timing["standard ga1"]["full_grad_bytes"]
+    assert timing["layerwise ga4"]["forwards_per_step"] == 4

@@ -1,0 +1,326 @@
+"""Step time of fp16 loss scaling (`torch.amp.GradScaler`) with the layer-wise optimizer relative to a standard
+AdamW under the same scaler, on the example task (examples/train.py: byte-level Llama, generated grammar corpus).
+
+Launch (single process, CPU):
+
+    python benchmarks/fp16_speed.py                   # example-task model, GA 1 and GA 4, ~1.5 min on 2 busy cores
+    python benchmarks/fp16_speed.py --small --rounds 2 --warmup 1 --output_dir /tmp/x
+    python benchmarks/fp16_speed.py --rounds 40 --threads 2   # more repeats / threads
+
+Both run the forward under `torch.autocast("cpu", dtype=torch.float16)` with their own `torch.amp.GradScaler("cpu")`
+and clip to max_grad_norm 1.0 (lr `--learning_rate`, weight decay 0.1):
+
+- `standard`: `torch.optim.AdamW` over all parameters; `scaler.scale(loss).backward()` per micro-batch, then at the
+  window end `scaler.unscale_`, `clip_grad_norm_`, `scaler.step`, `scaler.update`, `zero_grad(set_to_none=True)`.
+- `layerwise`: `adamw_torch_layerwise` with `configure_clipping(1.0, "exact")` and `use_grad_scaler(scaler)`;
+  `backward_with_norm_pass(scaler.scale(loss))` per micro-batch, then `grad_norm()`, `scaler.step`,
+  `scaler.update`, `zero_grad()`.
+
+Timing: every configuration (optimizer x GA) has its own model copy, optimizer and scaler; one optimizer step of
+each runs per round, in a shuffled order each round, so machine noise hits all of them alike. The first `--warmup`
+rounds are dropped; the median of the remaining step times is compared with the standard optimizer's median at the
+same GA (and the median of same-round ratios). Also recorded: model forwards and backwards per step, steps the
+scaler skipped (non-finite gradient norm), and the layer-wise optimizer's `peak_grad_bytes` against
+`full_grad_bytes()` (what the standard optimizer holds at its step).
+
+What to expect: without accumulation the layer-wise optimizer must unscale and inf-check every gradient before any
+layer steps, so each step runs a second backward over the retained graph (one forward, two backwards): roughly 1.5x
+the standard step at GA 1 (1 + the backward's share of a step; under CPU fp16 autocast backward is about 2/3 of
+forward + backward, so ~1.65x on CPU), with the gradients still never all alive at once. With accumulation the
+gradients are held until the window's end, checked there, and stepped like the standard optimizer's: about 1.0x at
+GA 4, with the full gradients alive (no saving).
+
+Writes `<output_dir>/fp16_speed.json` and `.png`; prints a table (no goals: nothing here passes or fails).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import random
+import statistics
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # `examples.train` is the example task: its model, corpus and defaults
+
+from benchmarks.clipping_speed import FULL, SMALL, micro_batches  # noqa: E402
+from examples.train import ScriptArguments, build_dataset, build_model  # noqa: E402
+from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer  # noqa: E402
+
+OPTIM = "adamw_torch_layerwise"
+MAX_GRAD_NORM = 1.0  # Trainer's default
+WEIGHT_DECAY = 0.1
+KINDS = ("standard", "layerwise")
+MIB = 2**20
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output_dir", default=str(ROOT / "benchmarks" / "results"), help="JSON and PNG go here")
+    parser.add_argument("--small", action="store_true", help="a tiny model (smoke run); explicit size flags win")
+    for key, value in FULL.items():
+        parser.add_argument(f"--{key}", type=int, default=None, help=f"default {value} ({SMALL[key]} with --small)")
+    parser.add_argument("--grad_accum", type=int, nargs="+", default=[1, 4], help="GA values timed")
+    parser.add_argument("--warmup", type=int, default=2, help="rounds dropped before timing")
+    parser.add_argument("--rounds", type=int, default=20, help="timed rounds (one step per configuration each)")
+    parser.add_argument("--learning_rate", type=float, default=3e-3, help="the example task's peak lr")
+    parser.add_argument("--init_scale", type=float, default=2.0**16, help="GradScaler init_scale (its default)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: less sensitive to shared cores)")
+    parser.add_argument("--seed", type=int, default=42)
+    opts = parser.parse_args(argv)
+    sizes = SMALL if opts.small else FULL
+    for key, value in sizes.items():
+        if getattr(opts, key) is None:
+            setattr(opts, key, value)
+    return opts
+
+
+class Run:
+    """One configuration: its own model copy, optimizer and GradScaler; counts forwards and backwards."""
+
+    def __init__(self, base_model, kind: str, ga: int, opts):
+        self.kind, self.ga = kind, ga
+        self.model = copy.deepcopy(base_model)
+        self.model.train()
+        self.forwards = self.backwards = 0
+        self.model.register_forward_pre_hook(self._count_forward)
+        # The input embedding's gradient is the last one each backward computes (also the measuring one).
+        self.model.get_input_embeddings().weight.register_hook(self._count_backward)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=opts.init_scale)
+        self.sync = True
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if kind == "standard":
+            self.optimizer = torch.optim.AdamW(self.params, lr=opts.learning_rate, weight_decay=WEIGHT_DECAY)
+        else:
+            args = LayerwiseTrainingArguments(
+                output_dir="unused", optim=OPTIM, learning_rate=opts.learning_rate, weight_decay=WEIGHT_DECAY,
+                report_to="none",
+            )  # fmt: skip
+            # Outside Accelerate the window's last micro-batch is ours to say.
+            self.optimizer = build_layerwise_optimizer(self.model, args, sync_gradients=lambda: self.sync)
+            self.optimizer.configure_clipping(MAX_GRAD_NORM, "exact")
+            self.optimizer.attach()
+            self.optimizer.use_grad_scaler(self.scaler)
+        self.grad_bytes_at_step = 0  # standard: the .grad bytes alive when it steps
+        self.times: list[float] = []
+        self.cpu_times: list[float] = []
+        self.grad_norms: list[float] = []
+        self.scales: list[float] = []
+
+    def _count_forward(self, module, inputs):
+        self.forwards += 1
+
+    def _count_backward(self, grad):
+        self.backwards += 1
+
+    def _standard_step(self, micro_batches: list[dict]) -> float:
+        for batch in micro_batches:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = self.model(**batch).loss / len(micro_batches)
+            self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, MAX_GRAD_NORM)
+        self.grad_bytes_at_step = max(
+            self.grad_bytes_at_step,
+            sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None),
+        )
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def _layerwise_step(self, micro_batches: list[dict]) -> float:
+        for k, batch in enumerate(micro_batches):
+            self.sync = k == len(micro_batches) - 1
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = self.model(**batch).loss / len(micro_batches)
+            self.optimizer.backward_with_norm_pass(self.scaler.scale(loss))
+        grad_norm = self.optimizer.grad_norm()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad()
+        return float(grad_norm) if grad_norm is not None else float("nan")
+
+    def step(self, micro_batches: list[dict]) -> tuple[float, float]:
+        """One optimizer step; returns its wall and process CPU seconds."""
+        start, cpu_start = time.perf_counter(), time.process_time()
+        if self.kind == "standard":
+            grad_norm = self._standard_step(micro_batches)
+        else:
+            grad_norm = self._layerwise_step(micro_batches)
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        self.grad_norms.append(grad_norm)
+        self.scales.append(self.scaler.get_scale())
+        return elapsed, cpu
+
+    def close(self) -> None:
+        if self.kind == "layerwise":
+            self.optimizer.detach()
+
+
+def time_configs(base_model, dataset, opts) -> dict:
+    runs = [Run(base_model, kind, ga, opts) for ga in opts.grad_accum for kind in KINDS]
+    order_rng = random.Random(opts.seed)
+    per_step = {}
+    for rnd in range(opts.warmup + opts.rounds):
+        order = list(runs)
+        order_rng.shuffle(order)
+        for run in order:
+            forwards, backwards = run.forwards, run.backwards
+            elapsed, cpu = run.step(micro_batches(dataset, rnd, run.ga, opts.batch_size))
+            per_step.setdefault(run, []).append((run.forwards - forwards, run.backwards - backwards))
+            if rnd >= opts.warmup:
+                run.times.append(elapsed)
+                run.cpu_times.append(cpu)
+        print(f"  round {rnd + 1}/{opts.warmup + opts.rounds}{' (warm-up)' if rnd < opts.warmup else ''}", flush=True)
+    results = {}
+    for ga in opts.grad_accum:
+        ref = next(r for r in runs if r.ga == ga and r.kind == "standard")
+        for run in (r for r in runs if r.ga == ga):
+            median = statistics.median(run.times)
+            cpu_median = statistics.median(run.cpu_times)
+            skipped = [not math.isfinite(n) for n in run.grad_norms]
+            # A skipped step (inf/nan found) runs no second backward; the per-step counts below are those of the
+            # last step that was not skipped (or the last one if all were).
+            counted = [c for c, s in zip(per_step[run], skipped) if not s] or per_step[run]
+            entry = {
+                "optimizer": run.kind,
+                "grad_accum": ga,
+                "times_s": run.times,
+                "cpu_times_s": run.cpu_times,
+                "median_s": median,
+                "cpu_median_s": cpu_median,
+                "ratio": median / statistics.median(ref.times),
+                # Same-round pairs cancel slow drifts of the machine load.
+                "paired_ratio_median": statistics.median(t / r for t, r in zip(run.times, ref.times)),
+                "cpu_ratio": cpu_median / statistics.median(ref.cpu_times),
+                "forwards_per_step": counted[-1][0],
+                "backwards_per_step": counted[-1][1],
+                "forwards_backwards_each_step": per_step[run],
+                "steps": len(run.grad_norms),
+                "skipped_steps": sum(skipped),
+                "skipped_steps_timed": sum(skipped[opts.warmup :]),
+                "grad_norms": run.grad_norms,
+                "scales": run.scales,
+                "final_scale": run.scales[-1],
+            }
+            if run.kind == "layerwise":
+                entry["peak_grad_bytes"] = run.optimizer.peak_grad_bytes
+                entry["full_grad_bytes"] = run.optimizer.full_grad_bytes()
+            else:
+                entry["peak_grad_bytes"] = run.grad_bytes_at_step
+                entry["full_grad_bytes"] = sum(p.numel() * p.element_size() for p in run.params)
+            results[f"{run.kind} ga{ga}"] = entry
+    for run in runs:
+        run.close()
+    return results
+
+
+def print_report(timing: dict, desc: str) -> None:
+    print(f"\n{desc}")
+    header = (
+        f"{'optimizer':<10} {'GA':>3} {'fwd/bwd':>7} {'wall med s':>10} {'vs std':>7} {'paired':>7} "
+        f"{'cpu med s':>9} {'vs std':>7} {'skipped':>8} {'peak grad MiB':>13} {'full grad MiB':>13}"
+    )
+    print(header)
+    print("-" * len(header))
+    for entry in timing.values():
+        fb = f"{entry['forwards_per_step']}/{entry['backwards_per_step']}"
+        skipped = f"{entry['skipped_steps']}/{entry['steps']}"
+        print(
+            f"{entry['optimizer']:<10} {entry['grad_accum']:>3} {fb:>7} {entry['median_s']:>10.4f} "
+            f"{entry['ratio']:>6.3f}x {entry['paired_ratio_median']:>7.3f} {entry['cpu_median_s']:>9.4f} "
+            f"{entry['cpu_ratio']:>6.3f}x {skipped:>8} {entry['peak_grad_bytes'] / MIB:>13.2f} "
+            f"{entry['full_grad_bytes'] / MIB:>13.2f}"
+        )
+    print(
+        "fwd/bwd: model forwards / backwards per optimizer step. vs std: median step time / the standard optimizer's "
+        "at the same GA; paired: median of same-round ratios. skipped: steps with a non-finite gradient norm "
+        "(GradScaler skipped them), warm-up included. peak grad: layer-wise `peak_grad_bytes`; standard: the .grad "
+        "bytes alive at its step."
+    )
+    print("\nwall seconds of each timed step:")
+    for key, entry in timing.items():
+        print(f"  {key:<14} " + " ".join(f"{t:.3f}" for t in entry["times_s"]))
+
+
+def plot(timing: dict, path: Path, desc: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    gas = sorted({e["grad_accum"] for e in timing.values()})
+    width = 0.8 / len(KINDS)
+    for j, kind in enumerate(KINDS):
+        xs = [i + (j - (len(KINDS) - 1) / 2) * width for i in range(len(gas))]
+        entries = [timing[f"{kind} ga{ga}"] for ga in gas]
+        bars = left.bar(xs, [e["median_s"] for e in entries], width, label=kind, color=f"C{j}")
+        left.bar_label(bars, labels=[f"{e['median_s']:.3f}s\n{e['ratio']:.2f}x" for e in entries], fontsize=7)
+        bars = right.bar(xs, [e["peak_grad_bytes"] / MIB for e in entries], width, label=kind, color=f"C{j}")
+        right.bar_label(bars, fmt="%.2f", fontsize=7)
+    for ax in (left, right):
+        ax.set_xticks(range(len(gas)), [f"GA {ga}" for ga in gas])
+        ax.legend(fontsize=8)
+        ax.margins(y=0.2)
+    left.set_ylabel("median step time (s)")
+    left.set_title("fp16 + GradScaler step time (ratio to standard)")
+    right.set_ylabel("MiB")
+    right.set_title("gradient bytes alive at once (peak)")
+    fig.suptitle(textwrap.fill(desc, 150), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    opts = parse_args(argv)
+    torch.set_num_threads(opts.threads)
+    out = Path(opts.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    script_args = ScriptArguments(
+        hidden_size=opts.hidden_size,
+        num_hidden_layers=opts.num_hidden_layers,
+        num_attention_heads=opts.num_attention_heads,
+        num_key_value_heads=opts.num_key_value_heads,
+        intermediate_size=opts.intermediate_size,
+        seq_len=opts.seq_len,
+        num_samples=512,
+    )
+    torch.manual_seed(opts.seed)
+    base_model = build_model(script_args)
+    dataset = build_dataset(script_args)
+    num_params = sum(p.numel() for p in base_model.parameters())
+    desc = (
+        f"fp16 autocast + GradScaler(init_scale {opts.init_scale:g}), AdamW vs {OPTIM} (exact clip "
+        f"{MAX_GRAD_NORM}), Llama {num_params / 1e6:.2f}M params (hidden {opts.hidden_size}, "
+        f"{opts.num_hidden_layers} layers), batch {opts.batch_size}x{opts.seq_len}, {opts.threads} thread(s), "
+        f"{opts.rounds} timed rounds after {opts.warmup} warm-up"
+    )
+    print(f"timing {len(KINDS) * len(opts.grad_accum)} configurations, interleaved: {desc}", flush=True)
+    timing = time_configs(base_model, dataset, opts)
+    print_report(timing, desc)
+    report = {
+        "config": {k: v for k, v in vars(opts).items() if k != "output_dir"} | {"num_params": num_params},
+        "torch": torch.__version__,
+        "timing": timing,
+        "wall_time_s": time.perf_counter() - started,
+    }
+    (out / "fp16_speed.json").write_text(json.dumps(report, indent=1))
+    plot(timing, out / "fp16_speed.png", desc)
+    print(f"\nwrote {out / 'fp16_speed.json'} and .png in {report['wall_time_s']:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
