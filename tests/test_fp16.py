@@ -22,10 +22,12 @@ MAX_NORM = 0.5
 SCALER = dict(init_scale=2.0**20, growth_interval=2)
 
 
-def fp16_train(model, args, callbacks=(), scaler_kwargs=None, resume_from_checkpoint=None):
+def fp16_train(model, args, callbacks=(), resume_from_checkpoint=None):
     trainer_cls = LayerwiseTrainer if args.is_layerwise else Trainer
     trainer = trainer_cls(model=model, args=args, train_dataset=TokenDataset(), callbacks=list(callbacks))
-    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", **(scaler_kwargs or SCALER))
+    for callback in callbacks:
+        callback.trainer = trainer
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", **SCALER)
     trainer.accelerator.native_amp = True  # accelerate's prepare() then wraps forward in fp16 autocast
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return trainer
@@ -76,12 +78,14 @@ class Overflow(TrainerCallback):
 
 
 class ScaleRecorder(TrainerCallback):
-    def __init__(self, trainer_ref):
-        self.trainer_ref = trainer_ref
+    """The scale after every optimizer step (`trainer` is set by `fp16_train`)."""
+
+    def __init__(self):
+        self.trainer = None
         self.scales = []
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.scales.append(self.trainer_ref[0].accelerator.scaler.get_scale())
+        self.scales.append(self.trainer.accelerator.scaler.get_scale())
 
 
 def run_pair(tmp_path, ga, max_grad_norm, base="adamw_torch", inject_at=None, **overrides):
@@ -98,17 +102,10 @@ def run_pair(tmp_path, ga, max_grad_norm, base="adamw_torch", inject_at=None, **
             gradient_accumulation_steps=ga,
             **overrides,
         )
-        ref = []
-        callbacks = [ScaleRecorder(ref)]
+        callbacks = [ScaleRecorder()]
         if inject_at is not None:
             callbacks.append(Overflow(m, inject_at))
-        trainer_cls = LayerwiseTrainer if args.is_layerwise else Trainer
-        trainer = trainer_cls(model=m, args=args, train_dataset=TokenDataset(), callbacks=callbacks)
-        ref.append(trainer)
-        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", **SCALER)
-        trainer.accelerator.native_amp = True
-        trainer.train()
-        out[optim] = (trainer, callbacks)
+        out[optim] = (fp16_train(m, args, callbacks), callbacks)
     return out[base], out[f"{base}_layerwise"]
 
 
