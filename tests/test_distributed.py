@@ -21,7 +21,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(config: str, script: str, report: Path, extra_env: dict | None = None, launch_args=()) -> dict:
+def launch(
+    config: str, script: str, report: Path, extra_env: dict | None = None, launch_args=(), script_args=()
+) -> dict:
     env = {
         **os.environ,
         "ACCELERATE_USE_CPU": "true",  # the multi-process launcher does not forward `use_cpu`
@@ -31,7 +33,7 @@ def launch(config: str, script: str, report: Path, extra_env: dict | None = None
         **(extra_env or {}),
     }
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / config)]
-    cmd += [*launch_args, "--main_process_port", str(free_port()), str(ROOT / script), str(report)]
+    cmd += [*launch_args, "--main_process_port", str(free_port()), str(ROOT / script), *script_args, str(report)]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return json.loads(report.read_text())
@@ -65,6 +67,29 @@ def test_fsdp2_matches_standard_fsdp2_and_resumes(tmp_path):
     assert all(case["fully_sharded"] for case in report["results"])
     assert_exact(report, "fsdp2")
     assert "cannot step FSDP2 shards" in report["adafactor"] and "adamw_torch_layerwise" in report["adafactor"]
+
+
+def test_fsdp2_checkpoint_resumes_on_another_number_of_ranks(tmp_path):
+    def fsdp2(ranks, mode, report):
+        return launch(
+            "configs/accelerate/cpu_fsdp2.yaml",
+            "tests/distributed/fsdp2_reshard.py",
+            tmp_path / report,
+            {"LAYERWISE_HF_FORCE_FSDP_CPU": "1"},
+            launch_args=["--num_processes", str(ranks)],
+            script_args=[mode],
+        )
+
+    assert fsdp2(2, "save", "saved.json")["world_size"] == 2
+    report = fsdp2(3, "resume", "report.json")
+    assert (report["saved_world_size"], report["resumed_world_size"]) == (2, 3)
+    # Every per-parameter AdamW state was resharded and loaded: 2 saved steps + 2 resumed ones.
+    assert report["adam_steps"] == [4.0]
+    # Same samples per step, summed in another order: equal to rounding, far below what the two steps changed.
+    assert report["param_rel_change"] > 0.01
+    assert report["param_rel_diff"] < 1e-5 and report["exp_avg_rel_diff"] < 1e-5, report
+    assert report["grad_norm"][:2] == report["reference_grad_norm"][:2]  # from the checkpoint's log history
+    assert report["grad_norm"][2:] == pytest.approx(report["reference_grad_norm"][2:], rel=1e-5)
 
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
