@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import random
 import statistics
 import sys
 import time
@@ -41,7 +40,17 @@ if str(ROOT) not in sys.path:
 
 from transformers import get_scheduler  # noqa: E402
 
-from examples.train import ScriptArguments, build_dataset, build_model  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    EXAMPLE_FULL,
+    EXAMPLE_SMALL,
+    RESULTS,
+    build_example_task,
+    fill_sizes,
+    interleaved_rounds,
+    micro_batches,
+    save_figure,
+    timing_stats,
+)
 from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer  # noqa: E402
 
 OPTIM = "adamw_torch_layerwise"
@@ -56,16 +65,12 @@ MODES = {
 }
 GOAL_TWO_PASS = 1.7  # a second backward (about 2/3 of a step) puts the floor at 5/3
 GOAL_ONE_PASS = 1.05
-# The example task's model and batch (configs/train/tiny_llama.yaml); --small shrinks both.
-FULL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=688,
-            seq_len=128, batch_size=8)  # fmt: skip
-SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=176,
-             seq_len=32, batch_size=4)  # fmt: skip
+FULL, SMALL = EXAMPLE_FULL, EXAMPLE_SMALL
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output_dir", default=str(ROOT / "benchmarks" / "results"), help="JSON and PNG go here")
+    parser.add_argument("--output_dir", default=str(RESULTS), help="JSON and PNG go here")
     parser.add_argument("--small", action="store_true", help="a tiny model (smoke run); explicit size flags win")
     for key, value in FULL.items():
         parser.add_argument(f"--{key}", type=int, default=None, help=f"default {value} ({SMALL[key]} with --small)")
@@ -78,10 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: less sensitive to shared cores)")
     parser.add_argument("--seed", type=int, default=42)
     opts = parser.parse_args(argv)
-    sizes = SMALL if opts.small else FULL
-    for key, value in sizes.items():
-        if getattr(opts, key) is None:
-            setattr(opts, key, value)
+    fill_sizes(opts, FULL, SMALL)
     return opts
 
 
@@ -141,54 +143,28 @@ class Run:
         self.optimizer.detach()
 
 
-def collate(examples: list[dict]) -> dict:
-    return {k: torch.stack([e[k] for e in examples]) for k in examples[0]}
-
-
-def micro_batches(dataset, step: int, ga: int, batch_size: int) -> list[dict]:
-    out = []
-    for k in range(ga):
-        start = ((step * ga + k) * batch_size) % (len(dataset) - batch_size + 1)
-        out.append(collate(dataset[start : start + batch_size]))
-    return out
-
-
 def time_modes(base_model, dataset, opts) -> dict:
     runs = [Run(base_model, mode, ga, opts) for ga in opts.grad_accum for mode in opts.modes]
-    order_rng = random.Random(opts.seed)
     forwards_per_step = {}
-    for rnd in range(opts.warmup + opts.rounds):
-        order = list(runs)
-        order_rng.shuffle(order)
-        for run in order:
-            before = run.forwards
-            elapsed, cpu = run.step(micro_batches(dataset, rnd, run.ga, opts.batch_size))
-            forwards_per_step[(run.mode, run.ga)] = run.forwards - before
-            if rnd >= opts.warmup:
-                run.times.append(elapsed)
-                run.cpu_times.append(cpu)
-        print(f"  round {rnd + 1}/{opts.warmup + opts.rounds}{' (warm-up)' if rnd < opts.warmup else ''}", flush=True)
+
+    def step(run, rnd):
+        before = run.forwards
+        times = run.step(micro_batches(dataset, rnd, run.ga, opts.batch_size))
+        forwards_per_step[(run.mode, run.ga)] = run.forwards - before
+        return times
+
+    interleaved_rounds(runs, opts, step)
     results = {}
     for ga in opts.grad_accum:
         ref = next((r for r in runs if r.ga == ga and r.mode == "none"), None)
         for run in (r for r in runs if r.ga == ga):
-            median = statistics.median(run.times)
-            cpu_median = statistics.median(run.cpu_times)
-            entry = {
-                "mode": run.mode,
-                "grad_accum": ga,
-                "times_s": run.times,
-                "cpu_times_s": run.cpu_times,
-                "median_s": median,
-                "cpu_median_s": cpu_median,
-                "forwards_per_step": forwards_per_step[(run.mode, ga)],
-            }
-            if ref is not None:
-                entry["ratio"] = median / statistics.median(ref.times)
-                # Same-round pairs cancel slow drifts of the machine load.
-                entry["paired_ratio_median"] = statistics.median(t / r for t, r in zip(run.times, ref.times))
-                # Single-threaded, the process CPU time hardly sees other processes competing for the cores.
-                entry["cpu_ratio"] = cpu_median / statistics.median(ref.cpu_times)
+            # Without the `none` reference there is nothing to divide by: the run's own medians only.
+            reference = ref or run
+            stats = timing_stats(run.times, run.cpu_times, reference.times, reference.cpu_times)
+            if ref is None:
+                stats = {k: v for k, v in stats.items() if "ratio" not in k}
+            entry = {"mode": run.mode, "grad_accum": ga, **stats}
+            entry["forwards_per_step"] = forwards_per_step[(run.mode, ga)]
             results[f"{run.mode} ga{ga}"] = entry
     for run in runs:
         run.close()
@@ -353,10 +329,7 @@ def plot(timing: dict, acc: dict, path: Path, desc: str) -> None:
     right.set_ylabel("||theta - theta_exact|| / ||theta_exact||")
     right.set_title("parameter drift from exact clipping")
     right.legend(fontsize=8)
-    fig.suptitle(desc, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, desc)
 
 
 def main(argv=None) -> None:
@@ -365,19 +338,7 @@ def main(argv=None) -> None:
     out = Path(opts.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    script_args = ScriptArguments(
-        hidden_size=opts.hidden_size,
-        num_hidden_layers=opts.num_hidden_layers,
-        num_attention_heads=opts.num_attention_heads,
-        num_key_value_heads=opts.num_key_value_heads,
-        intermediate_size=opts.intermediate_size,
-        seq_len=opts.seq_len,
-        num_samples=512,
-    )
-    torch.manual_seed(opts.seed)
-    base_model = build_model(script_args)
-    dataset = build_dataset(script_args)
-    num_params = sum(p.numel() for p in base_model.parameters())
+    base_model, dataset, num_params = build_example_task(opts)
     desc = (
         f"{OPTIM}, Llama {num_params / 1e6:.2f}M params (hidden {opts.hidden_size}, {opts.num_hidden_layers} layers), "
         f"batch {opts.batch_size}x{opts.seq_len}, {opts.threads} thread(s), {opts.rounds} timed rounds after "

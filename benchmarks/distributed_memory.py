@@ -34,6 +34,18 @@ import weakref
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import (  # noqa: E402
+    RESULTS,
+    fill_sizes,
+    llama_config,
+    proc_status_bytes,
+    reset_peak_rss,
+    save_figure,
+)
+
 MIB = 2**20
 ENGINES = {"ddp": "configs/accelerate/cpu_ddp.yaml", "fsdp2": "configs/accelerate/cpu_fsdp2.yaml"}
 OPTIMS = ("adamw_torch", "adamw_torch_layerwise")
@@ -46,7 +58,7 @@ SMALL = dict(vocab_size=1024, hidden_size=64, intermediate_size=176, num_hidden_
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output_dir", default=str(ROOT / "benchmarks" / "results"), help="JSON and PNG go here")
+    parser.add_argument("--output_dir", default=str(RESULTS), help="JSON and PNG go here")
     parser.add_argument("--small", action="store_true", help="a tiny model (smoke run); explicit size flags win")
     for key, value in FULL.items():
         parser.add_argument(f"--{key}", type=int, default=None, help=f"default {value} ({SMALL[key]} with --small)")
@@ -60,28 +72,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--optim", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
-    sizes = SMALL if opts.small else FULL
-    for key, value in sizes.items():
-        if getattr(opts, key) is None:
-            setattr(opts, key, value)
+    fill_sizes(opts, FULL, SMALL)
     return opts
 
 
 # ---- per-rank measurement (runs inside the launched ranks) ----
-
-
-def proc_status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def reset_peak_rss() -> None:
-    # "5" resets VmHWM to the current RSS (Linux >= 4.0), so the peak read later belongs to training alone.
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def trim_malloc() -> None:
@@ -275,23 +270,13 @@ def measure(opts: argparse.Namespace, args, accelerator) -> dict:
     """One rank's training steps and measurements; returns them as a plain dict."""
     import torch
     from accelerate.utils import set_seed
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from layerwise_hf import build_layerwise_optimizer, unwrap_layerwise_optimizer
 
     layerwise = opts.optim.endswith("_layerwise")
     set_seed(0)
-    config = LlamaConfig(
-        vocab_size=opts.vocab_size,
-        hidden_size=opts.hidden_size,
-        intermediate_size=opts.intermediate_size,
-        num_hidden_layers=opts.num_hidden_layers,
-        num_attention_heads=opts.num_attention_heads,
-        num_key_value_heads=opts.num_key_value_heads,
-        max_position_embeddings=opts.seq_len,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(llama_config(opts))
     num_params = sum(p.numel() for p in model.parameters())
     if layerwise:
         optimizer = build_layerwise_optimizer(model, args)
@@ -624,10 +609,7 @@ def plot(runs: list[dict], path: Path, model_desc: str) -> None:
         rss_ax.set_ylabel("process RSS, MiB (dotted)")
         handles = line_ax.get_legend_handles_labels()[0] + rss_ax.get_legend_handles_labels()[0]
         line_ax.legend(handles=handles, fontsize=7)
-    fig.suptitle(model_desc, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, model_desc)
 
 
 def main(argv=None) -> None:

@@ -39,10 +39,7 @@ import argparse
 import copy
 import json
 import math
-import random
-import statistics
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -52,8 +49,17 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `examples.train` is the example task: its model, corpus and defaults
 
-from benchmarks.clipping_speed import FULL, SMALL, micro_batches  # noqa: E402
-from examples.train import ScriptArguments, build_dataset, build_model  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    EXAMPLE_FULL,
+    EXAMPLE_SMALL,
+    RESULTS,
+    build_example_task,
+    fill_sizes,
+    interleaved_rounds,
+    micro_batches,
+    save_figure,
+    timing_stats,
+)
 from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer  # noqa: E402
 
 OPTIM = "adamw_torch_layerwise"
@@ -65,10 +71,12 @@ MIB = 2**20
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output_dir", default=str(ROOT / "benchmarks" / "results"), help="JSON and PNG go here")
+    parser.add_argument("--output_dir", default=str(RESULTS), help="JSON and PNG go here")
     parser.add_argument("--small", action="store_true", help="a tiny model (smoke run); explicit size flags win")
-    for key, value in FULL.items():
-        parser.add_argument(f"--{key}", type=int, default=None, help=f"default {value} ({SMALL[key]} with --small)")
+    for key, value in EXAMPLE_FULL.items():
+        parser.add_argument(
+            f"--{key}", type=int, default=None, help=f"default {value} ({EXAMPLE_SMALL[key]} with --small)"
+        )
     parser.add_argument("--grad_accum", type=int, nargs="+", default=[1, 4], help="GA values timed")
     parser.add_argument("--warmup", type=int, default=2, help="rounds dropped before timing")
     parser.add_argument("--rounds", type=int, default=20, help="timed rounds (one step per configuration each)")
@@ -77,10 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: less sensitive to shared cores)")
     parser.add_argument("--seed", type=int, default=42)
     opts = parser.parse_args(argv)
-    sizes = SMALL if opts.small else FULL
-    for key, value in sizes.items():
-        if getattr(opts, key) is None:
-            setattr(opts, key, value)
+    fill_sizes(opts, EXAMPLE_FULL, EXAMPLE_SMALL)
     return opts
 
 
@@ -169,25 +174,19 @@ class Run:
 
 def time_configs(base_model, dataset, opts) -> dict:
     runs = [Run(base_model, kind, ga, opts) for ga in opts.grad_accum for kind in KINDS]
-    order_rng = random.Random(opts.seed)
     per_step = {}
-    for rnd in range(opts.warmup + opts.rounds):
-        order = list(runs)
-        order_rng.shuffle(order)
-        for run in order:
-            forwards, backwards = run.forwards, run.backwards
-            elapsed, cpu = run.step(micro_batches(dataset, rnd, run.ga, opts.batch_size))
-            per_step.setdefault(run, []).append((run.forwards - forwards, run.backwards - backwards))
-            if rnd >= opts.warmup:
-                run.times.append(elapsed)
-                run.cpu_times.append(cpu)
-        print(f"  round {rnd + 1}/{opts.warmup + opts.rounds}{' (warm-up)' if rnd < opts.warmup else ''}", flush=True)
+
+    def step(run, rnd):
+        forwards, backwards = run.forwards, run.backwards
+        times = run.step(micro_batches(dataset, rnd, run.ga, opts.batch_size))
+        per_step.setdefault(run, []).append((run.forwards - forwards, run.backwards - backwards))
+        return times
+
+    interleaved_rounds(runs, opts, step)
     results = {}
     for ga in opts.grad_accum:
         ref = next(r for r in runs if r.ga == ga and r.kind == "standard")
         for run in (r for r in runs if r.ga == ga):
-            median = statistics.median(run.times)
-            cpu_median = statistics.median(run.cpu_times)
             skipped = [not math.isfinite(n) for n in run.grad_norms]
             # A skipped step (inf/nan found) runs no second backward; the per-step counts below are those of the
             # last step that was not skipped (or the last one if all were).
@@ -195,14 +194,7 @@ def time_configs(base_model, dataset, opts) -> dict:
             entry = {
                 "optimizer": run.kind,
                 "grad_accum": ga,
-                "times_s": run.times,
-                "cpu_times_s": run.cpu_times,
-                "median_s": median,
-                "cpu_median_s": cpu_median,
-                "ratio": median / statistics.median(ref.times),
-                # Same-round pairs cancel slow drifts of the machine load.
-                "paired_ratio_median": statistics.median(t / r for t, r in zip(run.times, ref.times)),
-                "cpu_ratio": cpu_median / statistics.median(ref.cpu_times),
+                **timing_stats(run.times, run.cpu_times, ref.times, ref.cpu_times),
                 "forwards_per_step": counted[-1][0],
                 "backwards_per_step": counted[-1][1],
                 "forwards_backwards_each_step": per_step[run],
@@ -277,10 +269,7 @@ def plot(timing: dict, path: Path, desc: str) -> None:
     left.set_title("fp16 + GradScaler step time (ratio to standard)")
     right.set_ylabel("MiB")
     right.set_title("gradient bytes alive at once (peak)")
-    fig.suptitle(textwrap.fill(desc, 150), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, desc, fontsize=9)
 
 
 def main(argv=None) -> None:
@@ -289,19 +278,7 @@ def main(argv=None) -> None:
     out = Path(opts.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    script_args = ScriptArguments(
-        hidden_size=opts.hidden_size,
-        num_hidden_layers=opts.num_hidden_layers,
-        num_attention_heads=opts.num_attention_heads,
-        num_key_value_heads=opts.num_key_value_heads,
-        intermediate_size=opts.intermediate_size,
-        seq_len=opts.seq_len,
-        num_samples=512,
-    )
-    torch.manual_seed(opts.seed)
-    base_model = build_model(script_args)
-    dataset = build_dataset(script_args)
-    num_params = sum(p.numel() for p in base_model.parameters())
+    base_model, dataset, num_params = build_example_task(opts)
     desc = (
         f"fp16 autocast + GradScaler(init_scale {opts.init_scale:g}), AdamW vs {OPTIM} (exact clip "
         f"{MAX_GRAD_NORM}), Llama {num_params / 1e6:.2f}M params (hidden {opts.hidden_size}, "

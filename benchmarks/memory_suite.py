@@ -55,6 +55,18 @@ from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import (  # noqa: E402
+    RESULTS,
+    fill_sizes,
+    llama_config,
+    proc_status_bytes,
+    reset_peak_rss,
+    save_figure,
+)
+
 MIB = 2**20
 FLOOR_GOAL = 1.05
 TIME_GOAL = 1.05
@@ -109,7 +121,7 @@ BY_NAME = {c.name: c for c in CONFIGS}
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output_dir", default=str(ROOT / "benchmarks" / "results"), help="JSON and PNG go here")
+    parser.add_argument("--output_dir", default=str(RESULTS), help="JSON and PNG go here")
     parser.add_argument("--small", action="store_true", help="a tiny model (smoke run); explicit flags win")
     for key, value in FULL.items():
         parser.add_argument(f"--{key}", type=int, default=None, help=f"default {value} ({SMALL[key]} with --small)")
@@ -131,28 +143,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--worker", choices=("memory", "timing"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
-    for full, small in ((FULL, SMALL), (FULL_RUN, SMALL_RUN)):
-        for key, value in (small if opts.small else full).items():
-            if getattr(opts, key) is None:
-                setattr(opts, key, value)
+    fill_sizes(opts, FULL, SMALL)
+    fill_sizes(opts, FULL_RUN, SMALL_RUN)
     return opts
 
 
 # ---- measuring (inside the workers) ----
-
-
-def proc_status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def reset_peak_rss() -> None:
-    # "5" resets VmHWM to the current RSS (Linux >= 4.0), so the peak read next belongs to what ran in between.
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def settle() -> None:
@@ -194,27 +190,12 @@ def storage_bytes(tensors: dict) -> int:
     return sum(storages.values())
 
 
-def model_config(opts):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=opts.vocab_size,
-        hidden_size=opts.hidden_size,
-        intermediate_size=opts.intermediate_size,
-        num_hidden_layers=opts.num_hidden_layers,
-        num_attention_heads=opts.num_attention_heads,
-        num_key_value_heads=opts.num_key_value_heads,
-        max_position_embeddings=opts.seq_len,
-        tie_word_embeddings=False,
-    )
-
-
 def build_model(cfg: Config, opts):
     import torch
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(opts.seed)  # every configuration starts from the same weights (and the same LoRA init)
-    model = LlamaForCausalLM(model_config(opts))
+    model = LlamaForCausalLM(llama_config(opts))
     if cfg.lora:
         from peft import LoraConfig, get_peft_model
 
@@ -711,7 +692,7 @@ def estimate_for(cfg: Config, opts) -> dict:
     if cfg.lora:
         kwargs.update(lora_rank=LORA["r"], lora_target_modules=LORA["target_modules"], adapter_dtype="float32")
     try:
-        est = estimate(model_config(opts), **kwargs)
+        est = estimate(llama_config(opts), **kwargs)
     except EstimateError as err:
         return {"error": str(err)}
     keys = ("weight_bytes", "gradient_bytes", "optimizer_state_bytes", "total_bytes", "largest_parameter_bytes")
@@ -1098,10 +1079,7 @@ def plot(report: dict, path: Path) -> None:
     right.set_title("Step time")
     right.set_ylim(min([0.9, *(c["timing"]["ratio"] - 0.02 for c in timed)]), None)
     right.legend(fontsize=7)
-    fig.suptitle(report["description"], fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, report["description"], fontsize=9)
 
 
 def results_markdown(json_path) -> str:
