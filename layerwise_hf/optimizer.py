@@ -470,7 +470,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         raise RuntimeError(
             f"The gradient hook of {self.names[i]} fired twice before optimizer.step(): it would be stepped "
             "twice. This happens with reentrant activation checkpointing when a parameter is used in two "
-            "checkpointed segments (use gradient_checkpointing_kwargs={'use_reentrant': False}), or with "
+            "checkpointed segments (use activation_checkpointing_kwargs={'use_reentrant': False}), or with "
             "several backward passes per step outside gradient accumulation (use accelerator.accumulate or "
             "gradient_accumulation_steps)."
         )

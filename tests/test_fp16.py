@@ -152,6 +152,17 @@ def test_fp16_overflow_changes_nothing_and_halves_the_scale(tmp_path, ga, max_gr
     assert_params_equal(standard.model, layerwise.model)
 
 
+def test_fp16_with_gradient_checkpointing_matches_standard(tmp_path):
+    (standard, (std_scales,)), (layerwise, (lw_scales,)) = run_pair(
+        tmp_path, 1, MAX_NORM, activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": False}
+    )
+    norms = logged(standard, "grad_norm")
+    assert not all(math.isfinite(n) for n in norms), "no step overflowed"
+    assert same_floats(logged(layerwise, "grad_norm"), norms)
+    assert lw_scales.scales == std_scales.scales
+    assert_params_equal(standard.model, layerwise.model)
+
+
 def test_fp16_resume_matches_uninterrupted(tmp_path):
     model = tiny_llama()
     common = dict(fp16=True, max_grad_norm=MAX_NORM, learning_rate=5e-2, save_strategy="steps")
