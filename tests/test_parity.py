@@ -1,6 +1,7 @@
 """X_layerwise must train exactly like X: every parameter, the logged lr and grad_norm, with GA 1 and 2."""
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -146,3 +147,28 @@ def test_memory_figures_reach_the_logs(tmp_path):
     largest = max(p.numel() * p.element_size() for p in trainer.model.parameters())
     assert entry["layerwise_peak_grad_mib"] == round(largest / 2**20, 3)
     assert entry["layerwise_optimizer_state_mib"] == round(trainer.layerwise_optimizer.state_bytes() / 2**20, 3) > 0
+
+
+def test_evaluation_and_best_model_match_standard(tmp_path):
+    # Evaluation between steps (no backward, so no hook fires) and load_best_model_at_end leave training unchanged.
+    model = tiny_llama()
+    kwargs = dict(
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        max_grad_norm=1.0,
+    )
+    runs = {}
+    for optim in ("adamw_torch", "adamw_torch_layerwise"):
+        args = training_args(tmp_path / optim, optim, **kwargs)
+        runs[optim] = train(clone(model), args, eval_dataset=TokenDataset(n=16, seed=5))
+    standard, layerwise = runs.values()
+    assert len(logged(layerwise, "eval_loss")) == 3
+    assert logged(layerwise, "eval_loss") == logged(standard, "eval_loss")
+    assert logged(layerwise, "grad_norm") == logged(standard, "grad_norm")
+    best = [os.path.basename(run.state.best_model_checkpoint) for run in (standard, layerwise)]
+    assert best[0] == best[1]
+    assert_params_equal(standard.model, layerwise.model)
