@@ -27,7 +27,9 @@ class LayerwiseCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self.optimizer = unwrap_layerwise_optimizer(optimizer)
         if self.optimizer is not None:
-            self.optimizer.connect(getattr(self.trainer, "model_wrapped", None) or model)
+            # NOTE: `is None`, not `or`: truth-testing a torch.compile'd module calls len(), which it refuses.
+            wrapped = getattr(self.trainer, "model_wrapped", None)
+            self.optimizer.connect(model if wrapped is None else wrapped)
             # fp16: Accelerate's GradScaler decides skips and the scale from what the hooks find (None otherwise).
             accelerator = getattr(self.trainer, "accelerator", None)
             self.optimizer.use_grad_scaler(getattr(accelerator, "scaler", None))

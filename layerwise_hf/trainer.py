@@ -92,8 +92,9 @@ class LayerwiseTrainerMixin:
         optimizer = self.layerwise_optimizer
         if optimizer is None:
             return super().training_step(model, inputs, num_items_in_batch)
-        if optimizer.route == "ddp" or optimizer.route == "fsdp2":
-            # Collectives run once per forward: measure with a whole second forward+backward.
+        if optimizer.route == "ddp" or optimizer.route == "fsdp2" or self._layerwise_compiled(model):
+            # Collectives run once per forward, and a compiled backward cannot run over a retained graph: measure
+            # with a whole second forward+backward.
             return optimizer.run_with_norm_pass(
                 lambda: super(LayerwiseTrainerMixin, self).training_step(model, inputs, num_items_in_batch)
             )
@@ -104,6 +105,13 @@ class LayerwiseTrainerMixin:
             return super().training_step(model, inputs, num_items_in_batch)
         finally:
             del self.accelerator.backward
+
+    def _layerwise_compiled(self, model) -> bool:
+        cached = getattr(self, "_layerwise_compiled_cache", None)
+        if cached is None or cached[0] is not model:
+            cached = (model, is_compiled(model) or bool(getattr(self.args, "torch_compile", False)))
+            self._layerwise_compiled_cache = cached
+        return cached[1]
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         # Everything that can be checked before a step is: where checkpoints go, and what we resume from.
@@ -182,6 +190,15 @@ class LayerwiseTrainerMixin:
         if optimizer is None:
             return super()._get_grad_norm(model, grad_norm=grad_norm)
         return grad_norm if grad_norm is not None else optimizer.grad_norm()
+
+
+def is_compiled(model) -> bool:
+    """Whether `model` or any submodule runs through torch.compile (whose backward refuses `retain_graph=True`)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if isinstance(model, OptimizedModule):
+        return True
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
 
 
 def _strip_frozen(optimizer):

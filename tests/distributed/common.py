@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from helpers import finish_ranks  # noqa: E402, F401  (re-exported for the scripts)
 
 VOCAB = 64
 SEQ = 8

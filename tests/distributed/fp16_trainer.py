@@ -16,7 +16,7 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from common import VOCAB, dataset, max_diff, params, ranks_agree, tiny_llama
+from common import VOCAB, dataset, finish_ranks, max_diff, params, ranks_agree, tiny_llama
 from transformers import Trainer, TrainerCallback
 
 from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments  # applies LAYERWISE_HF_FORCE_FSDP_CPU
@@ -134,5 +134,4 @@ def main(report_path):
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_ranks()

@@ -18,7 +18,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from common import dataset, params, tiny_llama
+from common import dataset, finish_ranks, params, tiny_llama
 from transformers import TrainerCallback
 
 from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments  # applies LAYERWISE_HF_FORCE_FSDP_CPU
@@ -116,4 +116,4 @@ def main(mode, report_path):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
-    dist.destroy_process_group()
+    finish_ranks()

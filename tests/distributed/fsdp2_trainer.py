@@ -12,7 +12,7 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from common import dataset, max_diff, params, ranks_agree, tiny_llama
+from common import dataset, finish_ranks, max_diff, params, ranks_agree, tiny_llama
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -98,5 +98,4 @@ def main(report_path):
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_ranks()

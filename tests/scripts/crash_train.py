@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from helpers import TokenDataset, tiny_llama, training_args  # noqa: E402
+from helpers import TokenDataset, finish_ranks, tiny_llama, training_args  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from layerwise_hf import LayerwiseTrainer  # noqa: E402
@@ -77,3 +77,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    finish_ranks()
