@@ -574,8 +574,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def backward_with_norm_pass(self, loss: torch.Tensor, backward: Callable[..., Any] | None = None, **kwargs):
         """
         `backward(loss)`, preceded (when exact clipping needs the global norm first) by a measuring backward over the
-        same graph, kept with `retain_graph=True`: one forward, two backwards. Only for a single process: DDP and
-        FSDP2 run their collectives once per forward, so use `run_with_norm_pass` there.
+        same graph, kept with `retain_graph=True`: one forward, two backwards. Only for a single process and an
+        uncompiled model: DDP and FSDP2 run their collectives once per forward, and a torch.compile'd backward refuses
+        `retain_graph`, so use `run_with_norm_pass` there.
         """
         backward = backward or (lambda tensor, **kw: tensor.backward(**kw))
         # First: a window GradScaler skipped must be closed before this one notes its accumulation.
