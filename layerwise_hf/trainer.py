@@ -260,8 +260,8 @@ def _explain_clipping(max_grad_norm: float, mode: str, gradient_accumulation_ste
     elif mode == "exact" and gradient_accumulation_steps == 1:
         logger.warning(
             "max_grad_norm=%s with layerwise_clip='exact' and no gradient accumulation: each step runs backward twice "
-            "(the first pass measures the global norm%s; under DDP/FSDP2 forward too) to clip exactly like Trainer. "
-            "%s",
+            "(the first pass measures the global norm%s; under DDP/FSDP2/torch.compile forward too) to clip exactly "
+            "like Trainer. %s",
             max_grad_norm,
             " and checks for fp16 inf/nan" if fp16 else "",
             "" if fp16 else "layerwise_clip='previous' clips in one pass with the previous step's norm.",
