@@ -7,28 +7,12 @@ import sys
 
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from helpers import finish_ranks  # noqa: E402, F401  (re-exported for the scripts)
+from helpers import finish_ranks, tiny_llama  # noqa: E402, F401  (re-exported for the scripts)
 
-VOCAB = 64
+VOCAB = 64  # as helpers.tiny_llama
 SEQ = 8
-
-
-def tiny_llama(seed: int = 0, vocab: int = VOCAB, hidden: int = 32) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config)
 
 
 def dataset(n: int = 64, vocab: int = VOCAB):

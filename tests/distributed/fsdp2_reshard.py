@@ -18,17 +18,13 @@ import sys
 
 import torch
 import torch.distributed as dist
-from common import dataset, finish_ranks, params, tiny_llama
+from common import dataset, finish_ranks, full, params, tiny_llama
 from transformers import TrainerCallback
 
 from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments  # applies LAYERWISE_HF_FORCE_FSDP_CPU
 
 torch.set_num_threads(1)
 GLOBAL_BATCH = 6
-
-
-def full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 class WeightsAt(TrainerCallback):
