@@ -24,6 +24,32 @@ def fill_sizes(opts, full: dict, small: dict) -> None:
             setattr(opts, key, value)
 
 
+def example_task_parser(description: str, rounds: int):
+    """The options both timing benchmarks share: output, model size of the example task, GA values, rounds."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--output_dir", default=str(RESULTS), help="JSON and PNG go here")
+    parser.add_argument("--small", action="store_true", help="a tiny model (smoke run); explicit size flags win")
+    for key, value in EXAMPLE_FULL.items():
+        parser.add_argument(
+            f"--{key}", type=int, default=None, help=f"default {value} ({EXAMPLE_SMALL[key]} with --small)"
+        )
+    parser.add_argument("--grad_accum", type=int, nargs="+", default=[1, 4], help="GA values timed")
+    parser.add_argument("--warmup", type=int, default=2, help="rounds dropped before timing")
+    parser.add_argument("--rounds", type=int, default=rounds, help="timed rounds (one step per configuration each)")
+    parser.add_argument("--learning_rate", type=float, default=3e-3, help="the example task's peak lr")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: less sensitive to shared cores)")
+    parser.add_argument("--seed", type=int, default=42)
+    return parser
+
+
+def parse_example_task_args(parser, argv=None):
+    opts = parser.parse_args(argv)
+    fill_sizes(opts, EXAMPLE_FULL, EXAMPLE_SMALL)
+    return opts
+
+
 def build_example_task(opts):
     """The example task of `examples/train.py` (its model and grammar corpus) at the sizes in `opts`."""
     import torch

@@ -41,13 +41,11 @@ if str(ROOT) not in sys.path:
 from transformers import get_scheduler  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
-    EXAMPLE_FULL,
-    EXAMPLE_SMALL,
-    RESULTS,
     build_example_task,
-    fill_sizes,
+    example_task_parser,
     interleaved_rounds,
     micro_batches,
+    parse_example_task_args,
     save_figure,
     timing_stats,
 )
@@ -65,26 +63,13 @@ MODES = {
 }
 GOAL_TWO_PASS = 1.7  # a second backward (about 2/3 of a step) puts the floor at 5/3
 GOAL_ONE_PASS = 1.05
-FULL, SMALL = EXAMPLE_FULL, EXAMPLE_SMALL
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output_dir", default=str(RESULTS), help="JSON and PNG go here")
-    parser.add_argument("--small", action="store_true", help="a tiny model (smoke run); explicit size flags win")
-    for key, value in FULL.items():
-        parser.add_argument(f"--{key}", type=int, default=None, help=f"default {value} ({SMALL[key]} with --small)")
-    parser.add_argument("--grad_accum", type=int, nargs="+", default=[1, 4], help="GA values timed")
+    parser = example_task_parser(__doc__.splitlines()[0], rounds=10)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    parser.add_argument("--warmup", type=int, default=2, help="rounds dropped before timing")
-    parser.add_argument("--rounds", type=int, default=10, help="timed rounds (one step per configuration each)")
     parser.add_argument("--accuracy_steps", type=int, default=60, help="steps of the previous-vs-exact comparison")
-    parser.add_argument("--learning_rate", type=float, default=3e-3, help="the example task's peak lr")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: less sensitive to shared cores)")
-    parser.add_argument("--seed", type=int, default=42)
-    opts = parser.parse_args(argv)
-    fill_sizes(opts, FULL, SMALL)
-    return opts
+    return parse_example_task_args(parser, argv)
 
 
 class Run:

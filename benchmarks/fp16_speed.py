@@ -50,13 +50,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `examples.train` is the example task: its model, corpus and defaults
 
 from benchmarks._common import (  # noqa: E402
-    EXAMPLE_FULL,
-    EXAMPLE_SMALL,
-    RESULTS,
     build_example_task,
-    fill_sizes,
+    example_task_parser,
     interleaved_rounds,
     micro_batches,
+    parse_example_task_args,
     save_figure,
     timing_stats,
 )
@@ -70,23 +68,9 @@ MIB = 2**20
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output_dir", default=str(RESULTS), help="JSON and PNG go here")
-    parser.add_argument("--small", action="store_true", help="a tiny model (smoke run); explicit size flags win")
-    for key, value in EXAMPLE_FULL.items():
-        parser.add_argument(
-            f"--{key}", type=int, default=None, help=f"default {value} ({EXAMPLE_SMALL[key]} with --small)"
-        )
-    parser.add_argument("--grad_accum", type=int, nargs="+", default=[1, 4], help="GA values timed")
-    parser.add_argument("--warmup", type=int, default=2, help="rounds dropped before timing")
-    parser.add_argument("--rounds", type=int, default=20, help="timed rounds (one step per configuration each)")
-    parser.add_argument("--learning_rate", type=float, default=3e-3, help="the example task's peak lr")
+    parser = example_task_parser(__doc__.splitlines()[0], rounds=20)
     parser.add_argument("--init_scale", type=float, default=2.0**16, help="GradScaler init_scale (its default)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: less sensitive to shared cores)")
-    parser.add_argument("--seed", type=int, default=42)
-    opts = parser.parse_args(argv)
-    fill_sizes(opts, EXAMPLE_FULL, EXAMPLE_SMALL)
-    return opts
+    return parse_example_task_args(parser, argv)
 
 
 class Run:
