@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LayerwiseCallback": "callback",
     "LayerwiseOptimizer": "optimizer",
-    "LayerwiseParam": "registry",
+    "LayerwiseParam": "params",
     "LayerwiseTrainer": "trainer",
     "LayerwiseTrainerMixin": "trainer",
     "LayerwiseTrainingArguments": "training_args",

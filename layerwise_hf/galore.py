@@ -27,17 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .registry import LayerwiseParam, isolate_bnb_overrides
+from .params import LayerwiseParam, isolate_bnb_overrides
+from .support import LOW_RANK_BASES
 
 logger = logging.getLogger(__name__)
-
-# base -> (module, class name, pip package)
-LOW_RANK_BASES: dict[str, tuple[str, str, str]] = {
-    "galore_adamw": ("galore_torch", "GaLoreAdamW", "galore-torch"),
-    "galore_adamw_8bit": ("galore_torch", "GaLoreAdamW8bit", "galore-torch"),
-    "galore_adafactor": ("galore_torch", "GaLoreAdafactor", "galore-torch"),
-    "apollo_adamw": ("apollo_torch", "APOLLOAdamW", "apollo-torch"),
-}
 
 # Objects a low-rank optimizer keeps in its state are rebuilt on load only from these packages.
 _OBJECT_PACKAGES = ("galore_torch", "apollo_torch")

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .checkpoint import STATE_DICT_KEY, is_layerwise_state_dict, standard_to_layerwise
-from .registry import LayerwiseFactory, LayerwiseParam
+from .params import LayerwiseFactory, LayerwiseParam
 
 logger = logging.getLogger(__name__)
 

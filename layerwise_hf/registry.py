@@ -9,65 +9,24 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
 from transformers.training_args import OptimizerNames
 
-SUFFIX = "_layerwise"
+from .params import LayerwiseFactory, LayerwiseParam, isolate_bnb_overrides
+from .support import LOW_RANK_BASES, REFUSED_BASES, SUFFIX, not_per_tensor_error, refused_base_error
 
-# Bases whose math is not one independent update per tensor: splitting them per parameter would change results.
-_REFUSED_BASES: dict[str, str] = {
-    "lomo": "LOMO fuses the update into backward over the whole model; it is already layer-wise",
-    "adalomo": "AdaLomo fuses the update into backward over the whole model; it is already layer-wise",
-    "schedule_free_adamw": "schedule-free optimizers swap weights in optimizer.train()/eval() for the whole model",
-    "schedule_free_radam": "schedule-free optimizers swap weights in optimizer.train()/eval() for the whole model",
-    "schedule_free_sgd": "schedule-free optimizers swap weights in optimizer.train()/eval() for the whole model",
-}
-
-# Low-rank projection optimizers (GaLore, APOLLO): the model chooses which tensors are projected, so their factory is
-# built from the model (layerwise_hf.galore); each tensor's update still only reads its own gradient. transformers
-# defines their `_layerwise` names itself; this plugin serves them (scheduled lr, weight decay, grad_norm, state).
-_LOW_RANK_REQUIRES = {
-    "galore_adamw": "galore-torch",
-    "galore_adamw_8bit": "galore-torch",
-    "galore_adafactor": "galore-torch",
-    "apollo_adamw": "apollo-torch",
-}
-
-
-@dataclass(frozen=True)
-class LayerwiseParam:
-    """
-    One trainable parameter as a factory sees it.
-
-    Args:
-        name (`str`):
-            The parameter's name in `model.named_parameters()`.
-        param (`torch.nn.Parameter`):
-            The parameter the returned optimizer must own (and only it).
-        weight_decay (`float`):
-            The weight decay Trainer's decay / no-decay split gives this parameter.
-        is_embedding (`bool`):
-            Whether the parameter is the weight of an `nn.Embedding` (bitsandbytes keeps those in 32-bit state).
-    """
-
-    name: str
-    param: nn.Parameter
-    weight_decay: float
-    is_embedding: bool = False
-
-
-LayerwiseFactory = Callable[[LayerwiseParam, TrainingArguments], torch.optim.Optimizer]
+# Low-rank projection optimizers (GaLore, APOLLO) are served by layerwise_hf.galore: transformers defines their
+# `_layerwise` names itself; this plugin serves them (scheduled lr, weight decay, grad_norm, state).
+_LOW_RANK_REQUIRES = {base: package for base, (_, _, package) in LOW_RANK_BASES.items()}
 
 _REGISTRY: dict[str, LayerwiseFactory] = {}
 
 
 def _builtin_bases() -> list[str]:
-    return sorted(n.value for n in OptimizerNames if not n.value.endswith(SUFFIX) and n.value not in _REFUSED_BASES)
+    return sorted(n.value for n in OptimizerNames if not n.value.endswith(SUFFIX) and n.value not in REFUSED_BASES)
 
 
 # Layer-wise names transformers defines itself that still go through transformers' own code path (none at present:
@@ -163,11 +122,8 @@ def parse_optim_name(name) -> str | None:
     # NOTE: before the check against OptimizerNames, which also holds transformers' galore_*_layerwise names.
     if name.endswith(SUFFIX) and name not in TRANSFORMERS_LAYERWISE_NAMES:
         base = name[: -len(SUFFIX)]
-        if base in _REFUSED_BASES:
-            raise ValueError(
-                f"{name!r} is not supported: {_REFUSED_BASES[base]}. "
-                f"Per-tensor choices: {', '.join(list_layerwise_optimizers())}."
-            )
+        if base in REFUSED_BASES:
+            raise refused_base_error(name, base, list_layerwise_optimizers())
         if base in _builtin_bases():
             return base
     if name in TRANSFORMERS_LAYERWISE_NAMES or name in {n.value for n in OptimizerNames}:
@@ -200,29 +156,11 @@ def resolve_factory(args: TrainingArguments, model: nn.Module | None = None) -> 
     from transformers.trainer_optimizer import is_optimizer_factory
 
     if is_optimizer_factory(optimizer_cls) or {"params", "model", "optimizer_dict"} & set(kwargs):
-        raise ValueError(
-            f"{name!r}: Trainer builds {base!r} from the whole model, so it has no per-tensor form. "
-            f"Choose one of: {', '.join(list_layerwise_optimizers())}."
-        )
+        raise not_per_tensor_error(name, base, list_layerwise_optimizers())
     # Trainer's "embeddings keep 32-bit state" rule for bitsandbytes 8-bit, applied per parameter instead of
     # through GlobalOptimManager, whose (group, index) keys are (0, 0) for every per-parameter optimizer.
     bnb_8bit = "bitsandbytes" in str(optimizer_cls) and kwargs.get("optim_bits") == 8
     return _ClassFactory(optimizer_cls, dict(kwargs), bnb_8bit)
-
-
-def isolate_bnb_overrides(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """
-    Give a bitsandbytes optimizer a private override manager. bitsandbytes consults a process-wide
-    GlobalOptimManager keyed by (group, index), which is (0, 0) for every per-parameter optimizer, so another
-    run's overrides (Trainer registers one per embedding) would leak into all of them.
-    """
-    if hasattr(optimizer, "mng"):
-        from bitsandbytes.optim import GlobalOptimManager
-
-        private = GlobalOptimManager.__new__(GlobalOptimManager)
-        private.initialize()
-        optimizer.mng = private
-    return optimizer
 
 
 class _ClassFactory:

@@ -1,0 +1,62 @@
+"""Types shared by the registry, the low-rank (GaLore / APOLLO) factories and the optimizer. A leaf: it imports
+nothing from the package, so every module can depend on it without an import circle."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LayerwiseParam:
+    """
+    One trainable parameter as a factory sees it.
+
+    Args:
+        name (`str`):
+            The parameter's name in `model.named_parameters()`.
+        param (`torch.nn.Parameter`):
+            The parameter the returned optimizer must own (and only it).
+        weight_decay (`float`):
+            The weight decay Trainer's decay / no-decay split gives this parameter.
+        is_embedding (`bool`):
+            Whether the parameter is the weight of an `nn.Embedding` (bitsandbytes keeps those in 32-bit state).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf import LayerwiseParam
+    >>> weight = torch.nn.Parameter(torch.zeros(4, 4))
+    >>> lp = LayerwiseParam("layer.weight", weight, weight_decay=0.1)
+    >>> optimizer = torch.optim.AdamW([{"params": [lp.param], "weight_decay": lp.weight_decay}], lr=1e-3)
+    ```
+    """
+
+    name: str
+    param: nn.Parameter
+    weight_decay: float
+    is_embedding: bool = False
+
+
+# (parameter, TrainingArguments) -> the optimizer of that one parameter.
+LayerwiseFactory = Callable[[LayerwiseParam, Any], torch.optim.Optimizer]
+
+
+def isolate_bnb_overrides(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """
+    Give a bitsandbytes optimizer a private override manager. bitsandbytes consults a process-wide
+    GlobalOptimManager keyed by (group, index), which is (0, 0) for every per-parameter optimizer, so another
+    run's overrides (Trainer registers one per embedding) would leak into all of them.
+    """
+    if hasattr(optimizer, "mng"):
+        from bitsandbytes.optim import GlobalOptimManager
+
+        private = GlobalOptimManager.__new__(GlobalOptimManager)
+        private.initialize()
+        optimizer.mng = private
+    return optimizer
