@@ -81,6 +81,12 @@ def clone(model):
     return copy.deepcopy(model)
 
 
+def hook_count(p: torch.Tensor) -> int:
+    """How many post-accumulate-grad hooks (what a layer-wise optimizer registers) `p` carries."""
+    hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+    return len(hooks) if hooks else 0
+
+
 def logged(trainer, key: str) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry and "train_runtime" not in entry]
 

@@ -45,33 +45,6 @@ def test_is_a_real_optimizer_with_one_named_group_per_trainable_parameter():
     assert optimizer.state == {}
 
 
-def test_hooks_live_only_during_train(tmp_path):
-    model = tiny_llama()
-    seen = []
-
-    class Probe(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            seen.append([hook_count(p) for p in model.parameters()])
-
-    trainer = train(model, training_args(tmp_path, "sgd_layerwise", max_steps=3), callbacks=[Probe()])
-    assert seen and all(counts == [1] * len(counts) for counts in seen)
-    assert all(hook_count(p) == 0 for p in model.parameters())
-    assert not trainer.layerwise_optimizer.attached
-
-
-def test_hooks_removed_when_train_raises(tmp_path):
-    model = tiny_llama()
-
-    class Boom(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 2:
-                raise RuntimeError("boom")
-
-    with pytest.raises(RuntimeError, match="boom"):
-        train(model, training_args(tmp_path, "sgd_layerwise", max_steps=4), callbacks=[Boom()])
-    assert all(hook_count(p) == 0 for p in model.parameters())
-
-
 def test_second_trainer_on_same_model_never_steps_twice(tmp_path):
     model = tiny_llama()
     first = LayerwiseTrainer(

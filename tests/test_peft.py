@@ -33,23 +33,3 @@ def test_lora_state_is_adapters_only(tmp_path):
     assert_params_equal(standard.model, layerwise.model)
     # LoRA B starts at zero: the adapters really trained.
     assert all(p.abs().max() > 0 for n, p in lora.items() if "lora_B" in n)
-
-
-def test_standard_optimizer_groups_hold_no_frozen_parameters(tmp_path):
-    # What DeepSpeed gets handed when the Trainer builds the optimizer (transformers' deepspeed_optim_sched calls
-    # trainer.create_optimizer() when the DS config has no "optimizer" section; with one, it passes the
-    # requires_grad-filtered parameters itself): only adapters, and no empty group (Trainer's split leaves the
-    # no-decay group empty for LoRA).
-    from transformers import Trainer
-
-    from layerwise_hf import LayerwiseTrainer
-
-    model = lora_model()
-    args = training_args(tmp_path, "adamw_torch")
-    plain = Trainer(model=model, args=args, train_dataset=[]).create_optimizer()
-    assert any(not g["params"] for g in plain.param_groups), "Trainer alone hands over an empty group"
-    optimizer = LayerwiseTrainer(model=model, args=args, train_dataset=[]).create_optimizer()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    handed = [p for g in optimizer.param_groups for p in g["params"]]
-    assert all(g["params"] for g in optimizer.param_groups), "no empty param group"
-    assert {id(p) for p in handed} == {id(p) for p in trainable}
