@@ -77,7 +77,8 @@ def main(argv=None) -> None:
     )
     model = LlamaForCausalLM(config)
 
-    optimizer = build_layerwise_optimizer(model, args)
+    # The loop logs grad_norm every step, so every gradient's norm is measured (clipping or not).
+    optimizer = build_layerwise_optimizer(model, args, track_grad_norm=True)
     # GA > 1 holds the gradients for the window anyway, so exact clipping costs nothing extra here.
     optimizer.configure_clipping(opts.max_grad_norm, "exact")
 

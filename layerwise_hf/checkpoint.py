@@ -1,5 +1,5 @@
-"""Checkpoint formats and safety: conversion between standard and layer-wise optimizer states, complete-checkpoint
-markers, and the `layerwise-hf convert-checkpoint` command.
+"""Checkpoint safety and files: complete-checkpoint markers, checks before anything loads, and the
+`layerwise-hf convert-checkpoint` command (the state conversions themselves live in `layerwise_hf.state`).
 
 A standard Trainer optimizer state has two param groups (Trainer's weight-decay group, then the no-decay group),
 each listing its parameters in `model.named_parameters()` order; a layer-wise state has one named group per
@@ -17,114 +17,20 @@ from typing import Any
 
 import torch
 
+from .state import (
+    convert_scheduler_state,
+    first_members,
+    is_layerwise_state_dict,
+    layerwise_to_standard,
+    standard_groups_of,
+    standard_to_layerwise,
+)
+
 logger = logging.getLogger(__name__)
 
-STATE_DICT_KEY = "layerwise_hf"
 COMPLETE_MARKER = "layerwise_complete.json"
 OPTIMIZER_NAME = "optimizer.pt"
 SCHEDULER_NAME = "scheduler.pt"
-
-
-def is_layerwise_state_dict(state_dict: dict[str, Any]) -> bool:
-    groups = state_dict.get("param_groups", [])
-    return bool(groups) and all("name" in g for g in groups)
-
-
-def standard_to_layerwise(state_dict: dict[str, Any], groups_names: list[list[str]]) -> dict[str, Any]:
-    """
-    Convert a standard optimizer state to the layer-wise layout.
-
-    Args:
-        state_dict (`dict`):
-            `optimizer.state_dict()` of a standard optimizer.
-        groups_names (`list[list[str]]`):
-            The parameter names of each of its param groups, in order (Trainer: decay group, then no-decay group).
-    """
-    groups = state_dict["param_groups"]
-    sizes = [len(g["params"]) for g in groups]
-    expected = [len(names) for names in groups_names]
-    if sizes != expected:
-        raise ValueError(
-            f"The standard optimizer state has param groups of sizes {sizes}, but this model's trainable parameters "
-            f"form groups of sizes {expected} (Trainer's weight-decay split): it was saved for another model or "
-            "another set of trainable parameters."
-        )
-    state, out_groups, names = {}, [], []
-    for group, group_names in zip(groups, groups_names):
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        for saved_id, name in zip(group["params"], group_names):
-            i = len(out_groups)
-            if saved_id in state_dict["state"]:
-                state[i] = state_dict["state"][saved_id]
-            out_groups.append({**hyper, "name": name, "params": [i]})
-            names.append(name)
-    return {"state": state, "param_groups": out_groups, STATE_DICT_KEY: {"converted_from": "standard", "names": names}}
-
-
-def standard_groups_of(state_dict: dict[str, Any]) -> list[list[str]]:
-    """Trainer's (decay, no-decay) name lists recorded in a layer-wise state."""
-    groups = state_dict["param_groups"]
-    decay = state_dict.get(STATE_DICT_KEY, {}).get("in_decay_group")
-    if decay is None:
-        raise ValueError("This layer-wise state does not record Trainer's weight-decay split; pass groups_names.")
-    return [[g["name"] for g, d in zip(groups, decay) if d], [g["name"] for g, d in zip(groups, decay) if not d]]
-
-
-def first_members(state_dict: dict[str, Any], groups_names: list[list[str]]) -> list[int]:
-    """For each target group, the index of the saved per-parameter group of its first member."""
-    index = {g["name"]: i for i, g in enumerate(state_dict["param_groups"])}
-    return [index[names[0]] if names else 0 for names in groups_names]
-
-
-def layerwise_to_standard(state_dict: dict[str, Any], groups_names: list[list[str]] | None = None) -> dict[str, Any]:
-    """
-    Convert a layer-wise optimizer state to a standard optimizer's layout.
-
-    Args:
-        state_dict (`dict`):
-            `LayerwiseOptimizer.state_dict()`.
-        groups_names (`list[list[str]]`, *optional*):
-            The names in each param group of the target optimizer, in order. Defaults to Trainer's split recorded in
-            the checkpoint (weight-decay group, then no-decay group).
-    """
-    groups = state_dict["param_groups"]
-    by_name = {g["name"]: g for g in groups}
-    if groups_names is None:
-        groups_names = standard_groups_of(state_dict)
-    wanted = [n for names in groups_names for n in names]
-    missing = sorted(set(wanted) - set(by_name))
-    unexpected = sorted(set(by_name) - set(wanted))
-    if missing or unexpected:
-        raise ValueError(
-            f"The layer-wise state does not match the standard optimizer's parameters. Missing: {missing or 'none'}. "
-            f"Unexpected: {unexpected or 'none'}."
-        )
-    state, out_groups, k = {}, [], 0
-    for names in groups_names:
-        ids = []
-        for name in names:
-            (saved_id,) = by_name[name]["params"]
-            if saved_id in state_dict["state"]:
-                state[k] = state_dict["state"][saved_id]
-            ids.append(k)
-            k += 1
-        # Every member of a Trainer group shares its hyperparameters; take them from the first.
-        hyper = {key: v for key, v in by_name[names[0]].items() if key not in ("params", "name")} if names else {}
-        out_groups.append({**hyper, "params": ids})
-    return {"state": state, "param_groups": out_groups}
-
-
-def convert_scheduler_state(state_dict: dict[str, Any], source_group: list[int], num_source_groups: int):
-    """
-    Re-index the per-param-group lists of an LR scheduler state (`base_lrs`, `_last_lr`, `lr_lambdas`, ...) for an
-    optimizer whose group `k` takes the values of the saved group `source_group[k]`.
-    """
-    out = {}
-    for key, value in state_dict.items():
-        if isinstance(value, list) and len(value) == num_source_groups:
-            value = [value[g] for g in source_group]
-        out[key] = value
-    return out
 
 
 # ---- complete checkpoints ----

@@ -109,9 +109,10 @@ def check_fp16_clip_mode(clip_mode: str, fp16: bool, max_grad_norm: float | None
     """One-pass clipping steps layers before later gradients are checked for inf/nan."""
     if fp16 and clip_mode in ONE_PASS_CLIP_MODES and max_grad_norm and max_grad_norm > 0:
         raise ValueError(
-            f"layerwise_clip={clip_mode!r} cannot run with fp16 loss scaling: it steps each layer during the single "
-            "backward, before later gradients are checked for inf/nan, so an overflowing step would still change "
-            "parameters. Use layerwise_clip='exact' (the default) or 'off' with fp16, or bf16=True with any mode."
+            f"fp16=True and layerwise_clip={clip_mode!r} do not go together: one-pass clipping cannot run with fp16 "
+            "loss scaling, since it steps each layer during the single backward, before later gradients are checked "
+            "for inf/nan, so an overflowing step would still change parameters. Use layerwise_clip='exact' (the "
+            "default) or 'off' with fp16, or bf16=True with any mode."
         )
 
 

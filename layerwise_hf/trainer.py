@@ -24,9 +24,9 @@ from .checkpoint import (
     mark_complete,
     standard_to_layerwise,
 )
-from .distributed import check_fsdp2_supported
 from .optimizer import build_layerwise_optimizer, unwrap_layerwise_optimizer
 from .registry import is_layerwise_name
+from .support import check_deepspeed, check_fsdp2_optimizers, check_fsdp_version
 
 logger = logging.getLogger(__name__)
 
@@ -66,23 +66,19 @@ class LayerwiseTrainerMixin:
             return super().create_optimizer(model)
         if not self._uses_layerwise():
             return _strip_frozen(super().create_optimizer(model))
-        if self.is_deepspeed_enabled:
-            raise ValueError(
-                f"optim={self.args.optim!r} cannot run under DeepSpeed, which owns the optimizer step. Use the "
-                f"standard optim={self.args.optim.removesuffix('_layerwise')!r} with DeepSpeed, or run layer-wise "
-                "without DeepSpeed."
-            )
-        if self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2:
-            raise ValueError(
-                f"optim={self.args.optim!r} needs FSDP2 (fsdp_version: 2) or DDP: FSDP1 flattens parameters, so "
-                "there is no per-parameter gradient to step. Set fsdp_config={'version': 2} / fsdp_version: 2."
-            )
+        check_deepspeed(self.args.optim, self.is_deepspeed_enabled)
+        if self.is_fsdp_enabled:
+            check_fsdp_version(self.args.optim, getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1))
         opt_model = self.model if model is None else model
+        # NOTE: Trainer logs grad_norm every step, so the norms are always wanted.
         self.optimizer = build_layerwise_optimizer(
-            opt_model, self.args, decay_parameter_names=self.get_decay_parameter_names(opt_model)
+            opt_model,
+            self.args,
+            decay_parameter_names=self.get_decay_parameter_names(opt_model),
+            track_grad_norm=True,
         )
         if self.is_fsdp_enabled:
-            check_fsdp2_supported(self.optimizer)  # before any step, not at the first hook
+            check_fsdp2_optimizers(self.optimizer.optimizer_name, self.optimizer.inner)  # before any step
         mode = getattr(self.args, "layerwise_clip", "exact")
         self.optimizer.configure_clipping(self.args.max_grad_norm, mode)
         _explain_clipping(self.args.max_grad_norm, mode, self.args.gradient_accumulation_steps, self.args.fp16)
@@ -92,7 +88,8 @@ class LayerwiseTrainerMixin:
         optimizer = self.layerwise_optimizer
         if optimizer is None:
             return super().training_step(model, inputs, num_items_in_batch)
-        if optimizer.route == "ddp" or optimizer.route == "fsdp2" or self._layerwise_compiled(model):
+        route = optimizer.gradient_route
+        if (route is not None and route.collective_per_forward) or self._layerwise_compiled(model):
             # Collectives run once per forward, and a compiled backward cannot run over a retained graph: measure
             # with a whole second forward+backward.
             return optimizer.run_with_norm_pass(

@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .optimizer import CLIP_MODES
+from .clipping import CLIP_MODES, ClipMode
 from .registry import list_layerwise_optimizers, parse_optim_name
+from .support import check_deepspeed, check_fp16_clip_mode
 
 
 @dataclass
@@ -50,8 +51,7 @@ class LayerwiseTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
-        if self.layerwise_clip not in CLIP_MODES:
-            raise ValueError(f"layerwise_clip={self.layerwise_clip!r}; choose one of {', '.join(CLIP_MODES)}.")
+        self.layerwise_clip = ClipMode.parse(self.layerwise_clip).value
         name = getattr(self.optim, "value", self.optim)
         base = parse_optim_name(name)  # raises with the list of valid names
         if base is not None:
@@ -67,20 +67,8 @@ class LayerwiseTrainingArguments(TrainingArguments):
             self.optim = name
 
     def _refuse_unsupported(self, name: str) -> None:
-        one_pass = self.layerwise_clip in ("previous", "per_param")
-        if self.fp16 and one_pass and self.max_grad_norm and self.max_grad_norm > 0:
-            raise ValueError(
-                f"optim={name!r} with fp16=True and layerwise_clip={self.layerwise_clip!r} is not supported: that "
-                "mode steps each layer during the single backward, before later gradients are checked for inf/nan, "
-                "so an overflowing step would still change parameters. Use layerwise_clip='exact' (the default) or "
-                "'off' with fp16, or bf16=True with any mode."
-            )
-        if self.deepspeed:
-            raise ValueError(
-                f"optim={name!r} cannot run under DeepSpeed, which owns the optimizer step. Use the standard "
-                f"optim={name.removesuffix('_layerwise')!r} with DeepSpeed, or run layer-wise with DDP or FSDP2 "
-                "(accelerate launch --config_file configs/accelerate/...)."
-            )
+        check_fp16_clip_mode(self.layerwise_clip, self.fp16, self.max_grad_norm)
+        check_deepspeed(name, self.deepspeed)
 
     @property
     def is_layerwise(self) -> bool:

@@ -1,0 +1,163 @@
+"""Gradient clipping when each layer steps during backward: the modes, one object each, and the norm kernels.
+
+The kernels are torch's own: per-tensor norms with the kernel `clip_grad_norm_` picks for the device, the total
+stacked in `clip_grad_norm_`'s (device, dtype) grouping order, and the clip coefficient with the expression of
+`_clip_grads_with_norm_`, so exact clipping is bit-identical to Trainer's.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import torch
+
+
+class ClipMode(str, enum.Enum):
+    """
+    How `max_grad_norm` is applied when each layer steps during backward. The values are the strings accepted by
+    `LayerwiseTrainingArguments(layerwise_clip=...)` and `LayerwiseOptimizer.configure_clipping`.
+
+    - `exact`: Trainer's global `clip_grad_norm_`, bit for bit. With gradient accumulation the gradients are held
+      anyway, so the step waits for the window's end (no extra cost). Without it, the driver runs a norm pass first
+      (`backward_with_norm_pass` / `run_with_norm_pass`): it only measures the norm, the second pass clips and steps.
+      Without a norm pass the gradients are held until `step()` (exact, but no memory saving).
+    - `previous`: one pass; scale by the previous step's global norm, or by the norm of this step's gradients seen
+      so far when that is larger. Every tensor's applied gradient is bounded by `max_grad_norm` even on a spike.
+    - `per_param`: one pass; clip each parameter's gradient to `max_grad_norm` on its own.
+    - `off`: no clipping.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.clipping import ClipMode
+    >>> ClipMode("exact") is ClipMode.EXACT, ClipMode.PER_PARAM.value
+    (True, 'per_param')
+    ```
+    """
+
+    EXACT = "exact"
+    PREVIOUS = "previous"
+    PER_PARAM = "per_param"
+    OFF = "off"
+
+    @classmethod
+    def parse(cls, mode: str | ClipMode) -> ClipMode:
+        try:
+            return cls(getattr(mode, "value", mode))
+        except ValueError:
+            choices = ", ".join(m.value for m in cls)
+            raise ValueError(f"Unknown clipping mode {mode!r}; choose one of {choices}.") from None
+
+
+CLIP_MODES = tuple(m.value for m in ClipMode)
+
+
+def grad_norm_kernel(grad: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of one gradient with the kernel `clip_grad_norm_` picks for its device."""
+    from torch.utils._foreach_utils import _device_has_foreach_support
+
+    if _device_has_foreach_support(grad.device):
+        return torch._foreach_norm([grad], 2.0)[0]
+    return torch.linalg.vector_norm(grad, 2.0)
+
+
+def total_norm(norms: Sequence[tuple[torch.device, torch.dtype, torch.Tensor]]) -> torch.Tensor | None:
+    """
+    The global L2 norm from per-tensor norms `(device, gradient dtype, norm)` in parameter order, stacked as
+    `clip_grad_norm_` does: grouped by (device, dtype) in order of first appearance.
+    """
+    if not norms:
+        return None
+    ordered: dict[tuple, list[torch.Tensor]] = {}
+    for device, dtype, norm in norms:
+        ordered.setdefault((device, dtype), []).append(norm)
+    flat = [n for group in ordered.values() for n in group]
+    first_device = flat[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in flat]), 2.0)
+
+
+def clip_coef(max_grad_norm: float, norm: torch.Tensor) -> torch.Tensor:
+    # NOTE: the expression of torch's `_clip_grads_with_norm_`, so exact clipping is bit-identical.
+    return torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
+
+
+class Clipper:
+    """
+    One clipping mode, stateless: what it computes for a step lives in the `StepWindow` it is given, so closing the
+    window forgets it. A mode that `needs_global_norm` is given the step's total first (`start_step`).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.clipping import make_clipper
+    >>> from layerwise_hf.window import StepWindow
+    >>> clipper = make_clipper(1.0, "per_param")
+    >>> clipper.coef(StepWindow(1), torch.tensor(4.0), None)
+    tensor(0.2500)
+    ```
+    """
+
+    mode = ClipMode.OFF
+    needs_global_norm = False  # every gradient's norm before any layer steps (exact)
+    needs_param_norm = False  # each gradient's own norm as it steps
+
+    def __init__(self, max_grad_norm: float = 0.0):
+        self.max_grad_norm = max_grad_norm
+
+    def start_step(self, window, total: torch.Tensor | None) -> None:
+        """Called once the step's global norm is known."""
+
+    def coef(self, window, norm: torch.Tensor | None, last_norm: torch.Tensor | None) -> torch.Tensor | None:
+        """The factor for the gradient whose norm is `norm`, or `None` to leave it as it is."""
+        return None
+
+
+class _NoClip(Clipper):
+    pass
+
+
+class _ExactClip(Clipper):
+    mode = ClipMode.EXACT
+    needs_global_norm = True
+    needs_param_norm = True
+
+    def start_step(self, window, total):
+        window.clip_coef = clip_coef(self.max_grad_norm, total) if total is not None else None
+
+    def coef(self, window, norm, last_norm):
+        return window.clip_coef
+
+
+class _PerParamClip(Clipper):
+    mode = ClipMode.PER_PARAM
+    needs_param_norm = True
+
+    def coef(self, window, norm, last_norm):
+        return clip_coef(self.max_grad_norm, norm)
+
+
+class _PreviousClip(Clipper):
+    mode = ClipMode.PREVIOUS
+    needs_param_norm = True
+
+    def coef(self, window, norm, last_norm):
+        sq = norm.float().square()
+        running = window.running_sq
+        window.running_sq = sq if running is None else running + sq.to(running.device)
+        bound = window.running_sq.sqrt()
+        if last_norm is not None:
+            bound = torch.maximum(bound, last_norm.float().to(bound.device))
+        return clip_coef(self.max_grad_norm, bound)
+
+
+_CLIPPERS = {c.mode: c for c in (_NoClip, _ExactClip, _PerParamClip, _PreviousClip)}
+
+
+def make_clipper(max_grad_norm: float | None, mode: str | ClipMode = ClipMode.EXACT) -> Clipper:
+    """The clipper for `mode`; `max_grad_norm <= 0` or `None` clips nothing whatever the mode."""
+    mode = ClipMode.parse(mode)
+    max_grad_norm = float(max_grad_norm or 0.0)
+    resolved = mode if max_grad_norm > 0 else ClipMode.OFF
+    return _CLIPPERS[resolved](max_grad_norm)

@@ -1,0 +1,157 @@
+"""The DDP route: a comm hook that all-reduces each bucket and hands the reduced gradients to the optimizer.
+
+DDP's post-accumulate-grad hooks fire BEFORE the all-reduce, so stepping there would diverge the replicas. The comm
+hook scales and all-reduces the bucket as DDP does, then calls `LayerwiseOptimizer.grad_ready(i)` for each of its
+parameters on the reduced gradient; the reducer is told that the optimizer runs in backward, so it does not copy
+the bucket back into `.grad`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from .routes import GradientRoute
+
+if TYPE_CHECKING:
+    from .optimizer import LayerwiseOptimizer
+
+
+def find_ddp(model):
+    """The `DistributedDataParallel` in `model`'s `.module` chain, or `None`."""
+    seen = 0
+    while model is not None and seen < 8:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return model
+        model = getattr(model, "module", None)
+        seen += 1
+    return None
+
+
+class _CommState:
+    """What the comm hook reads. DDP cannot drop a comm hook, so detaching points it at no optimizer: a plain
+    averaging hook."""
+
+    def __init__(self, ddp_model):
+        self.optimizer: LayerwiseOptimizer | None = None
+        self.process_group = ddp_model.process_group
+        self.world_size = dist.get_world_size(self.process_group)
+        self.gradient_as_bucket_view = ddp_model.gradient_as_bucket_view
+        self.check_unused = bool(ddp_model.find_unused_parameters or ddp_model.static_graph)
+        # Parameters whose .grad a synced, non-final micro-batch left aliasing the bucket (bucket-view mode only).
+        self.aliased: set[int] = set()
+
+
+class DDPCommHook(GradientRoute):
+    """
+    The route of a DDP-wrapped model.
+
+    Example:
+
+    ```python
+    >>> # after `model, optimizer = accelerator.prepare(model, optimizer)` under `accelerate launch` (DDP):
+    >>> from layerwise_hf import unwrap_layerwise_optimizer
+    >>> unwrap_layerwise_optimizer(optimizer).connect(model)  # picks DDPCommHook
+    'ddp'
+    ```
+    """
+
+    name = "ddp"
+    collective_per_forward = True
+
+    def __init__(self, ddp_model):
+        super().__init__()
+        self.ddp_model = ddp_model
+
+    def attach(self, optimizer: LayerwiseOptimizer) -> None:
+        state = getattr(self.ddp_model, "_layerwise_comm_state", None)
+        if state is None:
+            state = _CommState(self.ddp_model)
+            try:
+                self.ddp_model.register_comm_hook(state, _layerwise_comm_hook)
+            except RuntimeError as err:
+                raise RuntimeError(
+                    "A layer-wise optimizer needs its own DDP comm hook, and this model already has one (e.g. "
+                    "DistributedDataParallelKwargs(comm_hook=...)). Remove that comm hook."
+                ) from err
+            # NOTE: a one-way reducer flag: finalize_bucket_dense stops writing the bucket into .grad, so the
+            # gradients the per-layer steps freed stay freed.
+            self.ddp_model.reducer._set_optimizer_in_backward()
+            self.ddp_model._layerwise_comm_state = state
+        # The same DDP model trained again (second train()): the existing hook now feeds this optimizer.
+        state.optimizer = optimizer
+        self.state = state
+        self.attached = True
+
+    def detach(self) -> None:
+        if self.attached:
+            self.state.optimizer = None
+        self.attached = False
+
+
+def _scale(state: _CommState, bucket: dist.GradBucket) -> None:
+    # NOTE: DDP averages with mul_(1/world_size) while copying gradients into the bucket (div_ only for gradients
+    # accumulated in place in the bucket view); matching that operation, not dividing, keeps 3+ ranks bit-exact.
+    if not state.aliased:
+        bucket.buffer().mul_(1.0 / state.world_size)
+        return
+    for p, g in zip(bucket.parameters(), bucket.gradients()):
+        if id(p) in state.aliased and p.grad is not None and p.grad.data_ptr() == g.data_ptr():
+            g.div_(state.world_size)
+        else:
+            g.mul_(1.0 / state.world_size)
+
+
+def _finish(state: _CommState, bucket: dist.GradBucket, used: torch.Tensor | None) -> torch.Tensor:
+    optimizer = state.optimizer
+    sync = optimizer.sync_gradients() if optimizer is not None else False
+    used_list = used.tolist() if used is not None else None
+    for k, (p, g) in enumerate(zip(bucket.parameters(), bucket.gradients())):
+        if used_list is not None and used_list[k] == 0:
+            continue  # unused on every rank: DDP leaves .grad None and a standard optimizer skips it
+        i = optimizer.index_of(p) if optimizer is not None else None
+        if sync and i is not None:
+            p.grad = g  # a view into the reduced bucket
+            optimizer.grad_ready(i)
+            state.aliased.discard(id(p))
+            continue
+        # Not stepping now: do what DDP's finalize_bucket_dense would have done without the optimizer-in-backward
+        # flag.
+        if p.grad is None:
+            p.grad = g if state.gradient_as_bucket_view else g.clone()
+        elif p.grad.data_ptr() != g.data_ptr():
+            p.grad.copy_(g)
+        if state.gradient_as_bucket_view:
+            state.aliased.add(id(p))
+        if i is not None:
+            optimizer.grad_ready(i)  # accumulation bookkeeping only
+    return bucket.buffer()
+
+
+def _layerwise_comm_hook(state, bucket):
+    _scale(state, bucket)
+    buffer = bucket.buffer()
+    work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
+    used = used_work = None
+    if state.check_unused:
+        # Locally used <=> .grad defined when DDP marks the parameter ready (it zero-fills the slot otherwise); only
+        # used-on-no-rank parameters are skipped, exactly as DDP leaves their .grad None.
+        used = torch.tensor([p.grad is not None for p in bucket.parameters()], dtype=torch.int32, device=buffer.device)
+        used_work = dist.all_reduce(used, group=state.process_group, async_op=True)
+    # Waiting here keeps every step on the autograd thread, in bucket order (as torch's optimizer-in-backward does).
+    work.wait()
+    if used_work is not None:
+        used_work.wait()
+    future = torch.futures.Future()
+    future.set_result(_finish(state, bucket, used))
+    return future
+
+
+# NOTE: DDP checks this hook's annotations, so they are given as real objects (this module postpones annotations).
+_layerwise_comm_hook.__annotations__ = {
+    "state": object,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}

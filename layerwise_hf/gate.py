@@ -1,0 +1,224 @@
+"""`GradientGate`: what happens to each gradient a route hands over, between two optimizer steps.
+
+It owns the step window (what is known this step), the clipper, the fp16 GradScaler bridge and the gradient meter,
+and applies the window's decision table (`StepWindow`) to each gradient: accumulate it, measure it in a norm pass,
+hold it for `step()`, or clip and step its parameter's inner optimizer and free it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from .clipping import ClipMode, make_clipper
+from .grad_scaler import GradScalerBridge
+from .memory import GradMeter
+from .support import check_fp16_clip_mode, check_fp16_weights
+from .window import Action, StepWindow
+
+logger = logging.getLogger(__name__)
+
+
+class GradientGate:
+    """
+    The per-gradient logic of a layer-wise optimizer.
+
+    Args:
+        names (`Sequence[str]`): the parameters' names, for error messages.
+        params (`list[torch.Tensor]`): the parameters (replaced by the owner on `rebind`).
+        inner (`Sequence[torch.optim.Optimizer]`): one optimizer per parameter.
+        sync (`Callable[[], bool]`): whether the current backward ends an accumulation window.
+        track_grad_norm (`bool`): measure every gradient's norm even when clipping does not need it.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.gate import GradientGate
+    >>> weight = torch.nn.Parameter(torch.ones(3))
+    >>> gate = GradientGate(["w"], [weight], [torch.optim.SGD([weight], lr=0.5)], sync=lambda: True)
+    >>> weight.grad = torch.ones(3)
+    >>> gate.grad_ready(0); weight.data, weight.grad
+    (tensor([0.5000, 0.5000, 0.5000]), None)
+    ```
+    """
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        params: list[torch.Tensor],
+        inner: Sequence[torch.optim.Optimizer],
+        sync: Callable[[], bool],
+        track_grad_norm: bool = False,
+    ):
+        self.names = names
+        self.params = params
+        self.inner = inner
+        self.sync = sync
+        self.window = StepWindow(len(params))
+        self.meter = GradMeter()
+        self.clipper = make_clipper(0.0, ClipMode.OFF)
+        self.scaler: GradScalerBridge | None = None
+        self.track_grad_norm = track_grad_norm
+        self.last_grad_norm: torch.Tensor | None = None
+
+    # ---- one gradient ----
+
+    def grad_ready(self, i: int) -> None:
+        """Parameter `i`'s (reduced) gradient is in its `.grad`: act on it as the step window decides."""
+        window = self.window
+        scaler = self.scaler
+        if scaler is not None and scaler.window_was_skipped(window):
+            self.end_window()
+        param = self.params[i]
+        action = window.action(i, self.sync(), self.whole_step())
+        if action is Action.ACCUMULATE:
+            self.meter.hold(i, param.grad)  # the gradient stays in .grad until the window's last micro-batch
+            return
+        if scaler is not None:
+            scaler.capture(window)
+        if action is Action.STEP:
+            if scaler is not None:
+                scaler.unscale(window, param.grad)
+            self.step_param(i)
+        elif action is Action.MEASURE:
+            self.meter.hold(i, param.grad)
+            if scaler is not None:
+                scaler.unscale(window, param.grad)
+            if self.wants_norms():
+                window.record_norm(i, param)
+            param.grad = None
+            self.meter.release(i)
+        elif action is Action.HOLD:
+            # step() clips and steps exactly (with a scaler, after GradScaler has unscaled every held gradient).
+            self.meter.hold(i, param.grad)
+            if scaler is None:
+                window.record_norm(i, param)
+        else:
+            raise RuntimeError(
+                f"The gradient hook of {self.names[i]} fired twice before optimizer.step(): it would be stepped "
+                "twice. This happens with reentrant activation checkpointing when a parameter is used in two "
+                "checkpointed segments (use activation_checkpointing_kwargs={'use_reentrant': False}), or with "
+                "several backward passes per step outside gradient accumulation (use accelerator.accumulate or "
+                "gradient_accumulation_steps)."
+            )
+
+    @torch.no_grad()
+    def step_param(self, i: int) -> None:
+        """Clip parameter `i`'s gradient, step its optimizer, free the gradient."""
+        p = self.params[i]
+        grad = p.grad
+        window = self.window
+        self.meter.hold(i, grad)
+        clipper = self.clipper
+        if clipper.needs_param_norm or self.track_grad_norm:
+            window.record_norm(i, p)
+        norm = window.norms[i]
+        coef = clipper.coef(window, None if norm is None else norm[2], self.last_grad_norm)
+        if coef is not None:
+            grad.mul_(coef.to(grad.device))
+        self.inner[i].step()
+        window.stepped[i] = True
+        p.grad = None
+        self.meter.release(i)
+
+    # ---- the step ----
+
+    def step_pending(self) -> None:
+        """`optimizer.step()`: step what no hook consumed (held or hand-set gradients), then close the window."""
+        self.close_skipped_window()
+        window = self.window
+        pending = [i for i, p in enumerate(self.params) if p.grad is not None and not window.stepped[i]]
+        if pending:
+            # With a scaler, GradScaler.step has unscaled these held gradients before calling step().
+            for i in pending:
+                window.record_norm(i, self.params[i])
+            if self.clipper.needs_global_norm:
+                self.clipper.start_step(window, self.total_norm())
+            for i in pending:
+                self.step_param(i)
+        self.end_window()
+
+    def end_window(self) -> None:
+        total = self.total_norm()
+        if total is not None:
+            self.last_grad_norm = total
+        self.window.reset()
+        self.meter.clear()
+
+    def close_skipped_window(self) -> None:
+        """Forget, without stepping, a window whose step GradScaler skipped (our step() never ran)."""
+        if self.scaler is not None and self.scaler.window_was_skipped(self.window):
+            self.end_window()
+
+    def note_accumulation(self) -> None:
+        self.close_skipped_window()
+        self.window.accumulating = True
+
+    # ---- clipping and fp16 ----
+
+    def configure_clipping(self, max_grad_norm: float | None, mode: str | ClipMode = ClipMode.EXACT) -> None:
+        clipper = make_clipper(max_grad_norm, mode)
+        if self.scaler is not None:
+            check_fp16_clip_mode(clipper.mode.value, True, clipper.max_grad_norm)
+        self.clipper = clipper
+
+    def use_grad_scaler(self, scaler: Any, owner: Any) -> None:
+        if scaler is not None and not scaler.is_enabled():
+            scaler = None
+        if scaler is not None:
+            check_fp16_clip_mode(self.clipper.mode.value, True, self.clipper.max_grad_norm)
+            check_fp16_weights(zip(self.names, self.params))
+        self.scaler = None if scaler is None else GradScalerBridge(scaler, owner)
+
+    def whole_step(self) -> bool:
+        # Exact clipping needs the global norm, and fp16 loss scaling every gradient's inf check, before any layer
+        # steps: from a norm pass, or by holding the gradients until step().
+        return self.clipper.needs_global_norm or self.scaler is not None
+
+    def wants_norms(self) -> bool:
+        return self.track_grad_norm or self.clipper.needs_param_norm
+
+    # ---- norm passes ----
+
+    def needs_norm_pass(self, attached: bool) -> bool:
+        self.close_skipped_window()
+        return attached and self.whole_step() and self.sync() and not self.window.accumulating
+
+    @contextlib.contextmanager
+    def norm_pass(self, reduce_found_inf: Callable[[dict], None]) -> Iterator[None]:
+        self.close_skipped_window()
+        self.window.in_norm_pass = True
+        try:
+            yield
+        finally:
+            self.window.in_norm_pass = False
+        window = self.window
+        window.measured = True
+        self.clipper.start_step(window, self.total_norm())
+        if self.scaler is not None:
+            self.scaler.publish(window, reduce_found_inf)
+
+    # ---- gradient norm ----
+
+    def total_norm(self) -> torch.Tensor | None:
+        return self.window.total_norm(self.params)
+
+    def grad_norm(self, owner: Any) -> torch.Tensor | None:
+        self.close_skipped_window()
+        if self.scaler is not None and not self.window.measured and self.sync():
+            self.scaler.unscale_held(owner, any(p.grad is not None for p in self.params))
+        current = self.total_norm()
+        if current is None and not self.wants_norms():
+            # Norms of gradients that already stepped were not measured: nobody asked for them until now.
+            logger.warning(
+                "grad_norm() was read, but gradient norms were not measured (no clipping, track_grad_norm=False); "
+                "measuring from the next step on. Pass track_grad_norm=True to build_layerwise_optimizer to have it "
+                "from the start."
+            )
+            self.track_grad_norm = True
+        return current if current is not None else self.last_grad_norm

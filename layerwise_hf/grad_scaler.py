@@ -1,0 +1,113 @@
+"""The bridge to `torch.amp.GradScaler`: the only code that touches GradScaler's private per-optimizer records.
+
+With fp16 loss scaling, the hooks see scaled gradients and free them before Trainer calls `scaler.step()`. The bridge
+unscales each gradient with GradScaler's own kernel as it arrives, collects the found-inf flags, and records them
+where `scaler.unscale_(optimizer)` would have put them, so `GradScaler.step` / `update` decide the skip and the scale
+exactly as they do for a standard optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .window import StepWindow
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class GradScalerBridge:
+    """
+    Unscale and inf-check gradients one at a time for the optimizer `owner` under `scaler`.
+
+    Args:
+        scaler (`torch.amp.GradScaler`):
+            Accelerate's `accelerator.scaler`, enabled.
+        owner (`torch.optim.Optimizer`):
+            The optimizer GradScaler keys its record by (the one `scaler.step` is given, unwrapped).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.grad_scaler import GradScalerBridge
+    >>> from layerwise_hf.window import StepWindow
+    >>> weight = torch.nn.Parameter(torch.ones(3))
+    >>> optimizer = torch.optim.SGD([weight], lr=0.1)
+    >>> scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    >>> scaler.scale(weight.sum()).backward()
+    >>> bridge, window = GradScalerBridge(scaler, optimizer), StepWindow(1)
+    >>> bridge.unscale(window, weight.grad); weight.grad
+    tensor([1., 1., 1.])
+    ```
+    """
+
+    def __init__(self, scaler: Any, owner: Any):
+        self.scaler = scaler
+        self.owner_id = id(owner)
+
+    def _record(self) -> dict[str, Any]:
+        return self.scaler._per_optimizer_states[self.owner_id]
+
+    def capture(self, window: StepWindow) -> None:
+        """Note the scaler's record of this window (GradScaler.update() replaces it when the window ends)."""
+        if window.scaler_record is None:
+            window.scaler_record = self._record()
+
+    def window_was_skipped(self, window: StepWindow) -> bool:
+        """
+        GradScaler.step skips our step() on inf/nan, and update() then replaces its per-optimizer records: seeing
+        ours replaced while a window is still open means that window was skipped.
+        """
+        record = window.scaler_record
+        return record is not None and self.scaler._per_optimizer_states.get(self.owner_id) is not record
+
+    def unscale(self, window: StepWindow, grad: torch.Tensor) -> None:
+        """Unscale `grad` in place, accumulating its device's found-inf flag in the window."""
+        # NOTE: the kernel GradScaler.unscale_ runs (elementwise, so one tensor at a time is bit-identical), on the
+        # local shard of an FSDP2 DTensor: found-inf is all-reduced once per step, not once per parameter.
+        grad = _local(grad)
+        device = grad.device
+        if device not in window.found_inf:
+            if self.scaler._scale is None:
+                raise RuntimeError(
+                    "fp16: the loss was not scaled by the GradScaler given to use_grad_scaler (call "
+                    "accelerator.backward(loss), or scaler.scale(loss).backward())."
+                )
+            # GradScaler's own inverse: double reciprocal, then float.
+            inv_scale = self.scaler._scale.double().reciprocal().float()
+            window.inv_scale[device] = inv_scale.to(device)
+            window.found_inf[device] = torch.zeros((), dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_([grad], window.found_inf[device], window.inv_scale[device])
+
+    def publish(self, window: StepWindow, reduce_found_inf: Callable[[dict], None]) -> None:
+        """After a norm pass: record the flags where `unscale_()` would have, for GradScaler.step / update."""
+        from torch.amp.grad_scaler import OptState
+
+        if not window.found_inf:
+            # No gradient reached a hook (nothing trainable was used): a flag of 0, as unscale_ over no grads gives
+            # none and GradScaler.step would assert.
+            device = self.scaler._scale.device
+            window.found_inf[device] = torch.zeros((), dtype=torch.float32, device=device)
+        reduce_found_inf(window.found_inf)
+        record = self._record()
+        if record["stage"] is OptState.UNSCALED and record["found_inf_per_device"] is not window.found_inf:
+            raise RuntimeError("GradScaler.unscale_() was called on the layer-wise optimizer during its norm pass.")
+        record["found_inf_per_device"] = window.found_inf
+        record["stage"] = OptState.UNSCALED
+        window.scaler_record = record
+
+    @staticmethod
+    def will_skip(window: StepWindow) -> bool:
+        return any(bool(t.item()) for t in window.found_inf.values())
+
+    def unscale_held(self, optimizer: Any, has_grads: bool) -> None:
+        """Held gradients are still scaled: unscale them the way Trainer's clip_grad_norm_ path does."""
+        from torch.amp.grad_scaler import OptState
+
+        if self._record()["stage"] is OptState.READY and has_grads:
+            self.scaler.unscale_(optimizer)

@@ -1,0 +1,75 @@
+"""Memory accounting of a layer-wise optimizer: bytes of tensors, and the gradient bytes alive at once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def tensor_bytes(obj: Any) -> int:
+    """
+    Bytes of every tensor in `obj` (a tensor, or dicts, lists and objects holding tensors), counting only the local
+    shard of a DTensor.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.memory import tensor_bytes
+    >>> tensor_bytes({"exp_avg": torch.zeros(4, 4), "step": torch.tensor(1.0)})
+    68
+    ```
+    """
+    if isinstance(obj, torch.Tensor):
+        # A DTensor's numel() is the global size; this rank holds only its local shard.
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return local.numel() * local.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        # Objects kept in optimizer state (GaLore's projector holds its projection matrix).
+        return sum(tensor_bytes(v) for v in vars(obj).values())
+    return 0
+
+
+class GradMeter:
+    """
+    The gradients a layer-wise optimizer holds (accumulating, or waiting for the step) and the most bytes held at
+    once. A gradient is counted from the moment its hook sees it until its parameter steps and frees it.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.memory import GradMeter
+    >>> meter = GradMeter()
+    >>> meter.hold(0, torch.zeros(256))
+    >>> meter.release(0)
+    >>> meter.held_bytes, meter.peak_bytes
+    (0, 1024)
+    ```
+    """
+
+    def __init__(self) -> None:
+        self.held: dict[int, int] = {}
+        self.held_bytes = 0
+        self.peak_bytes = 0
+
+    def hold(self, i: int, grad: torch.Tensor | None) -> None:
+        if grad is None or i in self.held:
+            return
+        nbytes = tensor_bytes(grad)
+        self.held[i] = nbytes
+        self.held_bytes += nbytes
+        if self.held_bytes > self.peak_bytes:
+            self.peak_bytes = self.held_bytes
+
+    def release(self, i: int) -> None:
+        self.held_bytes -= self.held.pop(i, 0)
+
+    def clear(self) -> None:
+        self.held.clear()
+        self.held_bytes = 0

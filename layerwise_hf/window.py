@@ -1,0 +1,108 @@
+"""The step window: what a layer-wise optimizer knows between two `step()` calls, and what each hook does."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .clipping import grad_norm_kernel, total_norm
+
+
+class Action(enum.Enum):
+    """What a parameter's hook does with the gradient it was handed (see `StepWindow.action`)."""
+
+    ACCUMULATE = "accumulate"
+    MEASURE = "measure"
+    HOLD = "hold"
+    STEP = "step"
+    REPEATED = "repeated"
+
+
+class StepWindow:
+    """
+    Per-window state of a `LayerwiseOptimizer`, from one `step()` to the next (one gradient-accumulation window),
+    with a single `reset()`: every field is re-created from `__init__`, so none can be forgotten.
+
+    The hook's decision table (`action`), for the parameter `i` whose gradient just became ready:
+
+    | backward                                   | action       | what the optimizer does                          |
+    |--------------------------------------------|--------------|--------------------------------------------------|
+    | not the window's last (`sync` is False)    | `ACCUMULATE` | leave the gradient in `.grad`                     |
+    | a norm pass                                | `MEASURE`    | unscale/inf-check, measure the norm, free it      |
+    | last, the step needs every gradient first  | `HOLD`       | keep it; `step()` clips (and unscales) and steps  |
+    | (exact clipping or fp16, no norm pass ran) |              |                                                  |
+    | last, otherwise                            | `STEP`       | (unscale,) clip, step this parameter, free it     |
+    | the same parameter twice in one backward   | `REPEATED`   | refuse: it would be stepped twice                 |
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.window import Action, StepWindow
+    >>> window = StepWindow(2)
+    >>> window.action(0, sync=True, whole_step=False)
+    <Action.STEP: 'step'>
+    >>> window.action(0, sync=True, whole_step=False)
+    <Action.REPEATED: 'repeated'>
+    >>> window.reset(); window.action(0, sync=False, whole_step=False), window.accumulating
+    (<Action.ACCUMULATE: 'accumulate'>, True)
+    ```
+    """
+
+    def __init__(self, num_params: int):
+        self.num_params = num_params
+        self.stepped = [False] * num_params  # stepped in this window
+        self.fired = [False] * num_params  # hook seen in the window's final backward
+        self.seen_in_norm_pass = [False] * num_params
+        # Per parameter: (device, gradient dtype, norm), as `clipping.total_norm` takes them.
+        self.norms: list[tuple[torch.device, torch.dtype, torch.Tensor] | None] = [None] * num_params
+        self.accumulating = False  # an earlier micro-batch of this window left gradients in .grad
+        self.in_norm_pass = False
+        self.measured = False  # a norm pass measured (and, with a scaler, inf-checked) this window
+        self.clip_coef: torch.Tensor | None = None  # exact clipping: the step's factor
+        self.running_sq: torch.Tensor | None = None  # `previous` clipping: squares of the norms seen so far
+        # fp16 loss scaling (GradScalerBridge): per-device found-inf flags and inverse scales, and the scaler's
+        # record of the optimizer for this window (GradScaler.update() replaces it). New dicts on every reset, not
+        # clear(): step() runs inside GradScaler.step, and update() reads the flags afterwards.
+        self.found_inf: dict[torch.device, torch.Tensor] = {}
+        self.inv_scale: dict[torch.device, torch.Tensor] = {}
+        self.scaler_record: dict[str, Any] | None = None
+
+    def reset(self) -> None:
+        """Forget the window: after a step, a skipped step, or an exception in the middle of one."""
+        self.__init__(self.num_params)
+
+    def action(self, i: int, sync: bool, whole_step: bool) -> Action:
+        """Decide, and note, what the hook of parameter `i` does (see the class docstring's table)."""
+        if not sync:
+            self.accumulating = True
+            return Action.ACCUMULATE
+        if self.in_norm_pass:
+            if self.seen_in_norm_pass[i]:
+                return Action.REPEATED
+            self.seen_in_norm_pass[i] = True
+            return Action.MEASURE
+        if self.stepped[i] or self.fired[i]:
+            return Action.REPEATED
+        self.fired[i] = True
+        if whole_step and not self.measured:
+            return Action.HOLD
+        return Action.STEP
+
+    def record_norm(self, i: int, param: torch.Tensor) -> None:
+        """Measure parameter `i`'s gradient once per window, with `clip_grad_norm_`'s kernel."""
+        grad = param.grad
+        if self.norms[i] is None and grad is not None:
+            self.norms[i] = (param.device, grad.dtype, grad_norm_kernel(grad))
+
+    def total_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """The global norm of this window's gradients: measured ones, and any still held in `.grad`."""
+        norms = []
+        for recorded, p in zip(self.norms, params):
+            if recorded is not None:
+                norms.append(recorded)
+            elif p.grad is not None:
+                norms.append((p.device, p.grad.dtype, grad_norm_kernel(p.grad)))
+        return total_norm(norms)
