@@ -115,6 +115,7 @@ def test_exact_clipping_with_gradient_checkpointing_matches_trainer(tmp_path, re
     assert optimizer.peak_grad_bytes < optimizer.full_grad_bytes()
 
 
+@pytest.mark.slow
 def test_exact_clipping_with_torch_compile(tmp_path):
     # A compiled backward refuses retain_graph, so the norm is measured with a second forward+backward instead.
     model = tiny_llama()

@@ -27,6 +27,7 @@ def uninterrupted(tmp_path_factory):
     return load_file(out / "final" / "model.safetensors")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill", ["step:5", "save:6"])
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path, uninterrupted, kill):
     crashed = run(tmp_path, "--kill", kill)
@@ -64,6 +65,7 @@ def launch(engine, out, *extra):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
 def test_two_ranks_sigkill_during_checkpoint_write_then_resume(tmp_path, engine):
     full = launch(engine, tmp_path / "full")

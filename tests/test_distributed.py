@@ -56,6 +56,7 @@ def test_ddp_matches_standard_ddp_and_resumes(tmp_path):
     assert_exact(report, "ddp")
 
 
+@pytest.mark.slow
 def test_fsdp2_matches_standard_fsdp2_and_resumes(tmp_path):
     report = launch(
         "configs/accelerate/cpu_fsdp2.yaml",
@@ -69,6 +70,7 @@ def test_fsdp2_matches_standard_fsdp2_and_resumes(tmp_path):
     assert "cannot step FSDP2 shards" in report["adafactor"] and "adamw_torch_layerwise" in report["adafactor"]
 
 
+@pytest.mark.slow
 def test_fsdp2_checkpoint_resumes_on_another_number_of_ranks(tmp_path):
     def fsdp2(ranks, mode, report):
         return launch(
@@ -92,6 +94,7 @@ def test_fsdp2_checkpoint_resumes_on_another_number_of_ranks(tmp_path):
     assert report["grad_norm"][2:] == pytest.approx(report["reference_grad_norm"][2:], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
 def test_fp16_gradscaler_matches_standard(tmp_path, engine):
     report = launch(
@@ -130,6 +133,7 @@ def _loop(config, out, *extra, env=None):
     return result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
 def test_accelerate_loop_save_state_load_state(tmp_path, engine):
     from safetensors.torch import load_file

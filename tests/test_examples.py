@@ -19,6 +19,7 @@ def run(*args, timeout=300):
 # ---- examples/train.py ----
 
 
+@pytest.mark.slow
 def test_main_job_smoke_config(tmp_path):
     result = run("examples/train.py", "configs/train/smoke.yaml", "--output_dir", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -28,6 +29,7 @@ def test_main_job_smoke_config(tmp_path):
     assert "layerwise" in out.lower() and "MiB" in out
 
 
+@pytest.mark.slow
 def test_cli_sgd_layerwise(tmp_path):
     result = run(
         "examples/train.py",
@@ -50,6 +52,7 @@ def test_cli_sgd_layerwise(tmp_path):
     assert "sgd_layerwise" in result.stdout
 
 
+@pytest.mark.slow
 def test_cli_bad_optimizer_name_lists_valid_ones(tmp_path):
     result = run("examples/train.py", "--optim", "adamw_9bit_layerwise", "--output_dir", str(tmp_path))
     assert result.returncode != 0
@@ -62,6 +65,7 @@ def test_cli_bad_optimizer_name_lists_valid_ones(tmp_path):
 # ---- examples/accelerate_loop.py ----
 
 
+@pytest.mark.slow
 def test_accelerate_loop_single_process(tmp_path):
     result = run("examples/accelerate_loop.py", "--output_dir", str(tmp_path), "--max_steps", "3")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -72,6 +76,7 @@ def test_accelerate_loop_single_process(tmp_path):
 # ---- examples/galore_layerwise.py: what transformers' built-in galore_adamw_layerwise gets wrong next to ours ----
 
 
+@pytest.mark.slow
 def test_galore_example_compares_transformers_and_layerwise_hf(tmp_path):
     pytest.importorskip("galore_torch")
     result = run("examples/galore_layerwise.py", "--max_steps", "6", "--output_dir", str(tmp_path))
@@ -106,6 +111,7 @@ def test_galore_example_compares_transformers_and_layerwise_hf(tmp_path):
 # ---- examples/lora_layerwise.py ----
 
 
+@pytest.mark.slow
 def test_lora_example_defaults(tmp_path):
     result = run("examples/lora_layerwise.py", "--output_dir", str(tmp_path))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -130,6 +136,7 @@ def test_lora_example_defaults(tmp_path):
     assert "adapters trained: yes" in out
 
 
+@pytest.mark.slow
 def test_lora_example_8bit_on_attention_only(tmp_path):
     result = run(
         "examples/lora_layerwise.py", "--optim", "adamw_8bit_layerwise", "--lora_target_modules", "q_proj", "v_proj",

@@ -99,6 +99,7 @@ def _available_bases():
         yield pytest.param(base, marks=marks, id=base)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("base", list(_available_bases()))
 def test_every_other_base_matches_standard(tmp_path, base):
     if base in ("adamw_torch_xla", "adamw_torch_npu_fused"):
