@@ -1,0 +1,41 @@
+"""The one table of what is supported: every consumer reads it, and its FSDP2 allowlist names the classes Trainer
+really builds."""
+
+import pytest
+import torch
+from helpers import tiny_llama, training_args
+
+from layerwise_hf import build_layerwise_optimizer, support
+from layerwise_hf.estimate import estimate
+
+
+@pytest.mark.parametrize("base", sorted(support.FSDP2_ELEMENTWISE))
+def test_fsdp2_allowlist_names_the_class_trainer_builds(tmp_path, base):
+    optimizer = build_layerwise_optimizer(tiny_llama(), training_args(tmp_path, f"{base}_layerwise"))
+    assert {support.qualname(inner) for inner in optimizer.inner} == {support.FSDP2_ELEMENTWISE[base]}
+    support.check_fsdp2_optimizers(optimizer.optimizer_name, optimizer.inner)  # allowed
+
+
+def test_fsdp2_refusal_names_the_alternatives(tmp_path):
+    optimizer = build_layerwise_optimizer(tiny_llama(), training_args(tmp_path, "adafactor_layerwise"))
+    with pytest.raises(ValueError, match="cannot step FSDP2 shards.*adamw_torch_layerwise"):
+        support.check_fsdp2_optimizers(optimizer.optimizer_name, optimizer.inner)
+
+
+@pytest.mark.parametrize("base", ["adamw_torch", "adafactor", "adamw_8bit"])
+def test_estimator_reads_the_same_fsdp2_table(base):
+    result = estimate("llama-3-8b", optimizer=f"{base}_layerwise", sharding="fsdp2", world_size=8)
+    refused = any("refused under FSDP2" in note for note in result.notes)
+    assert refused == (not support.fsdp2_supports_base(base))
+
+
+def test_refusals_have_one_message_each():
+    with pytest.raises(ValueError, match="DeepSpeed, which owns the optimizer step"):
+        support.check_deepspeed("adamw_torch_layerwise", True)
+    with pytest.raises(ValueError, match="FSDP1 flattens parameters"):
+        support.check_fsdp_version("adamw_torch_layerwise", 1)
+    with pytest.raises(ValueError, match="cannot run with fp16 loss scaling"):
+        support.check_fp16_clip_mode("previous", True, 1.0)
+    support.check_fp16_clip_mode("previous", True, 0.0)  # no clipping: nothing steps early
+    with pytest.raises(ValueError, match="fp32 trainable weights"):
+        support.check_fp16_weights([("w", torch.zeros(2, dtype=torch.float16))])

@@ -1,0 +1,82 @@
+"""The step window's decision table and its single reset, and the clipping modes, as parts of their own."""
+
+import pytest
+import torch
+
+from layerwise_hf.clipping import CLIP_MODES, ClipMode, clip_coef, make_clipper
+from layerwise_hf.window import Action, StepWindow
+
+
+def test_decision_table():
+    window = StepWindow(3)
+    assert window.action(0, sync=False, whole_step=False) is Action.ACCUMULATE
+    assert window.accumulating
+    assert window.action(0, sync=True, whole_step=False) is Action.STEP
+    assert window.action(0, sync=True, whole_step=False) is Action.REPEATED  # stepping twice is refused
+    assert window.action(1, sync=True, whole_step=True) is Action.HOLD
+    window.in_norm_pass = True
+    assert window.action(2, sync=True, whole_step=True) is Action.MEASURE
+    assert window.action(2, sync=True, whole_step=True) is Action.REPEATED
+    window.in_norm_pass = False
+    window.measured = True
+    assert window.action(2, sync=True, whole_step=True) is Action.STEP  # measured: steps in the second pass
+
+
+def test_reset_forgets_every_field():
+    window = StepWindow(2)
+    fresh = vars(StepWindow(2)).copy()
+    window.action(0, sync=False, whole_step=False)
+    window.action(1, sync=True, whole_step=True)
+    window.stepped[0] = True
+    window.measured = window.in_norm_pass = True
+    window.clip_coef = window.running_sq = torch.tensor(1.0)
+    window.found_inf[torch.device("cpu")] = torch.tensor(1.0)
+    window.record_norm(0, _param_with_grad([3.0, 4.0]))
+    found_inf = window.found_inf
+    window.reset()
+    after = vars(window)
+    assert set(after) == set(fresh)
+    for key, value in fresh.items():
+        assert after[key] == value, key
+    # A new dict, not a cleared one: GradScaler.update() may still read the skipped window's flags.
+    assert found_inf and window.found_inf is not found_inf
+
+
+def _param_with_grad(values):
+    p = torch.nn.Parameter(torch.zeros(len(values)))
+    p.grad = torch.tensor(values)
+    return p
+
+
+def test_total_norm_matches_clip_grad_norm():
+    params = [_param_with_grad([3.0, 4.0]), _param_with_grad([1.0, 2.0, 2.0])]
+    window = StepWindow(2)
+    window.record_norm(0, params[0])  # measured already; the other is still held in .grad
+    expected = torch.nn.utils.clip_grad_norm_(params, float("inf"))
+    assert torch.equal(window.total_norm(params), expected)
+
+
+@pytest.mark.parametrize("mode", CLIP_MODES)
+def test_modes_parse_from_their_strings(mode):
+    assert ClipMode.parse(mode).value == mode
+    assert make_clipper(1.0, mode).mode is ClipMode(mode)
+    assert make_clipper(0.0, mode).mode is ClipMode.OFF  # max_grad_norm <= 0 clips nothing whatever the mode
+
+
+def test_unknown_mode_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="exact, previous, per_param, off"):
+        ClipMode.parse("global")
+
+
+def test_clippers():
+    window = StepWindow(2)
+    norm = torch.tensor(4.0)
+    assert make_clipper(0.0).coef(window, norm, None) is None
+    assert torch.equal(make_clipper(1.0, "per_param").coef(window, norm, None), clip_coef(1.0, norm))
+    exact = make_clipper(1.0, "exact")
+    exact.start_step(window, torch.tensor(10.0))
+    assert torch.equal(exact.coef(window, norm, None), clip_coef(1.0, torch.tensor(10.0)))
+    previous = make_clipper(1.0, "previous")
+    # Bounded by the larger of the running norm of this step (sqrt(4^2 + 3^2) = 5) and the last step's norm.
+    previous.coef(window, norm, None)
+    assert torch.equal(previous.coef(window, torch.tensor(3.0), torch.tensor(2.0)), clip_coef(1.0, torch.tensor(5.0)))
