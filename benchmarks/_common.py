@@ -1,15 +1,42 @@
-"""What the benchmark scripts share: model-size defaults, the example task, timing ratios, /proc memory readers and
-figure saving. Imported as `benchmarks._common` (each script puts the repository root on `sys.path`)."""
+"""The benchmark harness, in one place: model sizes and builders, the example task, the optimizers under test, gradient
+/ optimizer-state / RSS meters, timing of the inner optimizers' steps through torch's public step hooks, interleaved
+timing rounds, and the JSON / PNG / table output. Each script under benchmarks/ keeps only its own experiment.
+
+Imported as `benchmarks._common` (each script puts the repository root on `sys.path`). The optimizer is observed only
+through public names of `layerwise_hf`: `LayerwiseOptimizer.inner` (one `torch.optim.Optimizer` per trainable
+parameter, holding exactly that parameter) and its documented methods; nothing here patches a private method.
+"""
 
 from __future__ import annotations
 
+import argparse
+import ctypes
+import gc
+import json
+import os
 import random
 import statistics
+import sys
 import textwrap
+import time
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
+MIB = 2**20
+
+# ---- model sizes ----
+
+# ~58M parameters: 2 x 16.4M (embeddings, untied lm_head) + 8 x 3.16M (decoder layers). The memory benchmarks'
+# model; each adds its own micro-batch (`seq_len`, `batch_size`).
+LLAMA_58M = dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                 num_attention_heads=8, num_key_value_heads=8)  # fmt: skip
+LLAMA_TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4)  # fmt: skip
+# ~20.3M parameters: 2 x 3.07M (embeddings, untied lm_head) + 6 x 2.36M (decoder layers). step_time.py's model.
+LLAMA_20M = dict(vocab_size=8000, hidden_size=384, intermediate_size=1536, num_hidden_layers=6,
+                 num_attention_heads=6, num_key_value_heads=6)  # fmt: skip
 # The example task's model and batch (configs/train/tiny_llama.yaml); --small shrinks both.
 EXAMPLE_FULL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                     intermediate_size=688, seq_len=128, batch_size=8)  # fmt: skip
@@ -17,37 +44,100 @@ EXAMPLE_SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=176, seq_len=32, batch_size=4)  # fmt: skip
 
 
+def benchmark_parser(description: str, full: dict, small: dict) -> argparse.ArgumentParser:
+    """`--output_dir`, `--small` and one `--<size>` flag per key of `full` (unset: the full or `--small` default)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--output_dir", default=str(RESULTS), help="JSON and PNG go here")
+    parser.add_argument("--small", action="store_true", help="a tiny model (smoke run); explicit size flags win")
+    add_defaulted_args(parser, full, small)
+    return parser
+
+
+def add_defaulted_args(parser, full: dict, small: dict, helps: dict | None = None) -> None:
+    for key, value in full.items():
+        what = f"{helps[key]}: " if helps and key in helps else ""
+        parser.add_argument(
+            f"--{key}", type=int, default=None, help=f"{what}default {value} ({small[key]} with --small)"
+        )
+
+
 def fill_sizes(opts, full: dict, small: dict) -> None:
-    """Size flags left unset take the `--small` or full defaults."""
+    """Flags left unset take the `--small` or full defaults."""
     for key, value in (small if opts.small else full).items():
         if getattr(opts, key) is None:
             setattr(opts, key, value)
 
 
-def example_task_parser(description: str, rounds: int):
-    """The options both timing benchmarks share: output, model size of the example task, GA values, rounds."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--output_dir", default=str(RESULTS), help="JSON and PNG go here")
-    parser.add_argument("--small", action="store_true", help="a tiny model (smoke run); explicit size flags win")
-    for key, value in EXAMPLE_FULL.items():
-        parser.add_argument(
-            f"--{key}", type=int, default=None, help=f"default {value} ({EXAMPLE_SMALL[key]} with --small)"
-        )
-    parser.add_argument("--grad_accum", type=int, nargs="+", default=[1, 4], help="GA values timed")
-    parser.add_argument("--warmup", type=int, default=2, help="rounds dropped before timing")
+def add_timing_args(parser, rounds: int, warmup: int = 2, seed: int = 42) -> None:
+    parser.add_argument("--warmup", type=int, default=warmup, help="rounds dropped before timing")
     parser.add_argument("--rounds", type=int, default=rounds, help="timed rounds (one step per configuration each)")
-    parser.add_argument("--learning_rate", type=float, default=3e-3, help="the example task's peak lr")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: less sensitive to shared cores)")
-    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--seed", type=int, default=seed)
+
+
+def example_task_parser(description: str, rounds: int) -> argparse.ArgumentParser:
+    """The options both example-task timing benchmarks share: output, model size, GA values, rounds."""
+    parser = benchmark_parser(description, EXAMPLE_FULL, EXAMPLE_SMALL)
+    parser.add_argument("--grad_accum", type=int, nargs="+", default=[1, 4], help="GA values timed")
+    parser.add_argument("--learning_rate", type=float, default=3e-3, help="the example task's peak lr")
+    add_timing_args(parser, rounds)
     return parser
 
 
-def parse_example_task_args(parser, argv=None):
+def parse_example_task_args(parser, argv=None) -> argparse.Namespace:
     opts = parser.parse_args(argv)
     fill_sizes(opts, EXAMPLE_FULL, EXAMPLE_SMALL)
     return opts
+
+
+def size_args(opts, keys) -> list[str]:
+    """`--key value` for each key: how a driver hands its sizes to the processes it starts."""
+    return [arg for key in keys for arg in (f"--{key}", str(getattr(opts, key)))]
+
+
+# ---- models and data ----
+
+
+def llama_config(opts=None, **sizes):
+    """An untied Llama of the sizes in `opts` / `sizes` (vocab_size, hidden_size, ... seq_len)."""
+    from transformers import LlamaConfig
+
+    sizes = {**(vars(opts) if opts is not None else {}), **sizes}
+    shape = {k: sizes[k] for k in LLAMA_58M}
+    return LlamaConfig(**shape, max_position_embeddings=sizes["seq_len"], tie_word_embeddings=False)
+
+
+def build_llama(opts=None, seed: int = 0, **sizes):
+    """A randomly initialised `LlamaForCausalLM` of `llama_config(opts, **sizes)`, the same for the same seed."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(llama_config(opts, **sizes))
+
+
+def random_tokens(vocab_size: int, batch_size: int, seq_len: int, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch_size, seq_len), generator=g)
+
+
+def setup_example_task(opts):
+    """Torch threads set and the example task built: (model, dataset, number of parameters, start time)."""
+    import torch
+
+    torch.set_num_threads(opts.threads)
+    started = time.perf_counter()
+    return (*build_example_task(opts), started)
+
+
+def example_task_description(opts, num_params: int) -> str:
+    return (
+        f"Llama {num_params / 1e6:.2f}M params (hidden {opts.hidden_size}, {opts.num_hidden_layers} layers), "
+        f"batch {opts.batch_size}x{opts.seq_len}, {opts.threads} thread(s), {opts.rounds} timed rounds after "
+        f"{opts.warmup} warm-up"
+    )
 
 
 def build_example_task(opts):
@@ -56,34 +146,12 @@ def build_example_task(opts):
 
     from examples.train import ScriptArguments, build_dataset, build_model
 
-    script_args = ScriptArguments(
-        hidden_size=opts.hidden_size,
-        num_hidden_layers=opts.num_hidden_layers,
-        num_attention_heads=opts.num_attention_heads,
-        num_key_value_heads=opts.num_key_value_heads,
-        intermediate_size=opts.intermediate_size,
-        seq_len=opts.seq_len,
-        num_samples=512,
-    )
+    # Every size of EXAMPLE_FULL but the batch is a field of the example's ScriptArguments.
+    sizes = {k: getattr(opts, k) for k in EXAMPLE_FULL if k != "batch_size"}
+    script_args = ScriptArguments(**sizes, num_samples=512)
     torch.manual_seed(opts.seed)
     model = build_model(script_args)
     return model, build_dataset(script_args), sum(p.numel() for p in model.parameters())
-
-
-def llama_config(opts):
-    """An untied Llama of the sizes in `opts` (vocab_size, hidden_size, ... seq_len)."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=opts.vocab_size,
-        hidden_size=opts.hidden_size,
-        intermediate_size=opts.intermediate_size,
-        num_hidden_layers=opts.num_hidden_layers,
-        num_attention_heads=opts.num_attention_heads,
-        num_key_value_heads=opts.num_key_value_heads,
-        max_position_embeddings=opts.seq_len,
-        tie_word_embeddings=False,
-    )
 
 
 def collate(examples: list[dict]) -> dict:
@@ -101,39 +169,57 @@ def micro_batches(dataset, step: int, ga: int, batch_size: int) -> list[dict]:
     return out
 
 
-def interleaved_rounds(runs: list, opts, step) -> None:
-    """
-    `opts.warmup + opts.rounds` rounds of one `step(run, round) -> (wall s, CPU s)` per run, in a freshly shuffled
-    order each round so the load of other processes falls on all runs alike. After the warm-up rounds each run's
-    times go to `run.times` / `run.cpu_times`.
-    """
-    order_rng = random.Random(opts.seed)
-    total = opts.warmup + opts.rounds
-    for rnd in range(total):
-        order = list(runs)
-        order_rng.shuffle(order)
-        for run in order:
-            elapsed, cpu = step(run, rnd)
-            if rnd >= opts.warmup:
-                run.times.append(elapsed)
-                run.cpu_times.append(cpu)
-        print(f"  round {rnd + 1}/{total}{' (warm-up)' if rnd < opts.warmup else ''}", flush=True)
+# ---- the optimizers under test ----
 
 
-def timing_stats(times: list[float], cpu_times: list[float], ref_times: list[float], ref_cpu: list[float]) -> dict:
-    """Medians of one configuration's step times and its ratios to a reference timed in the same rounds."""
-    median, cpu_median = statistics.median(times), statistics.median(cpu_times)
-    return {
-        "times_s": times,
-        "cpu_times_s": cpu_times,
-        "median_s": median,
-        "cpu_median_s": cpu_median,
-        "ratio": median / statistics.median(ref_times),
-        # Same-round pairs cancel slow drifts of the machine load.
-        "paired_ratio_median": statistics.median(t / r for t, r in zip(times, ref_times)),
-        # Single-threaded, the process CPU time hardly sees other processes competing for the cores.
-        "cpu_ratio": cpu_median / statistics.median(ref_cpu),
-    }
+def training_args(optim: str, output_dir: str = "unused", **kwargs):
+    """`LayerwiseTrainingArguments` for a benchmark: nothing reported, nothing written to `output_dir`."""
+    from layerwise_hf import LayerwiseTrainingArguments
+
+    return LayerwiseTrainingArguments(output_dir=output_dir, optim=optim, report_to="none", use_cpu=True, **kwargs)
+
+
+def trainer_optimizer(model, args):
+    """
+    The standard optimizer exactly as Trainer builds it (`Trainer.create_optimizer`): `get_optimizer_cls_and_kwargs`,
+    its decay split, bitsandbytes' 32-bit embedding override and GaLore's projected groups.
+    """
+    from transformers import Trainer
+
+    # NOTE: run on a stand-in with the attributes it reads; a function of its own so no local keeps the unsharded
+    # parameters alive once FSDP2 has swapped them.
+    trainer = types.SimpleNamespace(
+        model=model,
+        args=args,
+        optimizer=None,
+        optimizer_cls_and_kwargs=None,
+        get_optimizer_cls_and_kwargs=Trainer.get_optimizer_cls_and_kwargs,
+    )
+    trainer.get_decay_parameter_names = types.MethodType(Trainer.get_decay_parameter_names, trainer)
+    return Trainer.create_optimizer(trainer)
+
+
+def layerwise_optimizer(model, args, *, clip: tuple[float, str] = (0.0, "exact"), attach: bool = True, **kwargs):
+    """`build_layerwise_optimizer(model, args, **kwargs)` with clipping configured and, by default, hooks attached.
+    Keywords this version of `build_layerwise_optimizer` does not take are dropped: see `supported_keywords`."""
+    from layerwise_hf import build_layerwise_optimizer
+
+    optimizer = build_layerwise_optimizer(model, args, **supported_keywords(build_layerwise_optimizer, kwargs))
+    optimizer.configure_clipping(*clip)
+    if attach:
+        optimizer.attach()
+    return optimizer
+
+
+def supported_keywords(fn, kwargs: dict) -> dict:
+    """The items of `kwargs` that `fn` accepts by name (for options newer versions of the package add)."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+# ---- meters: RSS, tensors, gradients, inner optimizer steps ----
 
 
 def proc_status_bytes(field: str) -> int:
@@ -151,6 +237,326 @@ def reset_peak_rss() -> None:
         f.write("5")
 
 
+def settle() -> None:
+    # Garbage from the previous phase must not be counted in the next one, nor heap the allocator still holds.
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def local(t):
+    """The local shard of a DTensor (FSDP2), the tensor itself otherwise."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def nbytes(t) -> int:
+    t = local(t)
+    return t.numel() * t.element_size()
+
+
+def state_tensors(obj, found: dict | None = None) -> dict:
+    """Every tensor in `obj` by id, also inside objects kept in an optimizer state (GaLore's projector)."""
+    import torch
+
+    found = {} if found is None else found
+    if isinstance(obj, torch.Tensor):
+        found[id(obj)] = obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            state_tensors(v, found)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            state_tensors(v, found)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        for v in vars(obj).values():
+            state_tensors(v, found)
+    return found
+
+
+def optimizer_state_tensors(optimizer) -> dict:
+    """The state tensors of a standard optimizer (also inside Accelerate's wrapper) or of a layer-wise one."""
+    from layerwise_hf import unwrap_layerwise_optimizer
+
+    lw = unwrap_layerwise_optimizer(optimizer)
+    if lw is not None:
+        return state_tensors([s for inner in lw.inner for s in inner.state.values()])
+    return state_tensors(list(getattr(optimizer, "optimizer", optimizer).state.values()))
+
+
+def tensor_bytes(tensors: dict) -> int:
+    """What the tensors' (local) shapes say: numel x element size, what `LayerwiseOptimizer.state_bytes()` counts."""
+    return sum(nbytes(t) for t in tensors.values())
+
+
+def storage_bytes(tensors) -> int:
+    """What the tensors keep allocated: their distinct storages, in full even when a tensor is a view of a part."""
+    tensors = tensors.values() if isinstance(tensors, dict) else tensors
+    storages = {}
+    for t in tensors:
+        storage = local(t).untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def inner_param(inner):
+    """The one parameter a per-parameter inner optimizer holds."""
+    return inner.param_groups[0]["params"][0]
+
+
+class GradMeter:
+    """
+    Live `.grad` bytes of `params`, sampled at every post-accumulate-grad hook (once `attach()`ed) and wherever
+    `sample()` is called. Keeps the largest sum of (local) `.grad` tensor bytes and of the distinct storages they
+    keep alive (an FSDP2 shard or a DDP bucket view pins its whole buffer), since the last `start_step()`, and the
+    sample at the first hook of each backward (`first`: the first weight gradient, where a layer-wise optimizer
+    takes its first step while most activations are still alive).
+
+    `attach()` it before the layer-wise optimizer's hooks, so each sample sees a gradient before its step frees it.
+    """
+
+    def __init__(self, params, names: dict | None = None):
+        self.params = list(params)
+        self.names = names or {}
+        self.handles: list = []
+        self.samples = 0
+        self.storages: dict[int, int] = {}  # of the last sample
+        self.start_step()
+        self.start_backward()
+
+    def attach(self) -> GradMeter:
+        self.handles = [p.register_post_accumulate_grad_hook(self.hook) for p in self.params]
+        return self
+
+    def hook(self, param) -> None:
+        # NOTE: autograd refuses a post-accumulate-grad hook that returns anything but None.
+        self.sample(param)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def start_step(self) -> None:
+        self.peak_tensor = 0
+        self.peak_storage = 0
+        self.first_max = 0
+
+    def start_backward(self) -> None:
+        self.first: int | None = None
+        self.first_name: str | None = None
+
+    def live(self) -> int:
+        return sum(nbytes(p.grad) for p in self.params if p.grad is not None)
+
+    def sample(self, param=None) -> int:
+        """Record the gradients alive now (`param`: the one whose hook fires); returns their tensor bytes."""
+        live = 0
+        self.storages = {}
+        for p in self.params:
+            if p.grad is None:
+                continue
+            g = local(p.grad)
+            live += g.numel() * g.element_size()
+            storage = g.untyped_storage()
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        if param is not None and self.first is None:
+            self.first = live
+            self.first_name = self.names.get(id(param))
+            self.first_max = max(self.first_max, live)
+        self.peak_tensor = max(self.peak_tensor, live)
+        self.peak_storage = max(self.peak_storage, sum(self.storages.values()))
+        self.samples += 1
+        return live
+
+
+class InnerStepTimer:
+    """
+    Times every per-parameter step of a `LayerwiseOptimizer` with torch's own optimizer step hooks
+    (`register_step_pre_hook` / `register_step_post_hook` on each of `optimizer.inner`): `seconds` and `calls`
+    since the last `reset()`, and per call in `per_call` when `keep` is set. `on_step(param)`, if given, runs in
+    each pre-hook, where the parameter's gradient is still in `.grad`.
+
+    With `arrivals=True` (create it before `optimizer.attach()`), a post-accumulate-grad hook on every parameter,
+    registered ahead of the layer-wise hook, notes when each gradient arrives; `hook_seconds` then sums, over the
+    steps taken inside a gradient hook, the time from the gradient's arrival to its inner `step()`: the layer-wise
+    hook's own work before stepping (the gradient norm it records, its bookkeeping). Steps while `paused` (inside an
+    explicit `optimizer.step()`, which the caller times itself) are not counted.
+    """
+
+    def __init__(self, optimizer, on_step=None, arrivals: bool = False, keep: bool = False):
+        self.on_step = on_step
+        self.keep = keep
+        self.paused = False
+        self.handles: list = []
+        self._arrived: dict[int, float] = {}
+        self._started = 0.0
+        self.reset()
+        for inner in optimizer.inner:
+            self.handles.append(inner.register_step_pre_hook(self._pre))
+            self.handles.append(inner.register_step_post_hook(self._post))
+            if arrivals:
+                self.handles.append(inner_param(inner).register_post_accumulate_grad_hook(self._arrive))
+
+    def reset(self) -> None:
+        self.seconds = 0.0
+        self.hook_seconds = 0.0
+        self.calls = 0
+        self.per_call: list[float] = []
+        self.hook_per_call: list[float] = []
+        self._arrived = {}
+
+    def _arrive(self, param) -> None:
+        self._arrived[id(param)] = time.perf_counter()
+
+    def _pre(self, inner, args, kwargs) -> None:
+        param = inner_param(inner)
+        if self.on_step is not None:
+            self.on_step(param)
+        now = time.perf_counter()
+        arrived = self._arrived.pop(id(param), None)
+        if arrived is not None and not self.paused:
+            self.hook_seconds += now - arrived
+            if self.keep:
+                self.hook_per_call.append(now - arrived)
+        self._started = time.perf_counter()
+
+    def _post(self, inner, args, kwargs) -> None:
+        elapsed = time.perf_counter() - self._started
+        if self.paused:
+            return
+        self.seconds += elapsed
+        self.calls += 1
+        if self.keep:
+            self.per_call.append(elapsed)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+# ---- timing ----
+
+
+class TimedRun:
+    """One timed configuration: `times` / `cpu_times` of its steps, filled by `interleaved_rounds`."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.cpu_times: list[float] = []
+
+    @staticmethod
+    def clock(fn, *args, **kwargs) -> tuple[float, float]:
+        """Run `fn`; its wall and process CPU seconds."""
+        start, cpu_start = time.perf_counter(), time.process_time()
+        fn(*args, **kwargs)
+        return time.perf_counter() - start, time.process_time() - cpu_start
+
+
+def copy_model(base_model):
+    """A deep copy of `base_model` in training mode: every configuration starts from the same weights."""
+    import copy
+
+    model = copy.deepcopy(base_model)
+    model.train()
+    return model
+
+
+def interleaved_rounds(runs: list, opts, step, label: str = "round") -> None:
+    """
+    `opts.warmup + opts.rounds` rounds of one `step(run, round) -> (wall s, CPU s)` per run, in a freshly shuffled
+    order each round so the load of other processes falls on all runs alike. After the warm-up rounds each run's
+    times go to `run.times` / `run.cpu_times`.
+    """
+    order_rng = random.Random(opts.seed)
+    total = opts.warmup + opts.rounds
+    for rnd in range(total):
+        order = list(runs)
+        order_rng.shuffle(order)
+        for run in order:
+            elapsed, cpu = step(run, rnd)
+            if rnd >= opts.warmup:
+                run.times.append(elapsed)
+                run.cpu_times.append(cpu)
+        print(f"  {label} {rnd + 1}/{total}{' (warm-up)' if rnd < opts.warmup else ''}", flush=True)
+
+
+def paired_ratios(times: list[float], ref_times: list[float]) -> list[float]:
+    # Same-round pairs cancel slow drifts of the machine load.
+    return [t / r for t, r in zip(times, ref_times)]
+
+
+def quartiles(xs: list[float]) -> list[float]:
+    # The spread of the same-round ratios says how much of a difference the machine's noise can make.
+    return statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+
+
+def timing_stats(times: list[float], cpu_times: list[float], ref_times: list[float], ref_cpu: list[float]) -> dict:
+    """Medians of one configuration's step times and its ratios to a reference timed in the same rounds."""
+    median, cpu_median = statistics.median(times), statistics.median(cpu_times)
+    return {
+        "times_s": times,
+        "cpu_times_s": cpu_times,
+        "median_s": median,
+        "cpu_median_s": cpu_median,
+        "ratio": median / statistics.median(ref_times),
+        "paired_ratio_median": statistics.median(paired_ratios(times, ref_times)),
+        # Single-threaded, the process CPU time hardly sees other processes competing for the cores.
+        "cpu_ratio": cpu_median / statistics.median(ref_cpu),
+    }
+
+
+# ---- subprocesses ----
+
+
+def worker_env(threads: int = 1, mmap_threshold: bool = False) -> dict:
+    """The environment of a measuring subprocess: the repository importable, offline, `threads` OpenMP threads."""
+    env = {
+        **os.environ,
+        # The caller's PYTHONPATH first: a checkout or an installed copy it points at is the one measured.
+        "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": str(threads),
+    }
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if mmap_threshold:
+        # Freed tensors above 64 KiB go back to the OS at once, so RSS follows live memory instead of heap slack.
+        # Not for timing: an mmap per tensor makes every step pay for page faults.
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    return env
+
+
+# ---- output ----
+
+
+def mib(n) -> str:
+    # Three decimals under 1 MiB, so a LoRA adapter's gradient does not read as zero.
+    return "-" if n is None else f"{n / MIB:.3f}" if abs(n) < MIB else f"{n / MIB:.1f}"
+
+
+def pct(x) -> str:
+    return "-" if x is None else f"{100 * x:+.1f}%"
+
+
+def print_table(columns: list[tuple], rows: list, title: str | None = None) -> None:
+    """
+    A fixed-width table. `columns`: (header, width) or (header, width, "<" / ">"); the first column is left-aligned
+    unless it says otherwise, the others right-aligned. Cells come formatted; a row that is a string prints as it is.
+    """
+    if title:
+        print(title)
+    aligns = [c[2] if len(c) > 2 else "<" if k == 0 else ">" for k, c in enumerate(columns)]
+    fmt = [f"{{:{a}{c[1]}}}" for a, c in zip(aligns, columns)]
+    header = " ".join(f.format(c[0]) for f, c in zip(fmt, columns))
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        print(row if isinstance(row, str) else " ".join(f.format(str(cell)) for f, cell in zip(fmt, row)))
+
+
 def save_figure(fig, path: Path, title: str, fontsize: int = 10) -> None:
     import matplotlib.pyplot as plt
 
@@ -158,3 +564,30 @@ def save_figure(fig, path: Path, title: str, fontsize: int = 10) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_report(output_dir, name: str, report: dict, plot=None) -> Path:
+    """`<output_dir>/<name>.json` and, with `plot(report, png_path)`, `<name>.png`; prints where they went."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(report, indent=1))
+    if plot is not None:
+        plot(report, out / f"{name}.png")
+    took = f" in {report['wall_time_s']:.0f}s" if "wall_time_s" in report else ""
+    print(f"\nwrote {path}{' and .png' if plot is not None else ''}{took}")
+    return path
+
+
+def python_version() -> str:
+    return sys.version.split()[0]

@@ -25,8 +25,6 @@ Writes `<output_dir>/clipping_speed.json` and `.png`; prints tables and the PASS
 from __future__ import annotations
 
 import argparse
-import copy
-import json
 import statistics
 import sys
 import time
@@ -40,16 +38,7 @@ if str(ROOT) not in sys.path:
 
 from transformers import get_scheduler  # noqa: E402
 
-from benchmarks._common import (  # noqa: E402
-    build_example_task,
-    example_task_parser,
-    interleaved_rounds,
-    micro_batches,
-    parse_example_task_args,
-    save_figure,
-    timing_stats,
-)
-from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer  # noqa: E402
+from benchmarks import _common as h  # noqa: E402
 
 OPTIM = "adamw_torch_layerwise"
 MAX_GRAD_NORM = 1.0  # Trainer's default
@@ -66,38 +55,31 @@ GOAL_ONE_PASS = 1.05
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = example_task_parser(__doc__.splitlines()[0], rounds=10)
+    parser = h.example_task_parser(__doc__.splitlines()[0], rounds=10)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--accuracy_steps", type=int, default=60, help="steps of the previous-vs-exact comparison")
-    return parse_example_task_args(parser, argv)
+    return h.parse_example_task_args(parser, argv)
 
 
-class Run:
-    """One configuration: its own model copy and layer-wise optimizer, stepped through `run_with_norm_pass`."""
+class Run(h.TimedRun):
+    """One configuration: its own model copy and layer-wise optimizer, stepped through `backward_with_norm_pass`."""
 
     def __init__(self, base_model, mode: str, ga: int, opts, total_steps: int | None = None):
+        super().__init__()
         self.mode, self.ga = mode, ga
-        self.model = copy.deepcopy(base_model)
-        self.model.train()
+        self.model = h.copy_model(base_model)
         self.forwards = 0
         self.model.register_forward_pre_hook(self._count)
         self.sync = True
-        args = LayerwiseTrainingArguments(
-            output_dir="unused", optim=OPTIM, learning_rate=opts.learning_rate, weight_decay=0.1, report_to="none"
-        )
+        args = h.training_args(OPTIM, learning_rate=opts.learning_rate, weight_decay=0.1)
         # Outside Accelerate the window's last micro-batch is ours to say.
-        self.optimizer = build_layerwise_optimizer(self.model, args, sync_gradients=lambda: self.sync)
-        max_norm, clip = MODES[mode]
-        self.optimizer.configure_clipping(max_norm, clip)
-        self.optimizer.attach()
+        self.optimizer = h.layerwise_optimizer(self.model, args, clip=MODES[mode], sync_gradients=lambda: self.sync)
         self.scheduler = None
         if total_steps:
             warmup = max(1, total_steps // 10)
             self.scheduler = get_scheduler(
                 "cosine", self.optimizer, num_warmup_steps=warmup, num_training_steps=total_steps
             )
-        self.times: list[float] = []
-        self.cpu_times: list[float] = []
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
 
@@ -106,7 +88,9 @@ class Run:
 
     def step(self, micro_batches: list[dict]) -> tuple[float, float]:
         """One optimizer step; returns its wall and process CPU seconds."""
-        start, cpu_start = time.perf_counter(), time.process_time()
+        return self.clock(self._step, micro_batches)
+
+    def _step(self, micro_batches: list[dict]) -> None:
         total = 0.0
         for k, batch in enumerate(micro_batches):
             self.sync = k == len(micro_batches) - 1
@@ -119,10 +103,8 @@ class Run:
         self.optimizer.zero_grad()
         if self.scheduler is not None:
             self.scheduler.step()
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         self.losses.append(total)
         self.grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
-        return elapsed, cpu
 
     def close(self) -> None:
         self.optimizer.detach()
@@ -134,18 +116,18 @@ def time_modes(base_model, dataset, opts) -> dict:
 
     def step(run, rnd):
         before = run.forwards
-        times = run.step(micro_batches(dataset, rnd, run.ga, opts.batch_size))
+        times = run.step(h.micro_batches(dataset, rnd, run.ga, opts.batch_size))
         forwards_per_step[(run.mode, run.ga)] = run.forwards - before
         return times
 
-    interleaved_rounds(runs, opts, step)
+    h.interleaved_rounds(runs, opts, step)
     results = {}
     for ga in opts.grad_accum:
         ref = next((r for r in runs if r.ga == ga and r.mode == "none"), None)
         for run in (r for r in runs if r.ga == ga):
             # Without the `none` reference there is nothing to divide by: the run's own medians only.
             reference = ref or run
-            stats = timing_stats(run.times, run.cpu_times, reference.times, reference.cpu_times)
+            stats = h.timing_stats(run.times, run.cpu_times, reference.times, reference.cpu_times)
             if ref is None:
                 stats = {k: v for k, v in stats.items() if "ratio" not in k}
             entry = {"mode": run.mode, "grad_accum": ga, **stats}
@@ -187,7 +169,7 @@ def accuracy(base_model, dataset, opts) -> dict:
     runs = {m: Run(base_model, m, 1, opts, total_steps=opts.accuracy_steps) for m in modes}
     drift = {m: [] for m in modes}  # ||theta - theta_exact|| / ||theta_exact|| after each step
     for step in range(opts.accuracy_steps):
-        batch = micro_batches(dataset, step, 1, opts.batch_size)
+        batch = h.micro_batches(dataset, step, 1, opts.batch_size)
         for run in runs.values():
             run.step(batch)
         exact_flat = flat_params(runs["exact"].model)
@@ -227,21 +209,16 @@ def accuracy(base_model, dataset, opts) -> dict:
 
 def print_report(timing: dict, checks: list[dict], acc: dict, desc: str) -> None:
     print(f"\n{desc}")
-    header = (
-        f"{'mode':<10} {'GA':>3} {'fwd/step':>8} {'wall med s':>10} {'vs none':>8} {'paired':>7} "
-        f"{'cpu med s':>9} {'vs none':>8}  wall seconds of each timed step"
-    )
-    print(header)
-    print("-" * len(header))
-    for entry in timing.values():
-        ratio = f"{entry['ratio']:.3f}x" if "ratio" in entry else "-"
-        paired = f"{entry['paired_ratio_median']:.3f}" if "paired_ratio_median" in entry else "-"
-        cpu_ratio = f"{entry['cpu_ratio']:.3f}x" if "cpu_ratio" in entry else "-"
-        steps = " ".join(f"{t:.3f}" for t in entry["times_s"])
-        print(
-            f"{entry['mode']:<10} {entry['grad_accum']:>3} {entry['forwards_per_step']:>8} {entry['median_s']:>10.4f} "
-            f"{ratio:>8} {paired:>7} {entry['cpu_median_s']:>9.4f} {cpu_ratio:>8}  {steps}"
-        )
+    rows = [
+        [e["mode"], e["grad_accum"], e["forwards_per_step"], f"{e['median_s']:.4f}",
+         f"{e['ratio']:.3f}x" if "ratio" in e else "-",
+         f"{e['paired_ratio_median']:.3f}" if "paired_ratio_median" in e else "-", f"{e['cpu_median_s']:.4f}",
+         f"{e['cpu_ratio']:.3f}x" if "cpu_ratio" in e else "-", " " + " ".join(f"{t:.3f}" for t in e["times_s"])]
+        for e in timing.values()
+    ]  # fmt: skip
+    columns = [("mode", 10), ("GA", 3), ("fwd/step", 8), ("wall med s", 10), ("vs none", 8), ("paired", 7),
+               ("cpu med s", 9), ("vs none", 8), (" wall seconds of each timed step", 0, "<")]  # fmt: skip
+    h.print_table(columns, rows)
     print(
         "fwd/step: model forwards per optimizer step. paired: median of same-round wall ratios to none. cpu: process "
         "CPU time (single-threaded: barely touched by other processes)."
@@ -278,11 +255,7 @@ def print_report(timing: dict, checks: list[dict], acc: dict, desc: str) -> None
 
 
 def plot(timing: dict, acc: dict, path: Path, desc: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = h.pyplot()
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(18, 4.8))
     gas = sorted({e["grad_accum"] for e in timing.values()})
     modes = [m for m in MODES if any(e["mode"] == m for e in timing.values())]
@@ -314,21 +287,13 @@ def plot(timing: dict, acc: dict, path: Path, desc: str) -> None:
     right.set_ylabel("||theta - theta_exact|| / ||theta_exact||")
     right.set_title("parameter drift from exact clipping")
     right.legend(fontsize=8)
-    save_figure(fig, path, desc)
+    h.save_figure(fig, path, desc)
 
 
 def main(argv=None) -> None:
     opts = parse_args(argv)
-    torch.set_num_threads(opts.threads)
-    out = Path(opts.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    base_model, dataset, num_params = build_example_task(opts)
-    desc = (
-        f"{OPTIM}, Llama {num_params / 1e6:.2f}M params (hidden {opts.hidden_size}, {opts.num_hidden_layers} layers), "
-        f"batch {opts.batch_size}x{opts.seq_len}, {opts.threads} thread(s), {opts.rounds} timed rounds after "
-        f"{opts.warmup} warm-up"
-    )
+    base_model, dataset, num_params, started = h.setup_example_task(opts)
+    desc = f"{OPTIM}, {h.example_task_description(opts, num_params)}"
     print(f"timing {len(opts.modes) * len(opts.grad_accum)} configurations, interleaved: {desc}", flush=True)
     timing = time_modes(base_model, dataset, opts)
     print(f"accuracy: {opts.accuracy_steps} steps per mode", flush=True)
@@ -344,9 +309,7 @@ def main(argv=None) -> None:
         "accuracy": acc,
         "wall_time_s": time.perf_counter() - started,
     }
-    (out / "clipping_speed.json").write_text(json.dumps(report, indent=1))
-    plot(timing, acc, out / "clipping_speed.png", desc)
-    print(f"\nwrote {out / 'clipping_speed.json'} and .png in {report['wall_time_s']:.0f}s")
+    h.write_report(opts.output_dir, "clipping_speed", report, lambda r, path: plot(timing, acc, path, desc))
 
 
 if __name__ == "__main__":

@@ -37,31 +37,17 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import (  # noqa: E402
-    RESULTS,
-    fill_sizes,
-    llama_config,
-    proc_status_bytes,
-    reset_peak_rss,
-    save_figure,
-)
+from benchmarks import _common as h  # noqa: E402
+from benchmarks._common import MIB, local, mib, nbytes, proc_status_bytes, reset_peak_rss  # noqa: E402
 
-MIB = 2**20
 ENGINES = {"ddp": "configs/accelerate/cpu_ddp.yaml", "fsdp2": "configs/accelerate/cpu_fsdp2.yaml"}
 OPTIMS = ("adamw_torch", "adamw_torch_layerwise")
-# ~58M parameters: 2 x 16.4M (embeddings, untied lm_head) + 8 x 3.16M (decoder layers).
-FULL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
-            num_key_value_heads=8, seq_len=128, batch_size=4)  # fmt: skip
-SMALL = dict(vocab_size=1024, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=4, seq_len=32, batch_size=2)  # fmt: skip
+FULL = h.LLAMA_58M | dict(seq_len=128, batch_size=4)
+SMALL = h.LLAMA_TINY | dict(seq_len=32, batch_size=2)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output_dir", default=str(RESULTS), help="JSON and PNG go here")
-    parser.add_argument("--small", action="store_true", help="a tiny model (smoke run); explicit size flags win")
-    for key, value in FULL.items():
-        parser.add_argument(f"--{key}", type=int, default=None, help=f"default {value} ({SMALL[key]} with --small)")
+    parser = h.benchmark_parser(__doc__.splitlines()[0], FULL, SMALL)
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per configuration (GA 1)")
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     parser.add_argument("--optims", nargs="+", default=list(OPTIMS), choices=list(OPTIMS))
@@ -72,63 +58,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--optim", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
-    fill_sizes(opts, FULL, SMALL)
+    h.fill_sizes(opts, FULL, SMALL)
     return opts
 
 
 # ---- per-rank measurement (runs inside the launched ranks) ----
 
 
-def trim_malloc() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-
-
-def local(t):
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def nbytes(t) -> int:
-    t = local(t)
-    return t.numel() * t.element_size()
-
-
-def state_tensors_bytes(obj) -> int:
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return nbytes(obj)
-    if isinstance(obj, dict):
-        return sum(state_tensors_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(state_tensors_bytes(v) for v in obj)
-    return 0
-
-
-class GradMeter:
-    """Samples gradient memory at every gradient hook (and wherever `sample` is called), keeping the maxima.
-
-    `.grad` tensors are counted by their own (local) bytes and by the distinct storages they keep alive; FSDP2's
-    reduce-scatter buffers are followed through weak references to what its allocator handed out.
+class BufferMeter(h.GradMeter):
+    """
+    The gradient meter plus what the engine holds for gradients beside `.grad`: FSDP2's reduce-scatter buffers,
+    followed through weak references to what its allocator hands out, and DDP's bucket buffers (alive for the whole
+    run). Each sample also goes to `timeline` while it is a list: [.grad tensors, .grad storages, all gradient
+    buffers, process RSS].
     """
 
     def __init__(self, params):
-        self.params = list(params)
+        super().__init__(params)
         self.fsdp_buffers: list[weakref.ref] = []
         self.bucket_storages: dict[int, int] = {}  # DDP bucket buffers seen as `.grad` (layer-wise route)
         self.ddp_bucket_bytes = 0
-        self.peak_tensor = 0
-        self.peak_storage = 0
         self.peak_fsdp_buffers = 0
         self.peak_total = 0
-        self.samples = 0
-        # Per sample while set: [.grad tensors, .grad storages, all gradient buffers, process RSS].
         self.timeline: list[list[int]] | None = None
 
     def track_fsdp_allocator(self, comm) -> None:
@@ -141,16 +92,9 @@ class GradMeter:
 
         comm.allocate = allocate
 
-    def sample(self) -> int:
-        tensor_bytes = 0
-        storages: dict[int, int] = {}
-        for p in self.params:
-            if p.grad is None:
-                continue
-            g = local(p.grad)
-            tensor_bytes += g.numel() * g.element_size()
-            storage = g.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+    def sample(self, param=None) -> int:
+        tensor_bytes = super().sample(param)
+        storages = self.storages
         self.fsdp_buffers = [ref for ref in self.fsdp_buffers if ref() is not None]
         buffers: dict[int, int] = {}
         for ref in self.fsdp_buffers:
@@ -158,23 +102,16 @@ class GradMeter:
             if t is not None:
                 storage = t.untyped_storage()
                 buffers[storage.data_ptr()] = storage.nbytes()
-        grad_storage = sum(storages.values())
         # A reduce-scatter output that `.grad` views already point into is counted once.
         extra_buffers = sum(n for ptr, n in buffers.items() if ptr not in storages)
         # DDP bucket buffers live for the whole run; the ones a `.grad` views into are in ddp_bucket_bytes already.
         outside_buckets = sum(n for ptr, n in storages.items() if ptr not in self.bucket_storages)
         total = outside_buckets + extra_buffers + self.ddp_bucket_bytes
-        self.peak_tensor = max(self.peak_tensor, tensor_bytes)
-        self.peak_storage = max(self.peak_storage, grad_storage)
         self.peak_fsdp_buffers = max(self.peak_fsdp_buffers, extra_buffers)
         self.peak_total = max(self.peak_total, total)
-        self.samples += 1
         if self.timeline is not None:
-            self.timeline.append([tensor_bytes, grad_storage, total, proc_status_bytes("VmRSS")])
+            self.timeline.append([tensor_bytes, sum(storages.values()), total, proc_status_bytes("VmRSS")])
         return tensor_bytes
-
-    def hook(self, param) -> None:
-        self.sample()
 
 
 def fsdp_units(model) -> list[dict]:
@@ -211,21 +148,6 @@ def ddp_bucket_bytes(ddp_model, grad_bytes: int) -> tuple[int, str]:
         return grad_bytes, "estimate: sum of gradient bytes (reducer bucket sizes not accessible)"
 
 
-def standard_optimizer(model, args):
-    """Trainer's own optimizer class, kwargs and decay / no-decay split, so both sides match."""
-    from transformers import Trainer
-
-    # NOTE: a function of its own so no local keeps the unsharded parameters alive once FSDP2 has swapped them.
-    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
-    decay = set(Trainer.get_decay_parameter_names(None, model))
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
-        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
-    ]
-    return cls(groups, **kwargs)
-
-
 def worker(opts: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -233,18 +155,16 @@ def worker(opts: argparse.Namespace) -> None:
     from accelerate.utils import DistributedType
 
     # NOTE: importing layerwise_hf applies LAYERWISE_HF_FORCE_FSDP_CPU before the first Accelerator.
-    from layerwise_hf import LayerwiseTrainingArguments
+    import layerwise_hf  # noqa: F401
 
     torch.set_num_threads(1)
     # Built before the Accelerator: constructing TrainingArguments resets Accelerate's shared state.
-    args = LayerwiseTrainingArguments(
-        output_dir=str(Path(opts.result).parent / "trainer_output"),  # nothing is written there
-        optim=opts.optim,
+    args = h.training_args(
+        opts.optim,
+        str(Path(opts.result).parent / "trainer_output"),  # nothing is written there
         learning_rate=1e-4,
         weight_decay=0.1,
         max_grad_norm=0.0,
-        report_to="none",
-        use_cpu=True,
     )
     accelerator = Accelerator(gradient_accumulation_steps=1)
     expected = DistributedType.FSDP if opts.engine == "fsdp2" else DistributedType.MULTI_CPU
@@ -268,47 +188,44 @@ def worker(opts: argparse.Namespace) -> None:
 
 def measure(opts: argparse.Namespace, args, accelerator) -> dict:
     """One rank's training steps and measurements; returns them as a plain dict."""
-    import torch
     from accelerate.utils import set_seed
-    from transformers import LlamaForCausalLM
 
-    from layerwise_hf import build_layerwise_optimizer, unwrap_layerwise_optimizer
+    from layerwise_hf import unwrap_layerwise_optimizer
 
     layerwise = opts.optim.endswith("_layerwise")
     set_seed(0)
-    model = LlamaForCausalLM(llama_config(opts))
+    model = h.build_llama(opts, seed=0)
     num_params = sum(p.numel() for p in model.parameters())
     if layerwise:
-        optimizer = build_layerwise_optimizer(model, args)
-        optimizer.configure_clipping(0.0)
+        # Hooks come with connect() after prepare: FSDP2 replaces the parameters.
+        optimizer = h.layerwise_optimizer(model, args, attach=False)
     else:
-        optimizer = standard_optimizer(model, args)
+        optimizer = h.trainer_optimizer(model, args)
     model, optimizer = accelerator.prepare(model, optimizer)
 
     params = [p for p in model.parameters() if p.requires_grad]
-    meter = GradMeter(params)
+    meter = BufferMeter(params)
     units = fsdp_units(model) if opts.engine == "fsdp2" else []
     for unit in units:
         meter.track_fsdp_allocator(unit["group"]._reduce_scatter_comm)
     # Registered before the layer-wise hooks, so each sample sees the gradient before its step frees it.
-    handles = [p.register_post_accumulate_grad_hook(meter.hook) for p in params]
+    meter.attach()
     lw = unwrap_layerwise_optimizer(optimizer)
     route = None
+    steps_seen = None
     if lw is not None:
         route = lw.connect(model)
-        original_step_one = lw._step_one
 
-        # The DDP route steps from the comm hook, where no parameter hook fires: sample there too. There the
-        # `.grad` is a view into the reduced bucket, which the bucket total already counts.
-        def step_one(i):
-            grad = lw._params[i].grad
-            if route == "ddp" and grad is not None:
-                storage = local(grad).untyped_storage()
+        # The DDP route steps from the comm hook, where no parameter hook fires: sample at every inner step too,
+        # from torch's optimizer step pre-hook, where the gradient is still in `.grad`. On that route the `.grad` is
+        # a view into the reduced bucket, which the bucket total already counts.
+        def before_inner_step(param):
+            if route == "ddp" and param.grad is not None:
+                storage = local(param.grad).untyped_storage()
                 meter.bucket_storages[storage.data_ptr()] = storage.nbytes()
             meter.sample()
-            return original_step_one(i)
 
-        lw._step_one = step_one
+        steps_seen = h.InnerStepTimer(lw, on_step=before_inner_step)
 
     grad_bytes_all = sum(nbytes(p) for p in params)
     bucket_source = None
@@ -316,15 +233,13 @@ def measure(opts: argparse.Namespace, args, accelerator) -> dict:
         meter.ddp_bucket_bytes, bucket_source = ddp_bucket_bytes(model, grad_bytes_all)
 
     rank, world = accelerator.process_index, accelerator.num_processes
-    batches = []
-    for step in range(opts.steps):
-        g = torch.Generator().manual_seed(1000 * step + rank)
-        ids = torch.randint(0, opts.vocab_size, (opts.batch_size, opts.seq_len), generator=g)
-        batches.append(ids)
+    batches = [
+        h.random_tokens(opts.vocab_size, opts.batch_size, opts.seq_len, 1000 * step + rank)
+        for step in range(opts.steps)
+    ]
 
     model.train()
-    gc.collect()
-    trim_malloc()
+    h.settle()
     accelerator.wait_for_everyone()
     rss_start = proc_status_bytes("VmRSS")
     reset_peak_rss()
@@ -353,11 +268,7 @@ def measure(opts: argparse.Namespace, args, accelerator) -> dict:
         final_buckets, _ = ddp_bucket_bytes(model, grad_bytes_all)
     else:
         final_buckets = meter.ddp_bucket_bytes
-    if lw is not None:
-        state_bytes = sum(state_tensors_bytes(s) for inner in lw.inner for s in inner.state.values())
-    else:
-        inner = getattr(optimizer, "optimizer", optimizer)
-        state_bytes = sum(state_tensors_bytes(s) for s in inner.state.values())
+    state_bytes = h.tensor_bytes(h.optimizer_state_tensors(optimizer))
     shard_sizes = {n: nbytes(p) for n, p in model.named_parameters() if p.requires_grad}
     largest_name = max(shard_sizes, key=shard_sizes.get)
     result = {
@@ -398,8 +309,9 @@ def measure(opts: argparse.Namespace, args, accelerator) -> dict:
     }
     if lw is not None:
         lw.detach()
-    for handle in handles:
-        handle.remove()
+    if steps_seen is not None:
+        steps_seen.remove()
+    meter.remove()
     return result
 
 
@@ -423,22 +335,14 @@ def descendants(pid: int) -> list[int]:
 
 
 def launch(opts: argparse.Namespace, engine: str, optim: str, result: Path) -> list[dict]:
-    env = {
-        **os.environ,
-        "ACCELERATE_USE_CPU": "true",  # the multi-process launcher does not forward use_cpu
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        "HF_HUB_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
-        # Freed tensors above 64 KiB go back to the OS at once, so RSS follows live memory instead of heap slack.
-        "MALLOC_MMAP_THRESHOLD_": "65536",
-    }
+    env = h.worker_env(threads=1, mmap_threshold=True)
+    env["ACCELERATE_USE_CPU"] = "true"  # the multi-process launcher does not forward use_cpu
     if engine == "fsdp2":
         env["LAYERWISE_HF_FORCE_FSDP_CPU"] = "1"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / ENGINES[engine])]
     cmd += ["--main_process_port", str(free_port()), str(Path(__file__).resolve()), "--worker"]
     cmd += ["--engine", engine, "--optim", optim, "--result", str(result), "--steps", str(opts.steps)]
-    for key in FULL:
-        cmd += [f"--{key}", str(getattr(opts, key))]
+    cmd += h.size_args(opts, FULL)
     # Output goes to a file, not a pipe: ranks left behind by a killed launcher would hold a pipe open.
     log = result.with_suffix(".log")
     with open(log, "w") as out:
@@ -461,10 +365,6 @@ def launch(opts: argparse.Namespace, engine: str, optim: str, result: Path) -> l
         detail = "\n".join(rank_lines[-60:]) or stderr[-6000:]
         raise RuntimeError(f"{engine} / {optim} failed (exit {proc.returncode}):\n{detail}")
     return json.loads(result.read_text())
-
-
-def mib(n) -> str:
-    return "-" if n is None else f"{n / MIB:.1f}"
 
 
 def fsdp2_checks(runs: list[dict]) -> list[dict]:
@@ -504,38 +404,39 @@ def pair(first, steady) -> str:
 
 def print_report(runs: list[dict], checks: list[dict], model_desc: str) -> None:
     print(f"\n{model_desc}")
-    print("\nPeak RSS per rank (MiB; VmHWM, reset before step 1 and after each step; step 1 also creates the state)")
-    header = (
-        f"{'engine':<6} {'optim':<22} {'rank':>4} {'RSS start':>9} {'peak step 1':>11} {'peak steady':>11} "
-        f"{'+ step 1':>9} {'+ steady':>9} {'s/step':>7}"
-    )
-    print(header)
-    print("-" * len(header))
+    rows = []
     for r in runs:
         steady = r["steady_peak_rss_bytes"]
         step1 = r["step_peak_rss_bytes"][0]
         times = r["step_times_s"][1:] or r["step_times_s"]
-        print(
-            f"{r['engine']:<6} {r['optim']:<22} {r['rank']:>4} {mib(r['rss_start_bytes']):>9} {mib(step1):>11} "
-            f"{mib(steady):>11} {mib(step1 - r['rss_start_bytes']):>9} "
-            f"{mib(None if steady is None else steady - r['rss_start_bytes']):>9} {sum(times) / len(times):>7.2f}"
-        )
-    print("\nGradient and optimizer-state bytes per rank (MiB; step 1 / later steps, maxima over every gradient hook)")
-    header = (
-        f"{'engine':<6} {'optim':<22} {'rank':>4} {'.grad tensors':>13} {'.grad storages':>14} "
-        f"{'all grad buffers':>16} {'DDP buckets':>11} {'opt state':>9} {'pkg peak_grad':>13} {'pkg state':>9}"
-    )
-    print(header)
-    print("-" * len(header))
+        rows.append(
+            [r["engine"], r["optim"], r["rank"], mib(r["rss_start_bytes"]), mib(step1), mib(steady),
+             mib(step1 - r["rss_start_bytes"]), mib(None if steady is None else steady - r["rss_start_bytes"]),
+             f"{sum(times) / len(times):.2f}"]
+        )  # fmt: skip
+    h.print_table(
+        [("engine", 6), ("optim", 22, "<"), ("rank", 4), ("RSS start", 9), ("peak step 1", 11), ("peak steady", 11),
+         ("+ step 1", 9), ("+ steady", 9), ("s/step", 7)],
+        rows,
+        title="\nPeak RSS per rank (MiB; VmHWM, reset before step 1 and after each step; step 1 also creates the "
+        "state)",
+    )  # fmt: skip
+    rows = []
     for r in runs:
         peaks = r["step_grad_peaks_bytes"]
         later = [max(col) for col in zip(*peaks[1:])] if len(peaks) > 1 else [None] * 3
-        print(
-            f"{r['engine']:<6} {r['optim']:<22} {r['rank']:>4} {pair(peaks[0][0], later[0]):>13} "
-            f"{pair(peaks[0][1], later[1]):>14} {pair(peaks[0][2], later[2]):>16} {mib(r['ddp_bucket_bytes']):>11} "
-            f"{mib(r['optimizer_state_bytes']):>9} {mib(r['package_peak_grad_bytes']):>13} "
-            f"{mib(r['package_state_bytes']):>9}"
-        )
+        rows.append(
+            [r["engine"], r["optim"], r["rank"], *(pair(peaks[0][k], later[k]) for k in range(3)),
+             *(mib(r[k]) for k in ("ddp_bucket_bytes", "optimizer_state_bytes", "package_peak_grad_bytes",
+             "package_state_bytes"))]
+        )  # fmt: skip
+    h.print_table(
+        [("engine", 6), ("optim", 22, "<"), ("rank", 4), (".grad tensors", 13), (".grad storages", 14),
+         ("all grad buffers", 16), ("DDP buckets", 11), ("opt state", 9), ("pkg peak_grad", 13), ("pkg state", 9)],
+        rows,
+        title="\nGradient and optimizer-state bytes per rank (MiB; step 1 / later steps, maxima over every gradient "
+        "hook)",
+    )  # fmt: skip
     print(
         ".grad tensors: local .grad bytes alive at once. .grad storages: the distinct storages those tensors keep "
         "alive.\nall grad buffers: those storages plus FSDP2's reduce-scatter buffers or DDP's bucket buffers. "
@@ -566,11 +467,7 @@ def print_report(runs: list[dict], checks: list[dict], model_desc: str) -> None:
 
 
 def plot(runs: list[dict], path: Path, model_desc: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = h.pyplot()
     engines = [e for e in ENGINES if any(r["engine"] == e for r in runs)]
     metrics = [
         ("peak RSS\n- start", lambda r: max(r["step_peak_rss_bytes"]) - r["rss_start_bytes"]),
@@ -609,7 +506,7 @@ def plot(runs: list[dict], path: Path, model_desc: str) -> None:
         rss_ax.set_ylabel("process RSS, MiB (dotted)")
         handles = line_ax.get_legend_handles_labels()[0] + rss_ax.get_legend_handles_labels()[0]
         line_ax.legend(handles=handles, fontsize=7)
-    save_figure(fig, path, model_desc)
+    h.save_figure(fig, path, model_desc)
 
 
 def main(argv=None) -> None:
@@ -617,8 +514,6 @@ def main(argv=None) -> None:
     if opts.worker:
         worker(opts)
         return
-    out = Path(opts.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -642,9 +537,7 @@ def main(argv=None) -> None:
         "fsdp2_goal_pass": all(c["tensor_pass"] and c["storage_pass"] for c in checks) if checks else None,
         "wall_time_s": time.perf_counter() - started,
     }
-    (out / "distributed_memory.json").write_text(json.dumps(report, indent=1))
-    plot(runs, out / "distributed_memory.png", model_desc)
-    print(f"\nwrote {out / 'distributed_memory.json'} and .png in {report['wall_time_s']:.0f}s")
+    h.write_report(opts.output_dir, "distributed_memory", report, lambda r, path: plot(r["runs"], path, model_desc))
 
 
 if __name__ == "__main__":

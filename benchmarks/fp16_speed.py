@@ -36,8 +36,6 @@ Writes `<output_dir>/fp16_speed.json` and `.png`; prints a table (no goals: noth
 from __future__ import annotations
 
 import argparse
-import copy
-import json
 import math
 import sys
 import time
@@ -49,37 +47,28 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `examples.train` is the example task: its model, corpus and defaults
 
-from benchmarks._common import (  # noqa: E402
-    build_example_task,
-    example_task_parser,
-    interleaved_rounds,
-    micro_batches,
-    parse_example_task_args,
-    save_figure,
-    timing_stats,
-)
-from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer  # noqa: E402
+from benchmarks import _common as h  # noqa: E402
+from benchmarks._common import MIB  # noqa: E402
 
 OPTIM = "adamw_torch_layerwise"
 MAX_GRAD_NORM = 1.0  # Trainer's default
 WEIGHT_DECAY = 0.1
 KINDS = ("standard", "layerwise")
-MIB = 2**20
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = example_task_parser(__doc__.splitlines()[0], rounds=20)
+    parser = h.example_task_parser(__doc__.splitlines()[0], rounds=20)
     parser.add_argument("--init_scale", type=float, default=2.0**16, help="GradScaler init_scale (its default)")
-    return parse_example_task_args(parser, argv)
+    return h.parse_example_task_args(parser, argv)
 
 
-class Run:
+class Run(h.TimedRun):
     """One configuration: its own model copy, optimizer and GradScaler; counts forwards and backwards."""
 
     def __init__(self, base_model, kind: str, ga: int, opts):
+        super().__init__()
         self.kind, self.ga = kind, ga
-        self.model = copy.deepcopy(base_model)
-        self.model.train()
+        self.model = h.copy_model(base_model)
         self.forwards = self.backwards = 0
         self.model.register_forward_pre_hook(self._count_forward)
         # The input embedding's gradient is the last one each backward computes (also the measuring one).
@@ -90,18 +79,12 @@ class Run:
         if kind == "standard":
             self.optimizer = torch.optim.AdamW(self.params, lr=opts.learning_rate, weight_decay=WEIGHT_DECAY)
         else:
-            args = LayerwiseTrainingArguments(
-                output_dir="unused", optim=OPTIM, learning_rate=opts.learning_rate, weight_decay=WEIGHT_DECAY,
-                report_to="none",
-            )  # fmt: skip
+            args = h.training_args(OPTIM, learning_rate=opts.learning_rate, weight_decay=WEIGHT_DECAY)
             # Outside Accelerate the window's last micro-batch is ours to say.
-            self.optimizer = build_layerwise_optimizer(self.model, args, sync_gradients=lambda: self.sync)
-            self.optimizer.configure_clipping(MAX_GRAD_NORM, "exact")
-            self.optimizer.attach()
+            clip = (MAX_GRAD_NORM, "exact")
+            self.optimizer = h.layerwise_optimizer(self.model, args, clip=clip, sync_gradients=lambda: self.sync)
             self.optimizer.use_grad_scaler(self.scaler)
         self.grad_bytes_at_step = 0  # standard: the .grad bytes alive when it steps
-        self.times: list[float] = []
-        self.cpu_times: list[float] = []
         self.grad_norms: list[float] = []
         self.scales: list[float] = []
 
@@ -141,13 +124,8 @@ class Run:
 
     def step(self, micro_batches: list[dict]) -> tuple[float, float]:
         """One optimizer step; returns its wall and process CPU seconds."""
-        start, cpu_start = time.perf_counter(), time.process_time()
-        if self.kind == "standard":
-            grad_norm = self._standard_step(micro_batches)
-        else:
-            grad_norm = self._layerwise_step(micro_batches)
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        self.grad_norms.append(grad_norm)
+        step = self._standard_step if self.kind == "standard" else self._layerwise_step
+        elapsed, cpu = self.clock(lambda: self.grad_norms.append(step(micro_batches)))
         self.scales.append(self.scaler.get_scale())
         return elapsed, cpu
 
@@ -162,11 +140,11 @@ def time_configs(base_model, dataset, opts) -> dict:
 
     def step(run, rnd):
         forwards, backwards = run.forwards, run.backwards
-        times = run.step(micro_batches(dataset, rnd, run.ga, opts.batch_size))
+        times = run.step(h.micro_batches(dataset, rnd, run.ga, opts.batch_size))
         per_step.setdefault(run, []).append((run.forwards - forwards, run.backwards - backwards))
         return times
 
-    interleaved_rounds(runs, opts, step)
+    h.interleaved_rounds(runs, opts, step)
     results = {}
     for ga in opts.grad_accum:
         ref = next(r for r in runs if r.ga == ga and r.kind == "standard")
@@ -178,7 +156,7 @@ def time_configs(base_model, dataset, opts) -> dict:
             entry = {
                 "optimizer": run.kind,
                 "grad_accum": ga,
-                **timing_stats(run.times, run.cpu_times, ref.times, ref.cpu_times),
+                **h.timing_stats(run.times, run.cpu_times, ref.times, ref.cpu_times),
                 "forwards_per_step": counted[-1][0],
                 "backwards_per_step": counted[-1][1],
                 "forwards_backwards_each_step": per_step[run],
@@ -203,21 +181,17 @@ def time_configs(base_model, dataset, opts) -> dict:
 
 def print_report(timing: dict, desc: str) -> None:
     print(f"\n{desc}")
-    header = (
-        f"{'optimizer':<10} {'GA':>3} {'fwd/bwd':>7} {'wall med s':>10} {'vs std':>7} {'paired':>7} "
-        f"{'cpu med s':>9} {'vs std':>7} {'skipped':>8} {'peak grad MiB':>13} {'full grad MiB':>13}"
-    )
-    print(header)
-    print("-" * len(header))
-    for entry in timing.values():
-        fb = f"{entry['forwards_per_step']}/{entry['backwards_per_step']}"
-        skipped = f"{entry['skipped_steps']}/{entry['steps']}"
-        print(
-            f"{entry['optimizer']:<10} {entry['grad_accum']:>3} {fb:>7} {entry['median_s']:>10.4f} "
-            f"{entry['ratio']:>6.3f}x {entry['paired_ratio_median']:>7.3f} {entry['cpu_median_s']:>9.4f} "
-            f"{entry['cpu_ratio']:>6.3f}x {skipped:>8} {entry['peak_grad_bytes'] / MIB:>13.2f} "
-            f"{entry['full_grad_bytes'] / MIB:>13.2f}"
-        )
+    rows = [
+        [e["optimizer"], e["grad_accum"], f"{e['forwards_per_step']}/{e['backwards_per_step']}",
+         f"{e['median_s']:.4f}", f"{e['ratio']:.3f}x", f"{e['paired_ratio_median']:.3f}", f"{e['cpu_median_s']:.4f}",
+         f"{e['cpu_ratio']:.3f}x", f"{e['skipped_steps']}/{e['steps']}", f"{e['peak_grad_bytes'] / MIB:.2f}",
+         f"{e['full_grad_bytes'] / MIB:.2f}"]
+        for e in timing.values()
+    ]  # fmt: skip
+    columns = [("optimizer", 10), ("GA", 3), ("fwd/bwd", 7), ("wall med s", 10), ("vs std", 7), ("paired", 7),
+               ("cpu med s", 9), ("vs std", 7), ("skipped", 8), ("peak grad MiB", 13),
+               ("full grad MiB", 13)]  # fmt: skip
+    h.print_table(columns, rows)
     print(
         "fwd/bwd: model forwards / backwards per optimizer step. vs std: median step time / the standard optimizer's "
         "at the same GA; paired: median of same-round ratios. skipped: steps with a non-finite gradient norm "
@@ -230,11 +204,7 @@ def print_report(timing: dict, desc: str) -> None:
 
 
 def plot(timing: dict, path: Path, desc: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = h.pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     gas = sorted({e["grad_accum"] for e in timing.values()})
     width = 0.8 / len(KINDS)
@@ -253,21 +223,15 @@ def plot(timing: dict, path: Path, desc: str) -> None:
     left.set_title("fp16 + GradScaler step time (ratio to standard)")
     right.set_ylabel("MiB")
     right.set_title("gradient bytes alive at once (peak)")
-    save_figure(fig, path, desc, fontsize=9)
+    h.save_figure(fig, path, desc, fontsize=9)
 
 
 def main(argv=None) -> None:
     opts = parse_args(argv)
-    torch.set_num_threads(opts.threads)
-    out = Path(opts.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    base_model, dataset, num_params = build_example_task(opts)
+    base_model, dataset, num_params, started = h.setup_example_task(opts)
     desc = (
         f"fp16 autocast + GradScaler(init_scale {opts.init_scale:g}), AdamW vs {OPTIM} (exact clip "
-        f"{MAX_GRAD_NORM}), Llama {num_params / 1e6:.2f}M params (hidden {opts.hidden_size}, "
-        f"{opts.num_hidden_layers} layers), batch {opts.batch_size}x{opts.seq_len}, {opts.threads} thread(s), "
-        f"{opts.rounds} timed rounds after {opts.warmup} warm-up"
+        f"{MAX_GRAD_NORM}), {h.example_task_description(opts, num_params)}"
     )
     print(f"timing {len(KINDS) * len(opts.grad_accum)} configurations, interleaved: {desc}", flush=True)
     timing = time_configs(base_model, dataset, opts)
@@ -278,9 +242,7 @@ def main(argv=None) -> None:
         "timing": timing,
         "wall_time_s": time.perf_counter() - started,
     }
-    (out / "fp16_speed.json").write_text(json.dumps(report, indent=1))
-    plot(timing, out / "fp16_speed.png", desc)
-    print(f"\nwrote {out / 'fp16_speed.json'} and .png in {report['wall_time_s']:.0f}s")
+    h.write_report(opts.output_dir, "fp16_speed", report, lambda r, path: plot(timing, path, desc))
 
 
 if __name__ == "__main__":

@@ -32,17 +32,15 @@ order each round, so machine noise falls on all of them alike; medians after `--
 timing). Layer-wise / standard median step time, target <= 1.05x.
 
 Writes `<output_dir>/memory_suite.json` and `.png` and prints the tables, the estimator's errors and the PASS/FAIL of
-each target. `results_markdown(json_path)` returns the results as a markdown table (for the README generator).
+each target. scripts/gen_readme.py turns the JSON into the README's results table.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import os
-import random
 import signal
 import statistics
 import subprocess
@@ -50,7 +48,6 @@ import sys
 import tempfile
 import time
 import traceback
-import types
 from pathlib import Path
 from typing import NamedTuple
 
@@ -58,28 +55,18 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import (  # noqa: E402
-    RESULTS,
-    fill_sizes,
-    llama_config,
-    proc_status_bytes,
-    reset_peak_rss,
-    save_figure,
-)
+from benchmarks import _common as h  # noqa: E402
+from benchmarks._common import MIB, mib, pct, proc_status_bytes, reset_peak_rss, settle  # noqa: E402
 
-MIB = 2**20
 FLOOR_GOAL = 1.05
 TIME_GOAL = 1.05
 # RSS and the counted bytes agree when they differ by at most this: heap slack and small buffers no count sees.
 AGREEMENT_SLACK = 16 * MIB
 AGREEMENT_FRACTION = 0.02  # of the counted bytes above the baseline
-# ~58M parameters: 2 x 16.4M (embeddings, untied lm_head) + 8 x 3.16M (decoder layers), as distributed_memory.py.
 # One 256-token sequence per micro-batch keeps activations below the gradients, as with activation checkpointing
 # or long-context micro-batches of 1: the regime where the gradient term shows in the peak at all.
-FULL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
-            num_key_value_heads=8, seq_len=256, batch_size=1)  # fmt: skip
-SMALL = dict(vocab_size=1024, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=4, seq_len=32, batch_size=1)  # fmt: skip
+FULL = h.LLAMA_58M | dict(seq_len=256, batch_size=1)
+SMALL = h.LLAMA_TINY | dict(seq_len=32, batch_size=1)
 # steps (memory), warmup and rounds (timing)
 FULL_RUN = dict(steps=3, warmup=2, rounds=13)
 SMALL_RUN = dict(steps=2, warmup=1, rounds=2)
@@ -87,8 +74,6 @@ LORA = dict(r=8, lora_alpha=16, target_modules=("q_proj", "v_proj"))
 GALORE = dict(optim_target_modules=("attn", "mlp"), optim_args="rank=16,update_proj_gap=50")
 
 
-# NOTE: a NamedTuple, not a dataclass: scripts/gen_readme.py loads this file without registering it as a module,
-# which dataclasses cannot resolve string annotations in.
 class Config(NamedTuple):
     name: str
     optim: str
@@ -120,19 +105,13 @@ BY_NAME = {c.name: c for c in CONFIGS}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output_dir", default=str(RESULTS), help="JSON and PNG go here")
-    parser.add_argument("--small", action="store_true", help="a tiny model (smoke run); explicit flags win")
-    for key, value in FULL.items():
-        parser.add_argument(f"--{key}", type=int, default=None, help=f"default {value} ({SMALL[key]} with --small)")
-    for key, value in FULL_RUN.items():
-        what = {"steps": "measured training steps per configuration", "warmup": "timing rounds dropped"}
-        parser.add_argument(
-            f"--{key}",
-            type=int,
-            default=None,
-            help=f"{what.get(key, 'timed rounds')}: default {value} ({SMALL_RUN[key]} with --small)",
-        )
+    parser = h.benchmark_parser(__doc__.splitlines()[0], FULL, SMALL)
+    helps = {
+        "steps": "measured training steps per configuration",
+        "warmup": "timing rounds dropped",
+        "rounds": "timed rounds",
+    }
+    h.add_defaulted_args(parser, FULL_RUN, SMALL_RUN, helps)
     parser.add_argument("--configs", nargs="+", default=[c.name for c in CONFIGS], choices=list(BY_NAME))
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: less sensitive to shared cores)")
     parser.add_argument("--learning_rate", type=float, default=1e-4)
@@ -143,59 +122,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--worker", choices=("memory", "timing"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
-    fill_sizes(opts, FULL, SMALL)
-    fill_sizes(opts, FULL_RUN, SMALL_RUN)
+    h.fill_sizes(opts, FULL, SMALL)
+    h.fill_sizes(opts, FULL_RUN, SMALL_RUN)
     return opts
 
 
 # ---- measuring (inside the workers) ----
 
 
-def settle() -> None:
-    # Garbage from the previous phase must not be counted in the next one, nor heap the allocator still holds.
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-
-
-def state_tensors(obj, found: dict | None = None) -> dict:
-    """Every tensor in `obj` by id, also inside objects kept in an optimizer state (GaLore's projector)."""
-    import torch
-
-    found = {} if found is None else found
-    if isinstance(obj, torch.Tensor):
-        found[id(obj)] = obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            state_tensors(v, found)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            state_tensors(v, found)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-        for v in vars(obj).values():
-            state_tensors(v, found)
-    return found
-
-
-def tensor_bytes(tensors: dict) -> int:
-    """What the tensors' shapes say (numel x element size): what `LayerwiseOptimizer.state_bytes()` counts."""
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def storage_bytes(tensors: dict) -> int:
-    """What the tensors keep allocated: their distinct storages, in full even when a tensor is a view of a part."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors.values()}
-    return sum(storages.values())
-
-
 def build_model(cfg: Config, opts):
-    import torch
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(opts.seed)  # every configuration starts from the same weights (and the same LoRA init)
-    model = LlamaForCausalLM(llama_config(opts))
+    # Every configuration starts from the same weights (and the same LoRA init: its RNG follows the model's).
+    model = h.build_llama(opts, seed=opts.seed)
     if cfg.lora:
         from peft import LoraConfig, get_peft_model
 
@@ -216,103 +153,34 @@ def build_model(cfg: Config, opts):
 GALORE_WEIGHT_DECAY = 0.0
 
 
-def training_args(cfg: Config, opts, output_dir: str):
-    from layerwise_hf import LayerwiseTrainingArguments
-
+def training_args(cfg: Config, opts):
     extra = {}
     if cfg.galore:
         extra = {"optim_target_modules": list(GALORE["optim_target_modules"]), "optim_args": GALORE["optim_args"]}
-    return LayerwiseTrainingArguments(
-        output_dir=output_dir,  # nothing is written there
-        optim=cfg.optim,
+    return h.training_args(
+        cfg.optim,
         learning_rate=opts.learning_rate,
         weight_decay=GALORE_WEIGHT_DECAY if cfg.galore else opts.weight_decay,
         max_grad_norm=0.0,  # no clipping on either side: clipping's cost is clipping_speed.py's subject
         gradient_accumulation_steps=cfg.ga,
-        report_to="none",
-        use_cpu=True,
         **extra,
     )
 
 
-def standard_optimizer(model, args):
-    from transformers import Trainer
-
-    # Trainer's own create_optimizer, run on a stand-in that has the attributes it reads, so the standard side is
-    # exactly what Trainer builds: get_optimizer_cls_and_kwargs, its decay split, bitsandbytes' 32-bit embedding
-    # override and GaLore's projected groups.
-    trainer = types.SimpleNamespace(
-        model=model,
-        args=args,
-        optimizer=None,
-        optimizer_cls_and_kwargs=None,
-        get_optimizer_cls_and_kwargs=Trainer.get_optimizer_cls_and_kwargs,
-    )
-    trainer.get_decay_parameter_names = types.MethodType(Trainer.get_decay_parameter_names, trainer)
-    return Trainer.create_optimizer(trainer)
-
-
-def build_optimizer(model, cfg: Config, args, sync: dict):
+def build_optimizer(model, cfg: Config, opts, sync: dict):
     """The optimizer and, for a layer-wise one, the `LayerwiseOptimizer` (hooks not attached yet)."""
+    args = training_args(cfg, opts)
     if not cfg.layerwise:
-        return standard_optimizer(model, args), None
-    from layerwise_hf import build_layerwise_optimizer
-
+        return h.trainer_optimizer(model, args), None
     # Outside Accelerate the last micro-batch of a window is ours to say.
-    optimizer = build_layerwise_optimizer(model, args, sync_gradients=lambda: sync["value"])
-    optimizer.configure_clipping(0.0)
+    optimizer = h.layerwise_optimizer(model, args, attach=False, sync_gradients=lambda: sync["value"])
     return optimizer, optimizer
 
 
 def micro_batches(opts, step: int, ga: int) -> list:
-    import torch
-
-    out = []
-    for k in range(ga):
-        g = torch.Generator().manual_seed(10_000 + 100 * step + k)
-        out.append(torch.randint(0, opts.vocab_size, (opts.batch_size, opts.seq_len), generator=g))
-    return out
-
-
-def optimizer_state(optimizer, lw) -> dict:
-    states = [s for inner in lw.inner for s in inner.state.values()] if lw is not None else optimizer.state.values()
-    return state_tensors(list(states))
-
-
-class GradMeter:
-    """Live `.grad` bytes of the trainable parameters, sampled in a post-accumulate-grad hook on every parameter.
-
-    Registered before the layer-wise hooks, so each sample sees the gradient before its step frees it. `first` is
-    the sample at the first hook of a backward: the first weight gradient (lm_head's), where a layer-wise optimizer
-    takes its first step while most activations are still alive.
-    """
-
-    def __init__(self, named_params):
-        self.params = [p for _, p in named_params]
-        self.names = {id(p): n for n, p in named_params}
-        self.first: int | None = None
-        self.first_name: str | None = None
-        self.first_max = 0
-        self.peak = 0
-        self.handles = [p.register_post_accumulate_grad_hook(self.hook) for p in self.params]
-
-    def live(self) -> int:
-        return sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
-
-    def start_step(self) -> None:
-        self.first_max = 0
-        self.peak = 0
-
-    def start_backward(self) -> None:
-        self.first = None
-
-    def hook(self, param) -> None:
-        live = self.live()
-        if self.first is None:
-            self.first = live
-            self.first_name = self.names[id(param)]
-            self.first_max = max(self.first_max, live)
-        self.peak = max(self.peak, live)
+    return [
+        h.random_tokens(opts.vocab_size, opts.batch_size, opts.seq_len, 10_000 + 100 * step + k) for k in range(ga)
+    ]
 
 
 def activation_probe(model, ids) -> tuple[int, int, str]:
@@ -365,13 +233,11 @@ def step_temporaries(model, cfg: Config, opts, lw, names: list[str]) -> dict[str
         # The standard optimizers here step tensor by tensor on CPU, with the same per-tensor code as their
         # one-tensor form, so the layer-wise form of the same base measures one tensor's temporaries alone.
         lw_cfg = Config(cfg.name, f"{cfg.optim}_layerwise", cfg.ga, cfg.lora, None, cfg.galore)
-        with tempfile.TemporaryDirectory() as tmp:
-            probe, _ = build_optimizer(model, lw_cfg, training_args(lw_cfg, opts, tmp), {"value": True})
-    params = dict(probe.named_parameters())
+        probe, _ = build_optimizer(model, lw_cfg, opts, {"value": True})
     out = {}
     for name in dict.fromkeys(names):
         inner = probe.inner[probe.names.index(name)]
-        param = params[name]
+        param = h.inner_param(inner)
         # A fresh optimizer's first step creates its state (and GaLore's projection): measure a later one.
         for _ in range(1 if lw is not None else 2):
             param.grad = torch.randn_like(param).mul_(1e-3)
@@ -410,10 +276,8 @@ def measure_memory(cfg: Config, opts) -> dict:
     rss_rest_after_probe = proc_status_bytes("VmRSS")
 
     sync = {"value": True}
-    with tempfile.TemporaryDirectory() as tmp:
-        args = training_args(cfg, opts, tmp)
-    optimizer, lw = build_optimizer(model, cfg, args, sync)
-    meter = GradMeter(named)
+    optimizer, lw = build_optimizer(model, cfg, opts, sync)
+    meter = h.GradMeter(params, names={id(p): n for n, p in named}).attach()
     if lw is not None:
         lw.attach()
 
@@ -451,11 +315,11 @@ def measure_memory(cfg: Config, opts) -> dict:
                 "peak_step_bytes": peak_step,
                 "grads_before_backward_bytes": grads_before,
                 "grads_first_hook_bytes": meter.first_max,
-                "grads_peak_bytes": max(meter.peak, grads_at_step),
+                "grads_peak_bytes": max(meter.peak_tensor, grads_at_step),
                 "grads_at_step_bytes": grads_at_step,
                 # GaLore's projection matrix is a slice of its SVD factor, which it keeps whole: count storages.
-                "state_bytes": storage_bytes(optimizer_state(optimizer, lw)),
-                "state_view_bytes": tensor_bytes(optimizer_state(optimizer, lw)),
+                "state_bytes": h.storage_bytes(h.optimizer_state_tensors(optimizer)),
+                "state_view_bytes": h.tensor_bytes(h.optimizer_state_tensors(optimizer)),
                 "first_gradient": meter.first_name,
                 "seconds": time.perf_counter() - t0,  # with the malloc setting and the meter: not the timing
                 "loss": sum(losses),
@@ -463,8 +327,7 @@ def measure_memory(cfg: Config, opts) -> dict:
         )
     if lw is not None:
         lw.detach()
-    for handle in meter.handles:
-        handle.remove()
+    meter.remove()
     # The two largest tensors bound a standard step's temporaries (they are freed tensor by tensor); the first
     # gradient's tensor is the one a layer-wise optimizer steps first, with most activations still alive.
     largest_two = sorted(sizes, key=sizes.get, reverse=True)[:2]
@@ -556,59 +419,48 @@ def memory_server(opts) -> None:
         print(f"  memory {name:<28} {time.perf_counter() - started:5.1f}s", flush=True)
 
 
-class TimedRun:
+class TimedRun(h.TimedRun):
     """One configuration of the timing process: its own model, optimizer and step times."""
 
     def __init__(self, cfg: Config, opts):
+        super().__init__()
         self.cfg = cfg
         self.model = build_model(cfg, opts)
         self.sync = {"value": True}
-        with tempfile.TemporaryDirectory() as tmp:
-            args = training_args(cfg, opts, tmp)
-        self.optimizer, self.lw = build_optimizer(self.model, cfg, args, self.sync)
-        self.optimizer_seconds = 0.0
-        self.norm_seconds = 0.0
+        self.optimizer, self.lw = build_optimizer(self.model, cfg, opts, self.sync)
+        self.timer = None
         if self.lw is not None:
-            step_one, record_norm = self.lw._step_one, self.lw._record_norm
-
-            # Time spent stepping inner optimizers inside the hooks: with the standard `step()` it gives the
-            # per-tensor cost of one optimizer per parameter; of it, the gradient norm each step records (for the
-            # logged grad_norm, also when clipping is off).
-            def timed_step_one(i):
-                t0 = time.perf_counter()
-                step_one(i)
-                self.optimizer_seconds += time.perf_counter() - t0
-
-            def timed_record_norm(i):
-                t0 = time.perf_counter()
-                record_norm(i)
-                self.norm_seconds += time.perf_counter() - t0
-
-            self.lw._step_one = timed_step_one
-            self.lw._record_norm = timed_record_norm
+            # The inner steps taken in the gradient hooks, timed by torch's step hooks: with the standard `step()`
+            # they give the per-tensor cost of one optimizer per parameter. Of it, the hook's own work before each
+            # inner step (the gradient norm it records for the logged grad_norm, also when clipping is off, and its
+            # bookkeeping). Created before attach(): its arrival hooks must run before the layer-wise ones.
+            self.timer = h.InnerStepTimer(self.lw, arrivals=True)
             self.lw.attach()
-        self.times: list[float] = []
-        self.cpu_times: list[float] = []
         self.optimizer_times: list[float] = []
         self.norm_times: list[float] = []
 
-    def step(self, batches: list, record: bool) -> None:
-        self.optimizer_seconds = self.norm_seconds = 0.0
+    def step(self, batches: list, record: bool) -> tuple[float, float]:
+        if self.timer is not None:
+            self.timer.reset()
         start, cpu_start = time.perf_counter(), time.process_time()
         for k, batch in enumerate(batches):
             self.sync["value"] = k == len(batches) - 1
             loss = self.model(input_ids=batch, labels=batch).loss / len(batches)
             loss.backward()
         t0 = time.perf_counter()
+        if self.timer is not None:
+            self.timer.paused = True  # the inner steps step() takes are in its own time below
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.optimizer_seconds += time.perf_counter() - t0
+        optimizer_seconds = time.perf_counter() - t0
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        if self.timer is not None:
+            self.timer.paused = False
+            optimizer_seconds += self.timer.seconds + self.timer.hook_seconds
         if record:
-            self.times.append(elapsed)
-            self.cpu_times.append(cpu)
-            self.optimizer_times.append(self.optimizer_seconds)
-            self.norm_times.append(self.norm_seconds)
+            self.optimizer_times.append(optimizer_seconds)
+            self.norm_times.append(self.timer.hook_seconds if self.timer is not None else 0.0)
+        return elapsed, cpu
 
 
 def timing_worker(opts) -> None:
@@ -622,13 +474,11 @@ def timing_worker(opts) -> None:
             runs.append(TimedRun(BY_NAME[name], opts))
         except Exception as err:
             errors[name] = f"{type(err).__name__}: {err}"
-    order_rng = random.Random(opts.seed)
-    for rnd in range(opts.warmup + opts.rounds):
-        order = list(runs)
-        order_rng.shuffle(order)
-        for run in order:
-            run.step(micro_batches(opts, rnd, run.cfg.ga), record=rnd >= opts.warmup)
-        print(f"  timing round {rnd + 1}/{opts.warmup + opts.rounds}{' (warm-up)' * (rnd < opts.warmup)}", flush=True)
+
+    def step(run, rnd):
+        return run.step(micro_batches(opts, rnd, run.cfg.ga), record=rnd >= opts.warmup)
+
+    h.interleaved_rounds(runs, opts, step, label="timing round")
     result = {
         run.cfg.name: {
             "times_s": run.times,
@@ -647,22 +497,13 @@ def timing_worker(opts) -> None:
 
 def worker_cmd(opts, worker: str, result: Path) -> list[str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--result", str(result)]
-    for key in (*FULL, *FULL_RUN, "threads", "learning_rate", "weight_decay", "seed", "timeout"):
-        cmd += [f"--{key}", str(getattr(opts, key))]
+    cmd += h.size_args(opts, (*FULL, *FULL_RUN, "threads", "learning_rate", "weight_decay", "seed", "timeout"))
     return cmd + ["--configs", *opts.configs]
 
 
 def run_workers(opts, tmp: Path) -> tuple[dict, dict]:
-    base_env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        "HF_HUB_OFFLINE": "1",
-        "OMP_NUM_THREADS": str(opts.threads),
-    }
-    base_env.pop("MALLOC_MMAP_THRESHOLD_", None)
-    # Freed tensors above 64 KiB go back to the OS at once, so RSS follows live memory instead of heap slack. Not for
-    # timing: an mmap per tensor makes every step pay for page faults.
-    memory_env = {**base_env, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    base_env = h.worker_env(opts.threads)
+    memory_env = h.worker_env(opts.threads, mmap_threshold=True)
     mem_dir = tmp / "memory"
     mem_dir.mkdir()
     print(f"memory: {len(opts.configs)} configurations, one process each", flush=True)
@@ -692,7 +533,7 @@ def estimate_for(cfg: Config, opts) -> dict:
     if cfg.lora:
         kwargs.update(lora_rank=LORA["r"], lora_target_modules=LORA["target_modules"], adapter_dtype="float32")
     try:
-        est = estimate(llama_config(opts), **kwargs)
+        est = estimate(h.llama_config(opts), **kwargs)
     except EstimateError as err:
         return {"error": str(err)}
     keys = ("weight_bytes", "gradient_bytes", "optimizer_state_bytes", "total_bytes", "largest_parameter_bytes")
@@ -801,11 +642,9 @@ def time_summary(cfg: Config, timing: dict) -> dict | None:
     ref = timing["runs"].get(cfg.standard) if cfg.standard else None
     if ref and ref["times_s"]:
         out["ratio"] = out["median_s"] / statistics.median(ref["times_s"])
-        # Same-round pairs cancel slow drifts of the machine load.
-        paired = [t / r for t, r in zip(run["times_s"], ref["times_s"])]
+        paired = h.paired_ratios(run["times_s"], ref["times_s"])
         out["paired_ratio"] = statistics.median(paired)
-        # The spread of the same-round ratios says how much of a difference the machine's noise can make.
-        out["paired_ratio_quartiles"] = statistics.quantiles(paired, n=4) if len(paired) > 1 else [paired[0]] * 3
+        out["paired_ratio_quartiles"] = h.quartiles(paired)
         out["cpu_ratio"] = out["cpu_median_s"] / statistics.median(ref["cpu_times_s"])
         extra = out["optimizer_median_s"] - statistics.median(ref["optimizer_times_s"])
         out["optimizer_extra_s"] = extra
@@ -814,15 +653,13 @@ def time_summary(cfg: Config, timing: dict) -> dict | None:
     return out
 
 
-def mib(n) -> str:
-    # Three decimals under 1 MiB, so a LoRA adapter's gradient does not read as zero.
-    return "-" if n is None else f"{n / MIB:.3f}" if abs(n) < MIB else f"{n / MIB:.1f}"
-
-
-def pct(x) -> str:
-    return "-" if x is None else f"{100 * x:+.1f}%"
-
-
+MEMORY_COLUMNS = [("config", 27), ("GA", 2), ("peak RSS", 8), ("runtime", 7), ("training", 8), ("weights", 7),
+                  ("act", 6), ("grads", 6), ("state", 6), ("floor", 6), ("xfloor", 6), ("at", 4), ("peak-base", 9),
+                  ("G+S", 6), ("temps", 6), ("disc", 6), ("tol", 5), ("agree", 5)]  # fmt: skip
+TIME_COLUMNS = [("config", 27), ("median s", 8), ("vs std", 7), ("paired", 7), ("cpu", 7), ("opt ms", 7),
+                ("hook ms", 7), ("tensors", 7), ("+opt us/tensor", 14), ("+opt % step", 11)]  # fmt: skip
+ESTIMATE_COLUMNS = [("config", 27), ("est W", 7), ("est G", 7), ("est S", 7), ("est total", 9), ("+act", 7),
+                    ("W err", 7), ("G err", 7), ("S err", 7), ("total+act vs peak", 17)]  # fmt: skip
 MOMENTS = {"backward, activation peak": "act", "backward, first gradient": "1st", "step": "step"}
 
 
@@ -837,80 +674,67 @@ def print_report(report: dict) -> None:
         "temporaries for one tensor, measured alone: the first-stepped tensor layer-wise, the largest at a standard "
         "step);\ndisc = (peak - base) - (G+S + temps)."
     )
-    header = (
-        f"{'config':<27} {'GA':>2} {'peak RSS':>8} {'runtime':>7} {'training':>8} {'weights':>7} {'act':>6} "
-        f"{'grads':>6} {'state':>6} {'floor':>6} {'xfloor':>6} {'at':>4} {'peak-base':>9} {'G+S':>6} "
-        f"{'temps':>6} {'disc':>6} {'tol':>5} agree"
-    )
-    print(header)
-    print("-" * len(header))
+    rows = []
     for c in report["configs"]:
         if "error" in c:
-            print(f"{c['name']:<27} {c['config']['ga']:>2}  ERROR: {c['error'].splitlines()[0][:150]}")
+            rows.append(f"{c['name']:<27} {c['config']['ga']:>2}  ERROR: {c['error'].splitlines()[0][:150]}")
             continue
         a, m, g = c["analysis"], c["memory"], c["analysis"]["agreement"]
-        print(
-            f"{c['name']:<27} {c['config']['ga']:>2} {mib(a['peak_rss_bytes']):>8} {mib(a['runtime_bytes']):>7} "
-            f"{mib(a['training_peak_bytes']):>8} {mib(m['weight_bytes']):>7} {mib(a['activation_bytes']):>6} "
-            f"{mib(a['grads_counted_bytes']):>6} {mib(a['state_counted_bytes']):>6} {mib(a['floor_bytes']):>6} "
-            f"{a['floor_ratio']:>5.3f}x {MOMENTS[g['peak_moment']]:>4} {mib(g['measured_minus_baseline_bytes']):>9} "
-            f"{mib(g['counted_bytes']):>6} {mib(g['temporaries_bytes']):>6} {g['discrepancy_bytes'] / MIB:>+6.1f} "
-            f"{mib(g['tolerance_bytes']):>5} {'PASS' if g['pass'] else 'FAIL'}"
-        )
+        rows.append(
+            [c["name"], c["config"]["ga"], *(mib(a[k]) for k in ("peak_rss_bytes", "runtime_bytes",
+             "training_peak_bytes")), mib(m["weight_bytes"]), *(mib(a[k]) for k in ("activation_bytes",
+             "grads_counted_bytes", "state_counted_bytes", "floor_bytes")), f"{a['floor_ratio']:.3f}x",
+             MOMENTS[g["peak_moment"]],
+             *(mib(g[k]) for k in ("measured_minus_baseline_bytes", "counted_bytes", "temporaries_bytes")),
+             f"{g['discrepancy_bytes'] / MIB:+.1f}", mib(g["tolerance_bytes"]), "PASS" if g["pass"] else "FAIL"]
+        )  # fmt: skip
+    h.print_table(MEMORY_COLUMNS, rows)
     print(
         f"tol = {AGREEMENT_SLACK // MIB} MiB + {100 * AGREEMENT_FRACTION:g}% of G+S+temps: heap slack and small "
         "buffers no count sees."
     )
 
-    print("\nStep time (one process, round-robin in shuffled order; layer-wise vs its standard configuration)")
-    header = (
-        f"{'config':<27} {'median s':>8} {'vs std':>7} {'paired':>7} {'cpu':>7} {'opt ms':>7} {'norm ms':>7} "
-        f"{'tensors':>7} {'+opt us/tensor':>14} {'+opt % step':>11}"
-    )
-    print(header)
-    print("-" * len(header))
+    rows = []
     for c in report["configs"]:
         t = c.get("timing")
         if not t:
             continue
-        ratio = f"{t['ratio']:.3f}x" if "ratio" in t else "-"
-        paired = f"{t['paired_ratio']:.3f}" if "paired_ratio" in t else "-"
-        cpu = f"{t['cpu_ratio']:.3f}x" if "cpu_ratio" in t else "-"
-        per = f"{t['optimizer_extra_per_tensor_us']:+.1f}" if "ratio" in t else "-"
-        share = f"{100 * t['optimizer_extra_share_of_step']:+.2f}%" if "ratio" in t else "-"
-        print(
-            f"{c['name']:<27} {t['median_s']:>8.3f} {ratio:>7} {paired:>7} {cpu:>7} "
-            f"{1000 * t['optimizer_median_s']:>7.1f} {1000 * t['norm_median_s']:>7.1f} "
-            f"{t['num_trainable_tensors']:>7} {per:>14} {share:>11}"
-        )
+        vs = "ratio" in t
+        rows.append(
+            [c["name"], f"{t['median_s']:.3f}", f"{t['ratio']:.3f}x" if vs else "-",
+             f"{t['paired_ratio']:.3f}" if vs else "-", f"{t['cpu_ratio']:.3f}x" if vs else "-",
+             f"{1000 * t['optimizer_median_s']:.1f}", f"{1000 * t['norm_median_s']:.1f}", t["num_trainable_tensors"],
+             f"{t['optimizer_extra_per_tensor_us']:+.1f}" if vs else "-",
+             f"{100 * t['optimizer_extra_share_of_step']:+.2f}%" if vs else "-"]
+        )  # fmt: skip
+    title = "\nStep time (one process, round-robin in shuffled order; layer-wise vs its standard configuration)"
+    h.print_table(TIME_COLUMNS, rows, title)
     print(
-        "opt ms: optimizer work per step (standard: step(); layer-wise: the inner steps in the hooks + step()); norm "
-        "ms: of it, the gradient\nnorms the layer-wise steps record (for the logged grad_norm, also without "
-        "clipping). +opt: layer-wise minus standard, per trainable\ntensor and as a share of the standard step: the "
-        "cost of one optimizer call per tensor."
+        "opt ms: optimizer work per step (standard: step(); layer-wise: the inner steps in the hooks, timed by "
+        "torch's optimizer step hooks,\n+ step()); hook ms: of it, the layer-wise hook's own work before each inner "
+        "step (the gradient norm it records for the logged\ngrad_norm, also without clipping; its bookkeeping). +opt: "
+        "layer-wise minus standard, per trainable tensor and as a share of the\nstandard step: the cost of one "
+        "optimizer call per tensor."
     )
 
-    print("\nEstimator (layerwise_hf.estimate.estimate, float32, same options) vs measured")
-    header = (
-        f"{'config':<27} {'est W':>7} {'est G':>7} {'est S':>7} {'est total':>9} {'+act':>7} {'W err':>7} "
-        f"{'G err':>7} {'S err':>7} {'total+act vs peak':>17}"
-    )
-    print(header)
-    print("-" * len(header))
+    rows = []
     for c in report["configs"]:
         est = c.get("estimate")
         if est is None or "error" in c:
             continue
         if "error" in est:
-            print(f"{c['name']:<27} n/a: {est['error'][:120]}")
+            rows.append(f"{c['name']:<27} n/a: {est['error'][:120]}")
             continue
         e = c["analysis"]["estimate_errors"]
-        print(
-            f"{c['name']:<27} {mib(est['weight_bytes']):>7} {mib(est['gradient_bytes']):>7} "
-            f"{mib(est['optimizer_state_bytes']):>7} {mib(est['total_bytes']):>9} "
-            f"{mib(est['total_bytes'] + c['analysis']['activation_bytes']):>7} {pct(e['weights']):>7} "
-            f"{pct(e['gradients']):>7} {pct(e['state']):>7} {pct(e['total_plus_activations_vs_peak']):>17}"
-        )
+        rows.append(
+            [c["name"], *(mib(est[k]) for k in ("weight_bytes", "gradient_bytes", "optimizer_state_bytes",
+             "total_bytes")),
+             mib(est["total_bytes"] + c["analysis"]["activation_bytes"]),
+             *(pct(e[k]) for k in ("weights", "gradients", "state", "total_plus_activations_vs_peak"))]
+        )  # fmt: skip
+    h.print_table(
+        ESTIMATE_COLUMNS, rows, "\nEstimator (layerwise_hf.estimate.estimate, float32, same options) vs measured"
+    )
     for c in report["configs"]:
         a = c.get("analysis", {})
         if a and a["state_counted_bytes"] - a["state_view_bytes"] > MIB:
@@ -1024,11 +848,7 @@ def overhead_notes(configs: list[dict]) -> list[str]:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = h.pyplot()
     configs = [c for c in report["configs"] if "error" not in c]
     fig, (left, right) = plt.subplots(1, 2, figsize=(17, 6), gridspec_kw={"width_ratios": [3, 1.3]})
     xs = range(len(configs))
@@ -1079,31 +899,7 @@ def plot(report: dict, path: Path) -> None:
     right.set_title("Step time")
     right.set_ylim(min([0.9, *(c["timing"]["ratio"] - 0.02 for c in timed)]), None)
     right.legend(fontsize=7)
-    save_figure(fig, path, report["description"], fontsize=9)
-
-
-def results_markdown(json_path) -> str:
-    """The results of `json_path` (a memory_suite.json) as a markdown table, for the README generator."""
-    report = json.loads(Path(json_path).read_text())
-    lines = [
-        "| config | GA | peak RSS MiB | training peak MiB | grads MiB | state MiB | peak / floor | step time vs "
-        "standard | estimate error |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for c in report["configs"]:
-        if "error" in c:
-            error = c["error"].splitlines()[0].replace("|", "/")
-            lines.append(f"| `{c['name']}` | {c['config']['ga']} | error: {error} | | | | | | |")
-            continue
-        a, t, est = c["analysis"], c.get("timing") or {}, c.get("estimate") or {}
-        ratio = f"{t['ratio']:.3f}x" if "ratio" in t else "-"
-        error = "n/a" if "error" in est else pct(a["estimate_errors"]["total_plus_activations_vs_peak"])
-        lines.append(
-            f"| `{c['name']}` | {c['config']['ga']} | {mib(a['peak_rss_bytes'])} | {mib(a['training_peak_bytes'])} | "
-            f"{mib(a['grads_counted_bytes'])} | {mib(a['state_counted_bytes'])} | {a['floor_ratio']:.3f}x | {ratio} | "
-            f"{error} |"
-        )
-    return "\n".join(lines) + "\n"
+    h.save_figure(fig, path, report["description"], fontsize=9)
 
 
 def main(argv=None) -> int:
@@ -1114,8 +910,6 @@ def main(argv=None) -> int:
     if opts.worker == "timing":
         timing_worker(opts)
         return 0
-    out = Path(opts.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
@@ -1161,7 +955,7 @@ def main(argv=None) -> int:
             "cpus": os.cpu_count(),
             "loadavg_start": load_start,
             "loadavg_end": os.getloadavg(),
-            "python": sys.version.split()[0],
+            "python": h.python_version(),
         },
         "targets": {"floor_ratio": FLOOR_GOAL, "step_time_ratio": TIME_GOAL},
         "configs": configs,
@@ -1171,12 +965,9 @@ def main(argv=None) -> int:
         "wall_time_s": time.perf_counter() - started,
     }
     print_report(report)
-    (out / "memory_suite.json").write_text(json.dumps(report, indent=1))
-    if any("error" not in c for c in configs):
-        plot(report, out / "memory_suite.png")
     for name, error in report["errors"].items():
         print(f"\nERROR {name}: {error}")
-    print(f"\nwrote {out / 'memory_suite.json'} and .png in {report['wall_time_s']:.0f}s")
+    h.write_report(opts.output_dir, "memory_suite", report, plot if any("error" not in c for c in configs) else None)
     return 0
 
 

@@ -12,40 +12,31 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+from transformers import TrainerCallback
 
-from layerwise_hf import LayerwiseOptimizer, LayerwiseTrainer, LayerwiseTrainingArguments
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from benchmarks import _common as h  # noqa: E402
+from layerwise_hf import LayerwiseOptimizer, LayerwiseTrainer  # noqa: E402
+
+SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, seq_len=16)  # fmt: skip
 
 
 def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    return h.proc_status_bytes("VmRSS") / h.MIB
 
 
-def model(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-    )
-    return LlamaForCausalLM(config)
+def model(seed: int = 0):
+    return h.build_llama(seed=seed, **SIZES)
 
 
 def data(n: int = 256):
@@ -64,10 +55,10 @@ class StopAt(TrainerCallback):
             control.should_save = True
 
 
-def args(output_dir: str, steps: int, segment: int) -> LayerwiseTrainingArguments:
-    return LayerwiseTrainingArguments(
-        output_dir=output_dir,
-        optim="adamw_torch_layerwise",
+def args(output_dir: str, steps: int, segment: int):
+    return h.training_args(
+        "adamw_torch_layerwise",
+        output_dir,
         learning_rate=3e-3,
         lr_scheduler_type="cosine",
         warmup_steps=10,
@@ -80,8 +71,6 @@ def args(output_dir: str, steps: int, segment: int) -> LayerwiseTrainingArgument
         save_steps=segment,
         save_total_limit=2,
         logging_steps=segment,
-        report_to="none",
-        use_cpu=True,
         disable_tqdm=True,
         seed=0,
     )
@@ -100,9 +89,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1000, help="total optimizer steps")
     parser.add_argument("--segment", type=int, default=100, help="steps between a stop and a resume")
-    parser.add_argument("--output_dir", default=os.path.join(HERE, "results"), help="where soak.json goes")
+    parser.add_argument("--output_dir", default=str(h.RESULTS), help="where soak.json goes")
     opts = parser.parse_args(argv)
-    os.makedirs(opts.output_dir, exist_ok=True)
     dataset = data()
 
     with tempfile.TemporaryDirectory() as work:
@@ -164,8 +152,7 @@ def main(argv=None) -> int:
         f"train(): {result['max_hooks_after_train']}; LayerwiseOptimizers alive: "
         f"{result['max_live_layerwise_optimizers']}; {soak_seconds:.0f} s (uninterrupted {reference_seconds:.0f} s)"
     )
-    with open(os.path.join(opts.output_dir, "soak.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    h.write_report(opts.output_dir, "soak", result)
     return 0 if identical else 1
 
 

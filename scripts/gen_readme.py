@@ -12,31 +12,54 @@ import sys
 from pathlib import Path
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+MEMORY_SUITE_JSON = README.parent / "benchmarks" / "results" / "memory_suite.json"
 
 
 def optimizer_table() -> str:
-    from layerwise_hf.registry import _REFUSED_BASES, TRANSFORMERS_LAYERWISE_NAMES, describe_layerwise_optimizers
+    from layerwise_hf.registry import TRANSFORMERS_LAYERWISE_NAMES, describe_layerwise_optimizers
+    from layerwise_hf.support import REFUSED_BASES
 
     lines = ["| `optim=` | Trainer base it resolves | extra package |", "|---|---|---|"]
     lines += [f"| `{name}` | `{base}` | {package or '-'} |" for name, base, package in describe_layerwise_optimizers()]
     lines += ["", "Refused (not per-tensor), with the reason the error gives:", ""]
-    lines += [f"- `{base}_layerwise`: {why}" for base, why in sorted(_REFUSED_BASES.items())]
+    lines += [f"- `{base}_layerwise`: {why}" for base, why in sorted(REFUSED_BASES.items())]
     if TRANSFORMERS_LAYERWISE_NAMES:
         lines += ["", "transformers' own names keep going through transformers unchanged: "]
         lines[-1] += ", ".join(f"`{n}`" for n in TRANSFORMERS_LAYERWISE_NAMES) + "."
     return "\n".join(lines)
 
 
-def results_table() -> str:
-    import importlib.util
+def results_table(results: Path = MEMORY_SUITE_JSON) -> str:
+    """The memory suite's results (a memory_suite.json, by default the committed one) as a markdown table."""
+    import json
 
-    results = README.parent / "benchmarks" / "results" / "memory_suite.json"
+    if str(README.parent) not in sys.path:
+        sys.path.append(str(README.parent))  # benchmarks/_common.py formats the numbers as the benchmarks print them
+    from benchmarks._common import mib, pct
+
+    results = Path(results)
     if not results.is_file():
         return "_No results yet: run `python benchmarks/memory_suite.py`._"
-    spec = importlib.util.spec_from_file_location("memory_suite", README.parent / "benchmarks" / "memory_suite.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.results_markdown(str(results)).strip()
+    report = json.loads(results.read_text())
+    lines = [
+        "| config | GA | peak RSS MiB | training peak MiB | grads MiB | state MiB | peak / floor | step time vs "
+        "standard | estimate error |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in report["configs"]:
+        if "error" in c:
+            error = c["error"].splitlines()[0].replace("|", "/")
+            lines.append(f"| `{c['name']}` | {c['config']['ga']} | error: {error} | | | | | | |")
+            continue
+        a, t, est = c["analysis"], c.get("timing") or {}, c.get("estimate") or {}
+        ratio = f"{t['ratio']:.3f}x" if "ratio" in t else "-"
+        error = "n/a" if "error" in est else pct(a["estimate_errors"]["total_plus_activations_vs_peak"])
+        lines.append(
+            f"| `{c['name']}` | {c['config']['ga']} | {mib(a['peak_rss_bytes'])} | {mib(a['training_peak_bytes'])} | "
+            f"{mib(a['grads_counted_bytes'])} | {mib(a['state_counted_bytes'])} | {a['floor_ratio']:.3f}x | {ratio} | "
+            f"{error} |"
+        )
+    return "\n".join(lines)
 
 
 SECTIONS = {"optimizers": optimizer_table, "results": results_table}

@@ -1,5 +1,7 @@
-"""The benchmark scripts run end to end with their smallest settings (no timing or memory thresholds here)."""
+"""The benchmark scripts run end to end with their smallest settings (no timing or memory thresholds here), and the
+README's results table comes from the committed JSON alone."""
 
+import importlib.util
 import json
 import math
 import os
@@ -13,7 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_script(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    # The caller's PYTHONPATH first, as the benchmarks' own workers do: a checkout it points at is the one measured.
+    path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *args],
         cwd=ROOT,
@@ -26,14 +30,111 @@ def run_script(script: str, *args: str, timeout: int = 300) -> subprocess.Comple
     return result
 
 
+def report_of(out: Path, name: str, png: bool = True) -> dict:
+    if png:
+        assert (out / f"{name}.png").stat().st_size > 0
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def load_gen_readme():
+    spec = importlib.util.spec_from_file_location("gen_readme", ROOT / "scripts" / "gen_readme.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_no_benchmark_patches_private_optimizer_names():
+    # Benchmarks observe the optimizer through public instrumentation only (torch's step hooks on `inner`).
+    for path in (ROOT / "benchmarks").glob("*.py"):
+        text = path.read_text()
+        for private in ("lw._", "optimizer._", "._step_one", "._record_norm", "._params"):
+            assert private not in text, f"{path.name} uses {private}"
+
+
+def test_gen_readme_reads_only_the_json():
+    source = (ROOT / "scripts" / "gen_readme.py").read_text()
+    assert "spec_from_file_location" not in source and "import memory_suite" not in source
+
+
+@pytest.mark.slow
+def test_step_time_small(tmp_path):
+    result = run_script(
+        "step_time.py", "--small", "--warmup", "1", "--rounds", "2", "--steps_per_round", "1", "--profile",
+        "--profile_steps", "1", "--output_dir", str(tmp_path),
+    )  # fmt: skip
+    report = report_of(tmp_path, "step_time")
+    assert {
+        "description",
+        "model",
+        "settings",
+        "timing",
+        "ratio",
+        "track_grad_norm_passed",
+        "profile",
+    } <= report.keys()
+    assert report["model"]["tie_word_embeddings"] is False
+    assert isinstance(report["track_grad_norm_passed"], bool)
+    timing = report["timing"]
+    assert set(timing) == {"standard", "layerwise"}
+    for entry in timing.values():
+        assert len(entry["times_s"]) == 2 and len(entry["paired_ratios"]) == 2 and entry["median_s"] > 0
+    assert timing["standard"]["ratio"] == 1.0 and math.isfinite(report["ratio"])
+    hooks = report["profile"]["hooks"]["summary"]
+    # Every trainable tensor is stepped once per step, seen by torch's step hooks on the inner optimizers.
+    assert hooks["inner_steps_per_step"] == report["num_trainable_tensors"]
+    assert hooks["layerwise_inner_step_total_s"] > 0 and hooks["steps"] == 1
+    profiler = report["profile"]["torch_profiler"]
+    assert profiler["top_self_layerwise"] and profiler["optimizer_step_ops"]
+    assert report["profile"]["cprofile_layerwise"]["top_own_time"]
+    assert "layer-wise / standard" in result.stdout
+
+
+@pytest.mark.slow
+def test_memory_suite_small(tmp_path):
+    run_script("memory_suite.py", "--small", "--output_dir", str(tmp_path))
+    report = report_of(tmp_path, "memory_suite")
+    assert {"description", "model", "settings", "environment", "targets", "configs", "goals", "wall_time_s"} <= set(
+        report
+    )
+    assert [c["name"] for c in report["configs"]] == report["settings"]["configs"]
+    assert len(report["configs"]) == 12
+    for c in report["configs"]:
+        if "error" in c:
+            # GaLore may be refused while its routing through the registry changes; the suite reports and goes on.
+            assert c["config"]["galore"], c["error"]
+            continue
+        assert {"memory", "analysis", "estimate", "timing"} <= set(c)
+        analysis = c["analysis"]
+        assert analysis["peak_rss_bytes"] > 0 and analysis["floor_ratio"] > 0
+        assert analysis["state_counted_bytes"] >= 0 and analysis["grads_counted_bytes"] > 0
+        assert {"discrepancy_bytes", "tolerance_bytes", "pass"} <= set(analysis["agreement"])
+        assert len(c["memory"]["steps"]) == 2
+        if c["config"]["standard"]:
+            timing = c["timing"]
+            assert timing["ratio"] > 0 and len(timing["raw"]["times_s"]) == 2
+            # The layer-wise inner steps are timed through torch's step hooks: some optimizer time is seen.
+            assert timing["optimizer_median_s"] > 0 and timing["norm_median_s"] >= 0
+    # Layer-wise without accumulation holds one gradient at a time: fewer gradient bytes than its standard twin.
+    by_name = {c["name"]: c for c in report["configs"]}
+    lw, std = by_name["adamw_torch_layerwise"]["analysis"], by_name["adamw_torch"]["analysis"]
+    assert lw["grads_counted_bytes"] < std["grads_counted_bytes"]
+    assert {g["kind"] for g in report["goals"]} >= {"floor", "time", "agreement"}
+
+    table = load_gen_readme().results_table(tmp_path / "memory_suite.json")
+    lines = table.strip().splitlines()
+    assert lines[0].startswith("| config |") and set(lines[1]) <= {"|", "-"}
+    assert len(lines) == 2 + len(report["configs"])
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
+
+
 # One engine per test: each launches two 2-rank process groups, which is most of the time on 2 cores.
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
 def test_distributed_memory_small(tmp_path, engine):
     result = run_script(
         "distributed_memory.py", "--small", "--steps", "2", "--engines", engine, "--output_dir", str(tmp_path)
     )
-    report = json.loads((tmp_path / "distributed_memory.json").read_text())
-    assert (tmp_path / "distributed_memory.png").stat().st_size > 0
+    report = report_of(tmp_path, "distributed_memory")
     assert {"model", "environment", "runs", "fsdp2_checks", "fsdp2_goal_pass", "wall_time_s"} <= report.keys()
     runs = report["runs"]
     assert {(r["optim"], r["rank"]) for r in runs} == {
@@ -45,6 +146,9 @@ def test_distributed_memory_small(tmp_path, engine):
         assert len(r["step_peak_rss_bytes"]) == 2 and len(r["step_grad_peaks_bytes"]) == 2
     layerwise = [r for r in runs if r["optim"] == "adamw_torch_layerwise"]
     assert {r["route"] for r in layerwise} == {engine}
+    standard_samples = next(r["grad_samples"] for r in runs if r["optim"] == "adamw_torch")
+    # The inner steps add samples (torch's step pre-hooks), also on the DDP route where no parameter hook steps.
+    assert all(r["grad_samples"] > standard_samples for r in layerwise)
     if engine == "fsdp2":
         assert len(report["fsdp2_checks"]) == 2 and report["fsdp2_goal_pass"] in (True, False)
         assert "PASS" in result.stdout or "FAIL" in result.stdout
@@ -52,21 +156,13 @@ def test_distributed_memory_small(tmp_path, engine):
         assert all(r["ddp_bucket_bytes"] > 0 for r in runs)
 
 
+@pytest.mark.slow
 def test_clipping_speed_small(tmp_path):
     run_script(
-        "clipping_speed.py",
-        "--small",
-        "--warmup",
-        "1",
-        "--rounds",
-        "2",
-        "--accuracy_steps",
-        "3",
-        "--output_dir",
-        str(tmp_path),
-    )
-    report = json.loads((tmp_path / "clipping_speed.json").read_text())
-    assert (tmp_path / "clipping_speed.png").stat().st_size > 0
+        "clipping_speed.py", "--small", "--warmup", "1", "--rounds", "2", "--accuracy_steps", "3",
+        "--output_dir", str(tmp_path),
+    )  # fmt: skip
+    report = report_of(tmp_path, "clipping_speed")
     assert {"config", "timing", "goals", "all_goals_pass", "accuracy", "wall_time_s"} <= report.keys()
     expected = {f"{mode} ga{ga}" for mode in ("none", "exact", "previous", "per_param", "off") for ga in (1, 4)}
     assert set(report["timing"]) == expected
@@ -81,10 +177,10 @@ def test_clipping_speed_small(tmp_path):
     assert all(len(m["losses"]) == 3 for m in modes.values())
 
 
+@pytest.mark.slow
 def test_fp16_speed_small(tmp_path):
     run_script("fp16_speed.py", "--small", "--warmup", "1", "--rounds", "2", "--output_dir", str(tmp_path))
-    report = json.loads((tmp_path / "fp16_speed.json").read_text())
-    assert (tmp_path / "fp16_speed.png").stat().st_size > 0
+    report = report_of(tmp_path, "fp16_speed")
     assert {"config", "timing", "wall_time_s"} <= report.keys()
     timing = report["timing"]
     assert set(timing) == {f"{kind} ga{ga}" for kind in ("standard", "layerwise") for ga in (1, 4)}
@@ -97,3 +193,18 @@ def test_fp16_speed_small(tmp_path):
     assert 0 < layerwise["peak_grad_bytes"] < layerwise["full_grad_bytes"]
     assert layerwise["full_grad_bytes"] == timing["standard ga1"]["full_grad_bytes"]
     assert timing["layerwise ga4"]["forwards_per_step"] == 4
+
+
+@pytest.mark.slow
+def test_soak_small(tmp_path):
+    run_script("soak.py", "--steps", "20", "--segment", "10", "--output_dir", str(tmp_path))
+    report = report_of(tmp_path, "soak", png=False)
+    assert report["steps"] == 20 and report["segments"] == 2
+    assert report["weights_identical_to_uninterrupted"] is True
+    assert report["max_hooks_after_train"] == 0 and report["max_live_layerwise_optimizers"] == 0
+
+
+def test_results_table_matches_committed_readme():
+    # The README's generated table is the committed memory_suite.json, read as JSON (no benchmark imported).
+    table = load_gen_readme().results_table()
+    assert table in (ROOT / "README.md").read_text()

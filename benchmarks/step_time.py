@@ -1,0 +1,416 @@
+"""Step time of `adamw_torch_layerwise` vs `torch.optim.AdamW` in a plain loop (no Trainer, one process), and with
+`--profile` where the layer-wise optimizer's extra time goes.
+
+Launch (single process, CPU):
+
+    python benchmarks/step_time.py                          # 20.3M-param Llama, 2 x 128 tokens, 8 timed rounds
+    python benchmarks/step_time.py --rounds 16 --profile    # more rounds, then profile a few layer-wise steps
+    python benchmarks/step_time.py --small --warmup 1 --rounds 2 --profile --output_dir /tmp/bench   # smoke run
+
+Model: a randomly initialised Llama (vocab 8000, hidden 384, intermediate 1536, 6 layers, 6 heads; untied
+embeddings, as the other benchmarks' models), fp32, micro-batch `--batch_size` x `--seq_len` (2 x 128) of random
+tokens, the same batch for both optimizers in a round. Each optimizer has its own deep copy of the same weights:
+
+- `standard`: `torch.optim.AdamW` over Trainer's decay / no-decay split (weight decay 0.1 on the decay group);
+- `layerwise`: `build_layerwise_optimizer(model, LayerwiseTrainingArguments(optim="adamw_torch_layerwise", ...))`,
+  clipping off, `attach()`ed; when `build_layerwise_optimizer` takes `track_grad_norm`, it gets `False` (no one
+  reads the norm here) and the JSON says so (`track_grad_norm_passed`).
+
+One step = forward + backward + `step()` + `zero_grad()`; no clipping, no accumulation. `--steps_per_round` steps of
+each optimizer per round (their mean is the round's time), the two in a freshly shuffled order each round; `--warmup`
+rounds dropped. Reported: median step time of each, layer-wise / standard (ratio of medians, and the median of the
+same-round ratios), process CPU time likewise.
+
+`--profile` then runs `--profile_steps` more steps of each, three ways, and prints and stores where the extra time
+goes: (1) torch's optimizer step hooks on every inner optimizer (time per inner `step()`, and per gradient the
+layer-wise hook's own work before its step: the norm it records, its bookkeeping), against the standard `step()`;
+(2) `torch.profiler` operator totals, layer-wise minus standard (per-norm time is the norm operators' row);
+(3) `cProfile` of the layer-wise steps, top functions by own time.
+
+Writes `<output_dir>/step_time.json` and `.png`.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import _common as h  # noqa: E402
+
+OPTIM = "adamw_torch_layerwise"
+KINDS = ("standard", "layerwise")
+LEARNING_RATE = 1e-4
+WEIGHT_DECAY = 0.1
+GOAL = 1.03  # layer-wise / standard median step time, after the core refactor
+FULL = h.LLAMA_20M | dict(seq_len=128, batch_size=2)
+SMALL = h.LLAMA_TINY | dict(seq_len=32, batch_size=2)
+TOP = 15  # rows kept of each profile table
+
+
+def parse_args(argv=None):
+    parser = h.benchmark_parser(__doc__.splitlines()[0], FULL, SMALL)
+    h.add_timing_args(parser, rounds=8, seed=0)
+    parser.add_argument("--steps_per_round", type=int, default=3, help="steps of each optimizer per round")
+    parser.add_argument(
+        "--profile", action="store_true", help="then profile a few steps: hooks, torch.profiler, cProfile"
+    )
+    parser.add_argument("--profile_steps", type=int, default=3, help="steps of each optimizer per profiler")
+    opts = parser.parse_args(argv)
+    h.fill_sizes(opts, FULL, SMALL)
+    return opts
+
+
+class Run(h.TimedRun):
+    """One optimizer on its own copy of the model."""
+
+    def __init__(self, base_model, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.model = h.copy_model(base_model)
+        args = h.training_args(OPTIM if kind == "layerwise" else "adamw_torch", learning_rate=LEARNING_RATE,
+                               weight_decay=WEIGHT_DECAY, max_grad_norm=0.0)  # fmt: skip
+        self.track_grad_norm_passed = None
+        if kind == "layerwise":
+            from layerwise_hf import build_layerwise_optimizer
+
+            wanted = {"track_grad_norm": False, "sync_gradients": lambda: True}
+            self.track_grad_norm_passed = "track_grad_norm" in h.supported_keywords(build_layerwise_optimizer, wanted)
+            self.optimizer = h.layerwise_optimizer(self.model, args, **wanted)
+        else:
+            from transformers import Trainer
+
+            decay = set(Trainer.get_decay_parameter_names(None, self.model))
+            named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+            groups = [
+                {"params": [p for n, p in named if n in decay], "weight_decay": WEIGHT_DECAY},
+                {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+            ]
+            self.optimizer = torch.optim.AdamW(groups, lr=LEARNING_RATE)
+        self.optimizer_seconds = 0.0  # time in the explicit step() + zero_grad() of the last step
+        self.timer: h.InnerStepTimer | None = None  # set while profiling: paused in the explicit step()
+
+    def one_step(self, ids) -> None:
+        loss = self.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        t0 = time.perf_counter()
+        if self.timer is not None:
+            self.timer.paused = True
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.timer is not None:
+            self.timer.paused = False
+        self.optimizer_seconds = time.perf_counter() - t0
+
+    def steps(self, batches: list) -> tuple[float, float]:
+        """The mean wall and CPU seconds of one step over `batches`."""
+        wall, cpu = self.clock(lambda: [self.one_step(ids) for ids in batches])
+        return wall / len(batches), cpu / len(batches)
+
+    def close(self) -> None:
+        if self.kind == "layerwise":
+            self.optimizer.detach()
+
+
+def round_batches(opts, rnd: int) -> list:
+    return [
+        h.random_tokens(opts.vocab_size, opts.batch_size, opts.seq_len, seed=1000 * rnd + k)
+        for k in range(opts.steps_per_round)
+    ]
+
+
+def time_runs(runs: dict, opts) -> dict:
+    h.interleaved_rounds(list(runs.values()), opts, lambda run, rnd: run.steps(round_batches(opts, rnd)))
+    ref = runs["standard"]
+    timing = {}
+    for kind, run in runs.items():
+        stats = h.timing_stats(run.times, run.cpu_times, ref.times, ref.cpu_times)
+        stats["paired_ratios"] = h.paired_ratios(run.times, ref.times)
+        stats["paired_ratio_quartiles"] = h.quartiles(stats["paired_ratios"])
+        timing[kind] = stats
+    return timing
+
+
+# ---- profile ----
+
+
+def hook_profile(runs: dict, opts) -> dict:
+    """Per step: the layer-wise inner steps and hook work from torch's step hooks; the standard optimizer's step()."""
+    lw_run, std_run = runs["layerwise"], runs["standard"]
+    lw = lw_run.optimizer
+    lw.detach()
+    timer = h.InnerStepTimer(lw, arrivals=True, keep=True)  # its arrival hooks must come before the layer-wise ones
+    lw.attach()
+    lw_run.timer = timer
+    per_step = {"layerwise": [], "standard": []}
+    try:
+        for k in range(opts.profile_steps):
+            ids = h.random_tokens(opts.vocab_size, opts.batch_size, opts.seq_len, seed=10_000 + k)
+            for kind, run in (("layerwise", lw_run), ("standard", std_run)):
+                timer.reset()
+                wall, _ = run.clock(run.one_step, ids)
+                entry = {"step_s": wall, "explicit_step_s": run.optimizer_seconds}
+                if kind == "layerwise":
+                    entry |= {
+                        "inner_steps": timer.calls,
+                        "inner_step_s": timer.seconds,
+                        "hook_before_step_s": timer.hook_seconds,
+                        "inner_step_us_each": [1e6 * s for s in timer.per_call],
+                        "hook_before_step_us_each": [1e6 * s for s in timer.hook_per_call],
+                    }
+                per_step[kind].append(entry)
+    finally:
+        lw_run.timer = None
+        timer.remove()
+    lw_steps, std_steps = per_step["layerwise"], per_step["standard"]
+    med = statistics.median
+    inner_each = [u for s in lw_steps for u in s["inner_step_us_each"]]
+    hook_each = [u for s in lw_steps for u in s["hook_before_step_us_each"]]
+    summary = {
+        "steps": opts.profile_steps,
+        "layerwise_step_s": med(s["step_s"] for s in lw_steps),
+        "standard_step_s": med(s["step_s"] for s in std_steps),
+        "standard_optimizer_step_s": med(s["explicit_step_s"] for s in std_steps),
+        "layerwise_inner_step_total_s": med(s["inner_step_s"] for s in lw_steps),
+        "layerwise_hook_before_step_total_s": med(s["hook_before_step_s"] for s in lw_steps),
+        "layerwise_explicit_step_s": med(s["explicit_step_s"] for s in lw_steps),
+        "inner_steps_per_step": lw_steps[-1]["inner_steps"],
+        "inner_step_us_median": med(inner_each) if inner_each else None,
+        "hook_before_step_us_median": med(hook_each) if hook_each else None,
+    }
+    # The layer-wise optimizer's work, all of it, against the standard step(): what one optimizer per tensor adds.
+    lw_total = summary["layerwise_inner_step_total_s"] + summary["layerwise_hook_before_step_total_s"]
+    summary["optimizer_extra_s"] = (
+        lw_total + summary["layerwise_explicit_step_s"] - summary["standard_optimizer_step_s"]
+    )
+    summary["step_extra_s"] = summary["layerwise_step_s"] - summary["standard_step_s"]
+    return {"summary": summary, "per_step": per_step}
+
+
+def torch_profile(run: Run, opts) -> dict:
+    """Operator totals of `opts.profile_steps` steps of `run` under torch.profiler (CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batches = [h.random_tokens(opts.vocab_size, opts.batch_size, opts.seq_len, seed=20_000 + k) for k in range(2)]
+    run.one_step(batches[0])  # warm
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for k in range(opts.profile_steps):
+            run.one_step(batches[k % 2])
+    ops = {}
+    for e in prof.key_averages():
+        ops[e.key] = {"count": e.count, "self_cpu_us": e.self_cpu_time_total, "cpu_us": e.cpu_time_total}
+    return ops
+
+
+def op_table(lw_ops: dict, std_ops: dict, steps: int) -> dict:
+    """Per step: the layer-wise run's top operators by own time, and the operators whose own time grew most."""
+
+    def row(name):
+        lw, std = lw_ops.get(name, {}), std_ops.get(name, {})
+        return {
+            "op": name,
+            "layerwise_calls": lw.get("count", 0) / steps,
+            "standard_calls": std.get("count", 0) / steps,
+            "layerwise_self_ms": lw.get("self_cpu_us", 0) / steps / 1000,
+            "standard_self_ms": std.get("self_cpu_us", 0) / steps / 1000,
+            "extra_self_ms": (lw.get("self_cpu_us", 0) - std.get("self_cpu_us", 0)) / steps / 1000,
+            "layerwise_total_ms": lw.get("cpu_us", 0) / steps / 1000,
+            "standard_total_ms": std.get("cpu_us", 0) / steps / 1000,
+        }
+
+    names = set(lw_ops) | set(std_ops)
+    rows = [row(n) for n in names]
+    norms = [r for r in rows if "norm" in r["op"] and ("vector_norm" in r["op"] or "foreach_norm" in r["op"])]
+    steps_rows = [r for r in rows if r["op"].startswith("Optimizer.step#")]
+    return {
+        "top_self_layerwise": sorted(rows, key=lambda r: -r["layerwise_self_ms"])[:TOP],
+        "top_extra": sorted(rows, key=lambda r: -r["extra_self_ms"])[:TOP],
+        "norm_ops": norms,
+        "optimizer_step_ops": steps_rows,
+        "layerwise_self_ms_total": sum(r["layerwise_self_ms"] for r in rows),
+        "standard_self_ms_total": sum(r["standard_self_ms"] for r in rows),
+    }
+
+
+def c_profile(run: Run, opts) -> list[dict]:
+    """The layer-wise steps' top Python functions by own time (cProfile)."""
+    batches = [h.random_tokens(opts.vocab_size, opts.batch_size, opts.seq_len, seed=30_000 + k) for k in range(2)]
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for k in range(opts.profile_steps):
+        run.one_step(batches[k % 2])
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (file, line, func), (_, ncalls, tottime, cumtime, _) in stats.stats.items():
+        # The package directory and file name: enough to tell layerwise_hf's functions from torch's.
+        where = f"{'/'.join(Path(file).parts[-2:])}:{line}({func})" if line else func
+        rows.append(
+            {
+                "function": where,
+                "calls_per_step": ncalls / opts.profile_steps,
+                "own_ms_per_step": 1000 * tottime / opts.profile_steps,
+                "cumulative_ms_per_step": 1000 * cumtime / opts.profile_steps,
+            }
+        )
+    top = sorted(rows, key=lambda r: -r["own_ms_per_step"])[:TOP]
+    ours = sorted((r for r in rows if "layerwise_hf" in r["function"]), key=lambda r: -r["cumulative_ms_per_step"])
+    return {"top_own_time": top, "layerwise_hf_functions": ours[:TOP]}
+
+
+def profile_runs(runs: dict, opts) -> dict:
+    print(f"profile: {opts.profile_steps} steps each, step hooks / torch.profiler / cProfile", flush=True)
+    hooks = hook_profile(runs, opts)
+    ops = {kind: torch_profile(run, opts) for kind, run in runs.items()}
+    return {
+        "hooks": hooks,
+        "torch_profiler": op_table(ops["layerwise"], ops["standard"], opts.profile_steps),
+        "cprofile_layerwise": c_profile(runs["layerwise"], opts),
+    }
+
+
+# ---- report ----
+
+
+def print_report(report: dict) -> None:
+    print(f"\n{report['description']}")
+    t = report["timing"]
+    rows = [
+        [kind, f"{e['median_s']:.4f}", f"{e['ratio']:.3f}x", f"{e['paired_ratio_median']:.3f}",
+         f"{e['paired_ratio_quartiles'][0]:.3f}-{e['paired_ratio_quartiles'][2]:.3f}", f"{e['cpu_median_s']:.4f}",
+         f"{e['cpu_ratio']:.3f}x", " ".join(f"{x:.3f}" for x in e["times_s"])]
+        for kind, e in t.items()
+    ]  # fmt: skip
+    h.print_table(
+        [("optimizer", 10), ("median s", 8), ("vs std", 7), ("paired", 7), ("quartiles", 11), ("cpu med s", 9),
+         ("vs std", 7), ("", 0)],
+        rows,
+    )  # fmt: skip
+    lw = t["layerwise"]
+    verdict = "PASS" if lw["ratio"] <= GOAL else "FAIL"
+    print(
+        f"layer-wise / standard: {lw['ratio']:.3f}x (paired {lw['paired_ratio_median']:.3f}, "
+        f"cpu {lw['cpu_ratio']:.3f}x); goal <= {GOAL}x after the core refactor: {verdict}. "
+        f"track_grad_norm=False passed: {report['track_grad_norm_passed']}"
+    )
+    prof = report.get("profile")
+    if not prof:
+        return
+    s = prof["hooks"]["summary"]
+    print(f"\nProfile, step hooks ({s['steps']} steps, median per step)")
+    print(
+        f"  step: layer-wise {1000 * s['layerwise_step_s']:.1f} ms, standard {1000 * s['standard_step_s']:.1f} ms "
+        f"(+{1000 * s['step_extra_s']:.1f} ms)\n"
+        f"  standard optimizer.step()+zero_grad(): {1000 * s['standard_optimizer_step_s']:.1f} ms\n"
+        f"  layer-wise: {s['inner_steps_per_step']} inner step() calls "
+        f"{1000 * s['layerwise_inner_step_total_s']:.1f} ms"
+        f" (median {s['inner_step_us_median']:.0f} us each) + hook work before each step "
+        f"{1000 * s['layerwise_hook_before_step_total_s']:.1f} ms (median {s['hook_before_step_us_median']:.0f} us: "
+        f"norm + bookkeeping) + explicit step()+zero_grad() {1000 * s['layerwise_explicit_step_s']:.1f} ms\n"
+        f"  optimizer work, layer-wise minus standard: {1000 * s['optimizer_extra_s']:+.1f} ms of the "
+        f"{1000 * s['step_extra_s']:+.1f} ms step difference"
+    )
+    tp = prof["torch_profiler"]
+    print(
+        f"\ntorch.profiler, ms per step (own CPU time of all ops: layer-wise {tp['layerwise_self_ms_total']:.1f}, "
+        f"standard {tp['standard_self_ms_total']:.1f})"
+    )
+    cols = [("operator", 44), ("lw calls", 8), ("std calls", 9), ("lw self", 8), ("std self", 8), ("extra", 7)]
+
+    def op_rows(rows):
+        return [
+            [r["op"][:44], f"{r['layerwise_calls']:.0f}", f"{r['standard_calls']:.0f}",
+             f"{r['layerwise_self_ms']:.2f}", f"{r['standard_self_ms']:.2f}", f"{r['extra_self_ms']:+.2f}"]
+            for r in rows
+        ]  # fmt: skip
+
+    h.print_table(cols, op_rows(tp["top_extra"][:10]), title="largest extra own time, layer-wise minus standard:")
+    h.print_table(cols, op_rows(tp["norm_ops"] + tp["optimizer_step_ops"][:4]), title="norms and optimizer steps:")
+    cp = prof["cprofile_layerwise"]
+    cols = [("function", 70), ("calls", 7), ("own ms", 7), ("cum ms", 7)]
+
+    def fn_rows(rows):
+        return [
+            [r["function"][-70:], f"{r['calls_per_step']:.0f}", f"{r['own_ms_per_step']:.2f}",
+             f"{r['cumulative_ms_per_step']:.2f}"]
+            for r in rows
+        ]  # fmt: skip
+
+    h.print_table(cols, fn_rows(cp["top_own_time"][:10]), title="\ncProfile, layer-wise steps, top own time per step:")
+    h.print_table(cols, fn_rows(cp["layerwise_hf_functions"][:8]), title="layerwise_hf functions, cumulative:")
+
+
+def plot(report: dict, path: Path) -> None:
+    plt = h.pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    t = report["timing"]
+    for k, kind in enumerate(KINDS):
+        left.plot(range(1, len(t[kind]["times_s"]) + 1), t[kind]["times_s"], marker="o", label=kind, color=f"C{k}")
+    left.set_xlabel("timed round")
+    left.set_ylabel("mean step time in the round (s)")
+    left.set_title("step time per round")
+    left.legend(fontsize=8)
+    ratios = t["layerwise"]["paired_ratios"]
+    right.plot(range(1, len(ratios) + 1), ratios, marker="o", color="C2", label="same-round ratio")
+    right.axhline(
+        t["layerwise"]["ratio"], color="C2", ls="--", lw=1, label=f"median ratio {t['layerwise']['ratio']:.3f}"
+    )
+    right.axhline(GOAL, color="red", ls="--", lw=1, label=f"goal {GOAL}x")
+    right.axhline(1.0, color="0.5", lw=0.8)
+    right.set_xlabel("timed round")
+    right.set_ylabel("layer-wise / standard")
+    right.set_title("ratio per round")
+    right.legend(fontsize=8)
+    h.save_figure(fig, path, report["description"], fontsize=9)
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    torch.set_num_threads(opts.threads)
+    started = time.perf_counter()
+    base_model = h.build_llama(opts, seed=opts.seed)
+    num_params = sum(p.numel() for p in base_model.parameters())
+    runs = {kind: Run(base_model, kind) for kind in KINDS}
+    desc = (
+        f"{OPTIM} vs torch.optim.AdamW, plain loop, Llama {num_params / 1e6:.1f}M params (vocab {opts.vocab_size}, "
+        f"hidden {opts.hidden_size}, {opts.num_hidden_layers} layers, untied), fp32, batch {opts.batch_size}x"
+        f"{opts.seq_len}, no clipping, {opts.threads} thread(s), {opts.rounds} rounds x {opts.steps_per_round} steps "
+        f"after {opts.warmup} warm-up, CPU"
+    )
+    print(f"timing: {desc}", flush=True)
+    timing = time_runs(runs, opts)
+    report = {
+        "description": desc,
+        "model": {k: getattr(opts, k) for k in FULL} | {"num_params": num_params, "tie_word_embeddings": False},
+        "settings": {k: getattr(opts, k) for k in ("warmup", "rounds", "steps_per_round", "threads", "seed")}
+        | {"learning_rate": LEARNING_RATE, "weight_decay": WEIGHT_DECAY, "max_grad_norm": 0.0, "optim": OPTIM},
+        "track_grad_norm_passed": runs["layerwise"].track_grad_norm_passed,
+        "num_trainable_tensors": len(runs["layerwise"].optimizer.inner),
+        "goal_ratio": GOAL,
+        "timing": timing,
+        "ratio": timing["layerwise"]["ratio"],
+        "paired_ratio_median": timing["layerwise"]["paired_ratio_median"],
+        "environment": {"torch": torch.__version__, "python": h.python_version(), "cpus": os.cpu_count()},
+    }
+    if opts.profile:
+        report["profile"] = profile_runs(runs, opts)
+    for run in runs.values():
+        run.close()
+    report["wall_time_s"] = time.perf_counter() - started
+    print_report(report)
+    h.write_report(opts.output_dir, "step_time", report, plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
