@@ -15,9 +15,26 @@ class LayerwiseCallback(TrainerCallback):
     Lifecycle of a `LayerwiseOptimizer` inside `Trainer`: gradients are routed to it at `on_train_begin` (local
     hooks, or a DDP comm hook when the prepared model is DDP) and the hooks are removed at `on_train_end`.
 
+    `LayerwiseTrainer` (and any `LayerwiseTrainerMixin` subclass) adds one itself; add it by hand only to a Trainer
+    that builds its `LayerwiseOptimizer` another way.
+
     Args:
         trainer (`Trainer`, *optional*):
-            Gives access to the prepared (DDP / FSDP2) model; without it the callback uses the `model` Trainer passes.
+            Gives access to the prepared (DDP / FSDP2) model and Accelerate's fp16 `GradScaler`; without it the
+            callback uses the `model` Trainer passes.
+
+    Example:
+
+    ```python
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> from layerwise_hf import LayerwiseCallback, LayerwiseTrainer, LayerwiseTrainingArguments
+    >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+    ...                                      num_hidden_layers=2, num_attention_heads=4))
+    >>> args = LayerwiseTrainingArguments(output_dir="out", optim="adamw_torch_layerwise")
+    >>> trainer = LayerwiseTrainer(model=model, args=args)
+    >>> any(isinstance(cb, LayerwiseCallback) for cb in trainer.callback_handler.callbacks)
+    True
+    ```
     """
 
     def __init__(self, trainer=None):
@@ -29,9 +46,9 @@ class LayerwiseCallback(TrainerCallback):
         if self.optimizer is not None:
             # NOTE: `is None`, not `or`: truth-testing a torch.compile'd module calls len(), which it refuses.
             wrapped = getattr(self.trainer, "model_wrapped", None)
-            self.optimizer.connect(model if wrapped is None else wrapped)
-            # fp16: Accelerate's GradScaler decides skips and the scale from what the hooks find (None otherwise).
             accelerator = getattr(self.trainer, "accelerator", None)
+            self.optimizer.connect(model if wrapped is None else wrapped, accelerator=accelerator)
+            # fp16: Accelerate's GradScaler decides skips and the scale from what the hooks find (None otherwise).
             self.optimizer.use_grad_scaler(getattr(accelerator, "scaler", None))
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -40,8 +57,27 @@ class LayerwiseCallback(TrainerCallback):
 
 
 def memory_logs(optimizer) -> dict[str, float]:
-    """What a layer-wise run adds to each log line: the most gradient memory alive at once, the optimizer state,
-    and on CUDA the allocator's peak."""
+    """
+    What a layer-wise run adds to each log line, in MiB: the most gradient memory alive at once, the optimizer state,
+    and on CUDA the allocator's peak.
+
+    Args:
+        optimizer (`LayerwiseOptimizer`):
+            The optimizer whose figures are reported.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
+    >>> from layerwise_hf.callback import memory_logs
+    >>> model = torch.nn.Linear(4, 2)
+    >>> params = [LayerwiseParam(n, p, weight_decay=0.0) for n, p in model.named_parameters()]
+    >>> optimizer = LayerwiseOptimizer(params, lambda lp, args: torch.optim.AdamW([lp.param], lr=1e-3))
+    >>> sorted(memory_logs(optimizer))[:2]
+    ['layerwise_optimizer_state_mib', 'layerwise_peak_grad_mib']
+    ```
+    """
     logs = {
         "layerwise_peak_grad_mib": round(optimizer.peak_grad_bytes / MIB, 3),
         "layerwise_optimizer_state_mib": round(optimizer.state_bytes() / MIB, 3),

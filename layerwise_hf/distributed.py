@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .data_parallel import DataParallelConfig, DataParallelReducer
 from .ddp import DDPCommHook, find_ddp
 from .routes import FSDP2Hooks, GradientRoute, LocalHooks
 from .support import check_fsdp2_optimizers
@@ -26,13 +27,21 @@ def is_sharded(params) -> bool:
     return any(isinstance(p, DTensor) for p in params)
 
 
-def choose_route(optimizer: LayerwiseOptimizer, model: torch.nn.Module | None = None) -> GradientRoute:
-    """The route for `model` as Accelerate prepared it: DDP-wrapped, FSDP2-sharded, or plain."""
+def choose_route(
+    optimizer: LayerwiseOptimizer, model: torch.nn.Module | None = None, accelerator: Any = None
+) -> GradientRoute:
+    """
+    The route for `model` as Accelerate prepared it: DDP-wrapped (DDP's comm hook), FSDP2-sharded, replicated
+    without DDP under a data-parallel `accelerator` (the bucketed reducer), or plain (local hooks).
+    """
     ddp = find_ddp(model)
     if ddp is not None:
         return DDPCommHook(ddp)
     if is_sharded(optimizer.params):
         return FSDP2Hooks()
+    config = DataParallelConfig.from_accelerator(accelerator) if accelerator is not None else None
+    if config is not None and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        return DataParallelReducer(model, config)
     return LocalHooks()
 
 

@@ -217,12 +217,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if not self.attached:
             self.set_route(LocalHooks())
 
-    def connect(self, model: nn.Module | None = None) -> str:
+    def connect(self, model: nn.Module | None = None, accelerator: Any = None) -> str:
         """Attach to `model` as Accelerate prepared it (local hooks, DDP comm hook, FSDP2); returns the route."""
         from .distributed import choose_route
 
         self.rebind()
-        route = choose_route(self, model)
+        route = choose_route(self, model, accelerator)
         self.set_route(route)
         return route.name
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -89,13 +90,17 @@ class LocalHooks(GradientRoute):
                 "train() did not finish?); they were removed so no parameter is stepped twice.",
                 len(taken_from),
             )
-        ready = optimizer.grad_ready
+        ready = self._entry(optimizer)
         self._params = list(optimizer.params)
         for i, p in enumerate(self._params):
             self._handles.append(p.register_post_accumulate_grad_hook(_Hook(ready, i)))
             _OWNERS[id(p)] = optimizer
         self._owner = weakref.ref(optimizer)
         self.attached = True
+
+    def _entry(self, optimizer: LayerwiseOptimizer) -> Callable[[int], None]:
+        # What each parameter's hook calls with its index.
+        return optimizer.grad_ready
 
     def detach(self) -> None:
         for handle in self._handles:

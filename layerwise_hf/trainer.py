@@ -24,6 +24,7 @@ from .checkpoint import (
     mark_complete,
     standard_to_layerwise,
 )
+from .data_parallel import DataParallelConfig
 from .optimizer import build_layerwise_optimizer, unwrap_layerwise_optimizer
 from .registry import is_layerwise_name
 from .support import check_deepspeed, check_fsdp2_optimizers, check_fsdp_version
@@ -35,6 +36,17 @@ class LayerwiseTrainerMixin:
     """
     Put before a `Trainer` subclass in the bases (`class MyTrainer(LayerwiseTrainerMixin, SFTTrainer)`) to give it
     layer-wise optimizers whenever `args.optim` ends in `_layerwise`. Other optimizer names are left to Trainer.
+    It adds a `LayerwiseCallback`, logs the memory figures of `memory_logs`, and writes a completion marker into each
+    checkpoint; it takes the same arguments as the Trainer it is mixed into.
+
+    Example:
+
+    ```python
+    >>> from transformers import Trainer
+    >>> from layerwise_hf import LayerwiseTrainerMixin
+    >>> class MyTrainer(LayerwiseTrainerMixin, Trainer):  # or TRL's SFTTrainer, DPOTrainer, ...
+    ...     pass
+    ```
     """
 
     def __init__(self, *args, **kwargs):
@@ -55,7 +67,24 @@ class LayerwiseTrainerMixin:
 
     @property
     def layerwise_optimizer(self):
-        """The `LayerwiseOptimizer` in use, or `None`."""
+        """
+        The `LayerwiseOptimizer` in use (unwrapped from Accelerate's `AcceleratedOptimizer`), or `None` before
+        `create_optimizer()` or with a standard optimizer.
+
+        Example:
+
+        ```python
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+        ...                                      num_hidden_layers=2, num_attention_heads=4))
+        >>> args = LayerwiseTrainingArguments(output_dir="out", optim="adamw_torch_layerwise")
+        >>> trainer = LayerwiseTrainer(model=model, args=args)
+        >>> _ = trainer.create_optimizer()
+        >>> trainer.layerwise_optimizer.optimizer_name
+        'adamw_torch_layerwise'
+        ```
+        """
         return unwrap_layerwise_optimizer(self.optimizer)
 
     def _uses_layerwise(self) -> bool:
@@ -79,6 +108,10 @@ class LayerwiseTrainerMixin:
         )
         if self.is_fsdp_enabled:
             check_fsdp2_optimizers(self.optimizer.optimizer_name, self.optimizer.inner)  # before any step
+        elif DataParallelConfig.from_accelerator(self.accelerator) is not None:
+            # Under a DDP config the gradients are reduced by the layer-wise data-parallel route: DDP's buckets
+            # would hold as much memory as all gradients for the whole run.
+            _replicate_without_ddp(self.accelerator, opt_model)
         mode = getattr(self.args, "layerwise_clip", "exact")
         self.optimizer.configure_clipping(self.args.max_grad_norm, mode)
         _explain_clipping(self.args.max_grad_norm, mode, self.args.gradient_accumulation_steps, self.args.fp16)
@@ -189,8 +222,35 @@ class LayerwiseTrainerMixin:
         return grad_norm if grad_norm is not None else optimizer.grad_norm()
 
 
+def _replicate_without_ddp(accelerator, model) -> None:
+    """Make Accelerate prepare `model` without wrapping it in DDP (placement, autocast and compile still apply)."""
+    original = getattr(accelerator.prepare_model, "_layerwise_original", accelerator.prepare_model)
+
+    def prepare_model(m, device_placement=None, evaluation_mode=False):
+        return original(m, device_placement=device_placement, evaluation_mode=evaluation_mode or m is model)
+
+    prepare_model._layerwise_original = original
+    accelerator.prepare_model = prepare_model
+
+
 def is_compiled(model) -> bool:
-    """Whether `model` or any submodule runs through torch.compile (whose backward refuses `retain_graph=True`)."""
+    """
+    Whether `model` or any submodule runs through torch.compile (whose backward refuses `retain_graph=True`).
+
+    Args:
+        model (`nn.Module`):
+            The model Trainer trains (possibly wrapped).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.trainer import is_compiled
+    >>> model = torch.nn.Linear(4, 2)
+    >>> is_compiled(model), is_compiled(torch.compile(model))
+    (False, True)
+    ```
+    """
     from torch._dynamo.eval_frame import OptimizedModule
 
     if isinstance(model, OptimizedModule):
@@ -266,4 +326,23 @@ def _explain_clipping(max_grad_norm: float, mode: str, gradient_accumulation_ste
 
 
 class LayerwiseTrainer(LayerwiseTrainerMixin, Trainer):
-    """`Trainer` with layer-wise optimizers: use it with `LayerwiseTrainingArguments(optim="<base>_layerwise")`."""
+    """
+    `Trainer` with layer-wise optimizers: use it with `LayerwiseTrainingArguments(optim="<base>_layerwise")`. It takes
+    `Trainer`'s arguments; with any other `optim` it trains exactly like `Trainer`.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments
+    >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+    ...                                      num_hidden_layers=2, num_attention_heads=4))
+    >>> train_dataset = [{"input_ids": torch.arange(16), "labels": torch.arange(16)}] * 8
+    >>> args = LayerwiseTrainingArguments(
+    ...     output_dir="out", optim="adamw_torch_layerwise", max_steps=2, report_to="none"
+    ... )
+    >>> trainer = LayerwiseTrainer(model=model, args=args, train_dataset=train_dataset)
+    >>> train_output = trainer.train()
+    ```
+    """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -37,3 +38,48 @@ def ranks_agree(tensors: dict[str, torch.Tensor]) -> bool:
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) if a[k].numel() else 0.0 for k in a)
+
+
+def training_args(out: str, optim: str, *, ga=1, max_grad_norm=0.0, max_steps=4, save_steps=None, **overrides):
+    """The TrainingArguments every 2-rank script trains with; `overrides` for what a script changes."""
+    from layerwise_hf import LayerwiseTrainingArguments
+
+    kwargs = dict(
+        output_dir=out,
+        optim=optim,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=ga,
+        max_steps=max_steps,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        warmup_steps=1,
+        lr_scheduler_type="cosine",
+        max_grad_norm=max_grad_norm,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=7,
+    )
+    return LayerwiseTrainingArguments(**{**kwargs, **overrides})
+
+
+def summary(trainer, model) -> dict:
+    """What a script compares between runs: full parameters, logged grad_norm and lr, the route taken."""
+    optimizer = getattr(trainer, "layerwise_optimizer", None)
+    logs = [h for h in trainer.state.log_history if "grad_norm" in h]
+    return {
+        "params": params(model),
+        "grad_norm": [float(h["grad_norm"]) for h in logs],
+        "lr": [h["learning_rate"] for h in logs],
+        "route": optimizer.route if optimizer is not None else None,
+    }
+
+
+def write_report(report_path: str, report: dict) -> None:
+    if dist.get_rank() == 0:
+        with open(report_path, "w") as f:
+            json.dump({"world_size": dist.get_world_size(), **report}, f, indent=1)
+    dist.barrier()

@@ -1,21 +1,22 @@
-"""2 DDP ranks: LayerwiseTrainer equals Trainer + the standard optimizer (params, grad_norm, lr), replicas stay
-identical, and save -> resume equals the uninterrupted run. Writes a JSON report (rank 0).
+"""2 or 3 ranks with the DDP config: LayerwiseTrainer (the data-parallel route: no DDP wrapper, no persistent
+buckets) equals Trainer + DDP + the standard optimizer (params, grad_norm, lr), replicas stay identical, and save ->
+resume equals the uninterrupted run. Writes a JSON report (rank 0).
 
     ACCELERATE_USE_CPU=true accelerate launch --config_file configs/accelerate/cpu_ddp.yaml \
         tests/distributed/ddp_trainer.py REPORT.json
 """
 
-import json
 import os
 import sys
 import tempfile
+from unittest import mock
 
 import torch
 import torch.distributed as dist
-from common import dataset, finish_ranks, max_diff, params, ranks_agree, tiny_llama
+from common import dataset, finish_ranks, max_diff, ranks_agree, summary, tiny_llama, training_args, write_report
 from transformers import Trainer
 
-from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments
+from layerwise_hf import LayerwiseTrainer
 
 torch.set_num_threads(1)
 
@@ -31,41 +32,47 @@ def run(
     save_steps=None,
     resume=None,
     model_kwargs=None,
+    bucket_cap_mb=None,
+    unused=False,
 ):
     model = tiny_llama(**(model_kwargs or {}))
-    args = LayerwiseTrainingArguments(
-        output_dir=out,
-        optim=optim,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=ga,
-        max_steps=max_steps,
-        learning_rate=1e-2,
-        weight_decay=0.1,
-        warmup_steps=1,
-        lr_scheduler_type="cosine",
+    if unused:
+        add_unused_parameters(model)
+    args = training_args(
+        out,
+        optim,
+        ga=ga,
         max_grad_norm=max_grad_norm,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="steps" if save_steps else "no",
-        save_steps=save_steps or 500,
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=7,
+        max_steps=max_steps,
+        save_steps=save_steps,
         accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": sync_each_batch}},
+        **({"ddp_find_unused_parameters": True} if unused else {}),
     )
     data = dataset(vocab=(model_kwargs or {}).get("vocab", 64))
     trainer_cls = LayerwiseTrainer if args.is_layerwise else Trainer
     trainer = trainer_cls(model=model, args=args, train_dataset=data)
+    if bucket_cap_mb is not None:
+        # TrainingArguments takes whole MiB only; the tiny model needs a smaller cap to make several buckets.
+        trainer.accelerator.ddp_handler.bucket_cap_mb = bucket_cap_mb
     trainer.train(resume_from_checkpoint=resume)
-    optimizer = trainer.layerwise_optimizer if args.is_layerwise else None
-    logs = [h for h in trainer.state.log_history if "grad_norm" in h]
-    return {
-        "params": params(model),
-        "grad_norm": [float(h["grad_norm"]) for h in logs],
-        "lr": [h["learning_rate"] for h in logs],
-        "wrapped": type(trainer.model_wrapped).__name__,
-        "route": optimizer.route if optimizer is not None else None,
-    }
+    return {**summary(trainer, model), "wrapped": type(trainer.model_wrapped).__name__}
+
+
+QUICK = {"adamw_torch ga2 exact clip", "adamw_torch ga2 sync_each_batch", "adamw_torch ga1 unused parameters"}
+
+
+def add_unused_parameters(model):
+    """One parameter no rank uses (it must keep .grad None and never step: weight decay would move it), and one
+    that only rank 0 uses (the others contribute zeros to its average, as with DDP's find_unused_parameters)."""
+    model.unused_everywhere = torch.nn.Parameter(torch.ones(4, 4))
+    model.used_on_rank0 = torch.nn.Parameter(torch.ones(4, 4))
+
+    def add_rank0_term(module, args, output):
+        if dist.get_rank() == 0:
+            output.loss = output.loss + 1e-2 * module.used_on_rank0.square().sum()
+        return output
+
+    model.register_forward_hook(add_rank0_term)
 
 
 def compare(name, standard, layerwise):
@@ -81,47 +88,58 @@ def compare(name, standard, layerwise):
     }
 
 
-def main(report_path):
+def main(report_path, quick=False):
     results = []
     big = {"vocab": 256, "hidden": 64}  # bitsandbytes quantizes tensors of >= 4096 elements
     cases = [
-        ("adamw_torch ga1", "adamw_torch", {}),
-        ("adamw_torch ga2", "adamw_torch", {"ga": 2}),
-        ("adamw_torch ga2 sync_each_batch", "adamw_torch", {"ga": 2, "sync_each_batch": True}),
-        ("adamw_torch ga1 exact clip", "adamw_torch", {"max_grad_norm": 0.5}),
-        ("adamw_torch ga2 exact clip", "adamw_torch", {"ga": 2, "max_grad_norm": 0.5}),
-        ("adamw_8bit ga1", "adamw_8bit", {"model_kwargs": big}),
-        ("adamw_8bit ga2", "adamw_8bit", {"ga": 2, "model_kwargs": big}),
+        (f"{base} ga{ga}{' exact clip' if clip else ''}", base, {"ga": ga, "max_grad_norm": clip, **extra})
+        for base, extra in [("adamw_torch", {}), ("adamw_8bit", {"model_kwargs": big}), ("adafactor", {}), ("sgd", {})]
+        for ga in (1, 2)
+        for clip in (0.0, 0.5)
     ]
+    cases += [
+        ("adamw_torch ga2 sync_each_batch", "adamw_torch", {"ga": 2, "sync_each_batch": True}),
+        # Several buckets, each tensor alone in its bucket, and a parameter unused on some or all ranks.
+        ("adamw_torch ga1 small buckets", "adamw_torch", {"bucket_cap_mb": 0.01, "max_grad_norm": 0.5}),
+        ("adamw_torch ga2 bucket per tensor", "adamw_torch", {"ga": 2, "bucket_cap_mb": 0.0}),
+        ("adamw_torch ga1 unused parameters", "adamw_torch", {"unused": True, "bucket_cap_mb": 0.01}),
+    ]
+    if quick:  # the fast tier: one optimizer, the mechanisms (accumulation, clipping, buckets, unused parameters)
+        cases = [c for c in cases if c[1] == "adamw_torch" and c[0] in QUICK]
     for name, base, kwargs in cases:
         with tempfile.TemporaryDirectory() as d:
             standard = run(base, d, **kwargs)
             layerwise = run(f"{base}_layerwise", d, **kwargs)
-        results.append(compare(name, standard, layerwise))
+            result = compare(name, standard, layerwise)
+            if dist.get_world_size() > 2:
+                # Beyond 2 ranks gloo's ring sums each element in an order that depends on where it sits in the
+                # buffer: the scale of that rounding is standard DDP against itself with another bucket cap.
+                other = run(base, d, **{**kwargs, "bucket_cap_mb": 0.0 if kwargs.get("bucket_cap_mb") else 0.01})
+                result["standard_vs_other_bucket_cap"] = max_diff(standard["params"], other["params"])
+        if kwargs.get("unused"):
+            result["unused_everywhere_unchanged"] = bool(
+                torch.equal(layerwise["params"]["unused_everywhere"], torch.ones(4, 4))
+            )
+        results.append(result)
 
     # Save at step 2, resume in a fresh trainer: equal to the uninterrupted 4 steps.
     out = os.path.join(os.path.dirname(report_path), "ddp_resume")
     full_run = run("adamw_torch_layerwise", out, max_steps=4, save_steps=2)
     resumed = run("adamw_torch_layerwise", out + "_b", max_steps=4, resume=os.path.join(out, "checkpoint-2"))
+    # The resumed state's log history starts with the checkpoint's two entries.
+    results.append(compare("resume", full_run, resumed))
+    # A checkpoint written by the previous route (the model wrapped in DDP, gradients stepped from DDP's comm hook)
+    # resumes on the new one.
+    old = os.path.join(os.path.dirname(report_path), "ddp_old_route")
+    with mock.patch("layerwise_hf.trainer._replicate_without_ddp", lambda accelerator, model: None):
+        before = run("adamw_torch_layerwise", old, max_steps=2, save_steps=2)
+    resumed_old = run("adamw_torch_layerwise", old + "_b", max_steps=4, resume=os.path.join(old, "checkpoint-2"))
     results.append(
-        {
-            "case": "resume",
-            "max_diff": max_diff(full_run["params"], resumed["params"]),
-            # The resumed state's log history starts with the checkpoint's two entries.
-            "grad_norm_equal": full_run["grad_norm"] == resumed["grad_norm"],
-            "lr_equal": full_run["lr"] == resumed["lr"],
-            "ranks_agree": ranks_agree(resumed["params"]),
-            "wrapped": resumed["wrapped"],
-            "route": resumed["route"],
-            "steps_logged": len(resumed["grad_norm"]),
-        }
+        {**compare("resume from the DDP comm-hook route", full_run, resumed_old), "saved_by": before["route"]}
     )
-    if dist.get_rank() == 0:
-        with open(report_path, "w") as f:
-            json.dump({"world_size": dist.get_world_size(), "results": results}, f, indent=1)
-    dist.barrier()
+    write_report(report_path, {"results": results})
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[-1], quick="--quick" in sys.argv[1:-1])
     finish_ranks()

@@ -9,17 +9,26 @@ autocast (launch with --mixed_precision fp16), the objects and calls Trainer use
         tests/distributed/fp16_trainer.py REPORT.json
 """
 
-import json
 import math
 import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
-from common import VOCAB, dataset, finish_ranks, max_diff, params, ranks_agree, tiny_llama
+from common import (
+    VOCAB,
+    dataset,
+    finish_ranks,
+    max_diff,
+    ranks_agree,
+    summary,
+    tiny_llama,
+    training_args,
+    write_report,
+)
 from transformers import Trainer, TrainerCallback
 
-from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments  # applies LAYERWISE_HF_FORCE_FSDP_CPU
+from layerwise_hf import LayerwiseTrainer  # applies LAYERWISE_HF_FORCE_FSDP_CPU
 
 torch.set_num_threads(1)
 INJECT_AT = 2
@@ -51,25 +60,7 @@ class Probe(TrainerCallback):
 
 def run(optim, out, *, ga=1, max_grad_norm=0.0):
     model = tiny_llama()
-    args = LayerwiseTrainingArguments(
-        output_dir=out,
-        optim=optim,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=ga,
-        max_steps=5,
-        learning_rate=5e-2,
-        weight_decay=0.1,
-        warmup_steps=1,
-        lr_scheduler_type="cosine",
-        max_grad_norm=max_grad_norm,
-        fp16=True,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=7,
-    )
+    args = training_args(out, optim, ga=ga, max_grad_norm=max_grad_norm, max_steps=5, learning_rate=5e-2, fp16=True)
     probe = Probe(model)
     trainer_cls = LayerwiseTrainer if args.is_layerwise else Trainer
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset(), callbacks=[probe])
@@ -80,15 +71,11 @@ def run(optim, out, *, ga=1, max_grad_norm=0.0):
     trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=2)
     trainer.accelerator.native_amp = True
     trainer.train()
-    logs = [h for h in trainer.state.log_history if "grad_norm" in h]
     optimizer = trainer.layerwise_optimizer if args.is_layerwise else None
     return {
-        "params": params(trainer.model_wrapped),
-        "grad_norm": [float(h["grad_norm"]) for h in logs],
-        "lr": [h["learning_rate"] for h in logs],
+        **summary(trainer, trainer.model_wrapped),
         "scales": probe.scales,
         "wrapped": type(trainer.model_wrapped).__name__,
-        "route": optimizer.route if optimizer is not None else None,
         "steps_taken": optimizer.steps_taken if optimizer is not None else None,
     }
 
@@ -126,10 +113,7 @@ def main(report_path):
                 "scale_grew": any(b > a for a, b in zip(standard["scales"], standard["scales"][1:])),
             }
         )
-    if dist.get_rank() == 0:
-        with open(report_path, "w") as f:
-            json.dump({"world_size": dist.get_world_size(), "results": results}, f, indent=1)
-    dist.barrier()
+    write_report(report_path, {"results": results})
 
 
 if __name__ == "__main__":

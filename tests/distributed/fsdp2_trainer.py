@@ -5,54 +5,29 @@ model really is fully_shard'ed, save -> resume (DCP) equals uninterrupted, and n
         --config_file configs/accelerate/cpu_fsdp2.yaml tests/distributed/fsdp2_trainer.py REPORT.json
 """
 
-import json
 import os
 import sys
 import tempfile
 
 import torch
-import torch.distributed as dist
-from common import dataset, finish_ranks, max_diff, params, ranks_agree, tiny_llama
+from common import dataset, finish_ranks, max_diff, ranks_agree, summary, tiny_llama, training_args, write_report
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments  # applies LAYERWISE_HF_FORCE_FSDP_CPU
+from layerwise_hf import LayerwiseTrainer  # applies LAYERWISE_HF_FORCE_FSDP_CPU
 
 torch.set_num_threads(1)
 
 
 def run(optim, out, *, ga=1, max_grad_norm=0.0, max_steps=4, save_steps=None, resume=None):
     model = tiny_llama()
-    args = LayerwiseTrainingArguments(
-        output_dir=out,
-        optim=optim,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=ga,
-        max_steps=max_steps,
-        learning_rate=1e-2,
-        weight_decay=0.1,
-        warmup_steps=1,
-        lr_scheduler_type="cosine",
-        max_grad_norm=max_grad_norm,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="steps" if save_steps else "no",
-        save_steps=save_steps or 500,
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=7,
-    )
+    args = training_args(out, optim, ga=ga, max_grad_norm=max_grad_norm, max_steps=max_steps, save_steps=save_steps)
     trainer = LayerwiseTrainer(model=model, args=args, train_dataset=dataset())
     trainer.train(resume_from_checkpoint=resume)
     wrapped = trainer.model_wrapped
-    optimizer = trainer.layerwise_optimizer
-    logs = [h for h in trainer.state.log_history if "grad_norm" in h]
     return {
-        "params": params(wrapped),
-        "grad_norm": [float(h["grad_norm"]) for h in logs],
-        "lr": [h["learning_rate"] for h in logs],
+        **summary(trainer, wrapped),
         "fully_sharded": isinstance(wrapped, FSDPModule) and all(isinstance(p, DTensor) for p in wrapped.parameters()),
-        "route": optimizer.route if optimizer is not None else None,
     }
 
 
@@ -90,10 +65,7 @@ def main(report_path):
         refusal = None
     except ValueError as err:
         refusal = str(err)
-    if dist.get_rank() == 0:
-        with open(report_path, "w") as f:
-            json.dump({"world_size": dist.get_world_size(), "results": results, "adafactor": refusal}, f, indent=1)
-    dist.barrier()
+    write_report(report_path, {"results": results, "adafactor": refusal})
 
 
 if __name__ == "__main__":
