@@ -1,4 +1,17 @@
-"""Layer-wise optimizers for Hugging Face Trainer and Accelerate."""
+"""Layer-wise optimizers for Hugging Face Trainer and Accelerate.
+
+One optimizer per trainable parameter, stepped inside backward as soon as that parameter's gradient is ready, the
+gradient freed right after: `optim="<base>_layerwise"` (e.g. `"adamw_8bit_layerwise"`) is the only switch.
+
+Example:
+
+```python
+>>> from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments
+>>> args = LayerwiseTrainingArguments(output_dir="out", optim="adamw_8bit_layerwise")
+>>> trainer = LayerwiseTrainer(model=model, args=args, train_dataset=train_dataset)
+>>> trainer.train()
+```
+"""
 
 import importlib
 

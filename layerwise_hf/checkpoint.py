@@ -37,7 +37,27 @@ SCHEDULER_NAME = "scheduler.pt"
 
 
 def mark_complete(checkpoint_dir: str, info: dict[str, Any] | None = None) -> None:
-    """Written last, atomically: a checkpoint without it was interrupted while being written."""
+    """
+    Write `layerwise_complete.json` into `checkpoint_dir`, last and atomically: a checkpoint without it was
+    interrupted while being written. `LayerwiseTrainer` calls it after each save.
+
+    Args:
+        checkpoint_dir (`str`):
+            The `checkpoint-N` directory, fully written.
+        info (`dict[str, Any]`, *optional*):
+            JSON-serializable details recorded in the marker (`global_step`, `optim`, ...).
+
+    Example:
+
+    ```python
+    >>> import tempfile
+    >>> from layerwise_hf.checkpoint import is_complete, mark_complete
+    >>> checkpoint_dir = tempfile.mkdtemp()
+    >>> mark_complete(checkpoint_dir, {"global_step": 10})
+    >>> is_complete(checkpoint_dir)
+    True
+    ```
+    """
     tmp = os.path.join(checkpoint_dir, COMPLETE_MARKER + ".tmp")
     with open(tmp, "w") as f:
         json.dump(info or {}, f)
@@ -47,11 +67,47 @@ def mark_complete(checkpoint_dir: str, info: dict[str, Any] | None = None) -> No
 
 
 def is_complete(checkpoint_dir: str) -> bool:
+    """
+    Whether `checkpoint_dir` holds the marker `mark_complete` writes last.
+
+    Args:
+        checkpoint_dir (`str`):
+            A `checkpoint-N` directory.
+
+    Example:
+
+    ```python
+    >>> import tempfile
+    >>> from layerwise_hf.checkpoint import is_complete
+    >>> is_complete(tempfile.mkdtemp())  # no marker: interrupted, or not written by this plugin
+    False
+    ```
+    """
     return os.path.isfile(os.path.join(checkpoint_dir, COMPLETE_MARKER))
 
 
 def latest_complete_checkpoint(run_dir: str) -> str | None:
-    """The newest `checkpoint-N` that this plugin marked complete; interrupted ones are skipped with a warning."""
+    """
+    The newest `checkpoint-N` in `run_dir` that this plugin marked complete, or `None`; newer, interrupted ones are
+    skipped with a warning. `LayerwiseTrainer.train(resume_from_checkpoint=True)` resumes from it.
+
+    Args:
+        run_dir (`str`):
+            The run's `output_dir`.
+
+    Example:
+
+    ```python
+    >>> import os, tempfile
+    >>> from layerwise_hf.checkpoint import latest_complete_checkpoint, mark_complete
+    >>> run_dir = tempfile.mkdtemp()
+    >>> for step in (10, 20):
+    ...     os.makedirs(os.path.join(run_dir, f"checkpoint-{step}"))
+    >>> mark_complete(os.path.join(run_dir, "checkpoint-10"))  # checkpoint-20 was interrupted
+    >>> os.path.basename(latest_complete_checkpoint(run_dir))
+    'checkpoint-10'
+    ```
+    """
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
     if not os.path.isdir(run_dir):
@@ -72,7 +128,25 @@ def latest_complete_checkpoint(run_dir: str) -> str | None:
 
 
 def check_checkpoint(checkpoint_dir: str) -> None:
-    """Clear errors for a checkpoint that cannot be resumed from, before anything is loaded."""
+    """
+    Raise a clear `ValueError` for a checkpoint that cannot be resumed from (not a directory, an unreadable
+    `trainer_state.json` or `optimizer.pt`), before anything is loaded.
+
+    Args:
+        checkpoint_dir (`str`):
+            The `resume_from_checkpoint` directory.
+
+    Example:
+
+    ```python
+    >>> import json, os, tempfile
+    >>> from layerwise_hf.checkpoint import check_checkpoint
+    >>> checkpoint_dir = tempfile.mkdtemp()
+    >>> with open(os.path.join(checkpoint_dir, "trainer_state.json"), "w") as f:
+    ...     json.dump({"global_step": 10}, f)
+    >>> check_checkpoint(checkpoint_dir)  # a truncated trainer_state.json or optimizer.pt raises ValueError
+    ```
+    """
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
     if not os.path.isdir(checkpoint_dir):
@@ -93,6 +167,25 @@ def check_checkpoint(checkpoint_dir: str) -> None:
 
 
 def load_optimizer_file(path: str) -> dict[str, Any]:
+    """
+    Load an `optimizer.pt` on the CPU with `torch.load(weights_only=True)`, as Trainer does; a truncated or foreign
+    file raises `ValueError` naming it.
+
+    Args:
+        path (`str`):
+            The optimizer state file.
+
+    Example:
+
+    ```python
+    >>> import os, tempfile, torch
+    >>> from layerwise_hf.checkpoint import load_optimizer_file
+    >>> path = os.path.join(tempfile.mkdtemp(), "optimizer.pt")
+    >>> torch.save(torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1).state_dict(), path)
+    >>> load_optimizer_file(path)["param_groups"][0]["lr"]
+    0.1
+    ```
+    """
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises several types for truncated or foreign files
@@ -126,8 +219,26 @@ def _model_groups_names(checkpoint_dir: str) -> list[list[str]]:
 
 def convert_checkpoint(checkpoint_dir: str, to: str, output_dir: str | None = None) -> str:
     """
-    Copy `checkpoint_dir` to `output_dir` with its `optimizer.pt` converted `to` "layerwise" or "standard".
-    Never writes into the source checkpoint; refuses an existing `output_dir`.
+    Copy `checkpoint_dir` to `output_dir` with its `optimizer.pt` (and `scheduler.pt`) converted `to` "layerwise" or
+    "standard". Never writes into the source checkpoint; refuses an existing `output_dir`. Returns `output_dir`.
+    `layerwise-hf convert-checkpoint` runs it; resuming with the other optimizer converts on load anyway.
+
+    Args:
+        checkpoint_dir (`str`):
+            A Trainer `checkpoint-N` directory with an `optimizer.pt` (a full model, not a PEFT adapter, when
+            converting to "layerwise": the model is rebuilt on the meta device from its `config.json`).
+        to (`str`):
+            `"layerwise"` or `"standard"`.
+        output_dir (`str`, *optional*):
+            Where the copy goes; defaults to `<checkpoint_dir>-<to>`. Must not exist.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.checkpoint import convert_checkpoint
+    >>> convert_checkpoint("out/checkpoint-500", to="layerwise")
+    'out/checkpoint-500-layerwise'
+    ```
     """
     if to not in ("layerwise", "standard"):
         raise ValueError(f"to={to!r}; choose 'layerwise' or 'standard'.")
@@ -171,7 +282,24 @@ def _run_convert(args) -> int:
 
 
 def register(subparsers) -> None:
-    """Add the `convert-checkpoint` subcommand."""
+    """
+    Add the `convert-checkpoint` subcommand to the `layerwise-hf` command line.
+
+    Args:
+        subparsers (`argparse._SubParsersAction`):
+            What `parser.add_subparsers()` returned.
+
+    Example:
+
+    ```python
+    >>> import argparse
+    >>> from layerwise_hf.checkpoint import register
+    >>> parser = argparse.ArgumentParser(prog="layerwise-hf")
+    >>> register(parser.add_subparsers())
+    >>> parser.parse_args(["convert-checkpoint", "out/checkpoint-500", "--to", "layerwise"]).output_dir is None
+    True
+    ```
+    """
     parser = subparsers.add_parser(
         "convert-checkpoint",
         help="convert a Trainer checkpoint's optimizer state between X and X_layerwise",

@@ -54,7 +54,26 @@ def _plain(value: Any, where: str) -> Any:
 
 
 def pack_object(obj: Any, where: str = "state") -> dict[str, Any]:
-    """`obj` (e.g. a `GaLoreProjector`) as its class path plus its attributes, all tensors and plain values."""
+    """
+    `obj` (e.g. a `GaLoreProjector`) as its class path plus its attributes, all tensors and plain values, so that
+    `torch.load(weights_only=True)` loads it. Only classes of `galore_torch` and `apollo_torch` are accepted.
+
+    Args:
+        obj (`Any`):
+            The object kept in an optimizer state.
+        where (`str`, *optional*, defaults to `"state"`):
+            Where it was found, for the error message.
+
+    Example:
+
+    ```python
+    >>> from galore_torch.galore_projector import GaLoreProjector
+    >>> from layerwise_hf.galore import pack_object
+    >>> packed = pack_object(GaLoreProjector(rank=8), "state[0]['projector']")
+    >>> packed["rank"]
+    8
+    ```
+    """
     cls = type(obj)
     if cls.__module__.split(".")[0] not in _OBJECT_PACKAGES:
         raise TypeError(f"{where}: cannot save a {cls.__module__}.{cls.__qualname__} in an optimizer checkpoint.")
@@ -73,7 +92,26 @@ def _to_device(value: Any, device: torch.device) -> Any:
 
 
 def unpack_object(packed: dict[str, Any], device: torch.device | None = None) -> Any:
-    """Rebuild what `pack_object` wrote, with its tensors on `device` (dtypes as saved)."""
+    """
+    Rebuild what `pack_object` wrote, with its tensors on `device` (dtypes as saved). Refuses classes outside
+    `galore_torch` and `apollo_torch` with a `ValueError`.
+
+    Args:
+        packed (`dict[str, Any]`):
+            The output of `pack_object`.
+        device (`torch.device`, *optional*):
+            Where its tensors go; defaults to where they were loaded.
+
+    Example:
+
+    ```python
+    >>> from galore_torch.galore_projector import GaLoreProjector
+    >>> from layerwise_hf.galore import pack_object, unpack_object
+    >>> projector = unpack_object(pack_object(GaLoreProjector(rank=8)))
+    >>> type(projector).__name__, projector.rank
+    ('GaLoreProjector', 8)
+    ```
+    """
     module_name, _, qualname = packed[_PACKED].partition(":")
     if module_name.split(".")[0] not in _OBJECT_PACKAGES:
         raise ValueError(f"Refusing to rebuild {packed[_PACKED]!r} from an optimizer checkpoint.")
@@ -103,6 +141,25 @@ class CheckpointSafeStateMixin:
     """
     Put before a low-rank optimizer class: `state_dict()` writes the objects it keeps in a parameter's state
     (GaLore's `projector`) as tensors and plain values, `load_state_dict()` rebuilds them.
+
+    Example:
+
+    ```python
+    >>> import io, torch
+    >>> from galore_torch import GaLoreAdamW
+    >>> from layerwise_hf.galore import CheckpointSafeStateMixin
+    >>> class SafeGaLoreAdamW(CheckpointSafeStateMixin, GaLoreAdamW):
+    ...     pass
+    >>> weight = torch.nn.Parameter(torch.randn(16, 16))
+    >>> group = {"params": [weight], "rank": 4, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
+    >>> optimizer = SafeGaLoreAdamW([group], lr=1e-3, no_deprecation_warning=True)
+    >>> weight.grad = torch.randn(16, 16)
+    >>> optimizer.step()
+    >>> buffer = io.BytesIO()
+    >>> torch.save(optimizer.state_dict(), buffer)
+    >>> _ = buffer.seek(0)
+    >>> optimizer.load_state_dict(torch.load(buffer, weights_only=True))
+    ```
     """
 
     def state_dict(self) -> dict[str, Any]:
@@ -162,7 +219,23 @@ _CLASSES: dict[str, type[torch.optim.Optimizer]] = {}
 
 
 def optimizer_class(base: str) -> type[torch.optim.Optimizer]:
-    """The checkpoint-safe optimizer class for `base` (`"galore_adamw"`, ...); ImportError naming the package."""
+    """
+    The checkpoint-safe optimizer class for `base`: the upstream class with `CheckpointSafeStateMixin` in front,
+    reachable as `layerwise_hf.galore.<ClassName>`. Raises `ImportError` naming the package when it is missing.
+
+    Args:
+        base (`str`):
+            `"galore_adamw"`, `"galore_adamw_8bit"`, `"galore_adafactor"` or `"apollo_adamw"`.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.galore import optimizer_class
+    >>> cls = optimizer_class("galore_adamw")
+    >>> cls.__module__, cls.__name__
+    ('layerwise_hf.galore', 'GaLoreAdamW')
+    ```
+    """
     if base in _CLASSES:
         return _CLASSES[base]
     module_name, class_name, package = LOW_RANK_BASES[base]
@@ -238,6 +311,29 @@ def target_parameter_names(name: str, args: Any, model: nn.Module | None) -> lis
     The names of the parameters `name` projects, chosen like transformers' `_setup_low_rank_optimizer`: the
     `.weight` of every `nn.Linear` module that `args.optim_target_modules` matches (or all of them for
     `"all-linear"`). Raises transformers' errors when `optim_target_modules` is missing or matches nothing.
+
+    Args:
+        name (`str`):
+            The optimizer name, for messages (`"galore_adamw_layerwise"`).
+        args (`TrainingArguments`):
+            Supplies `optim_target_modules` (a list of strings, a regex string, or `"all-linear"`).
+        model (`nn.Module`):
+            The model whose modules are matched.
+
+    Example:
+
+    ```python
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+    ...                                      num_hidden_layers=2, num_attention_heads=4))
+    >>> from layerwise_hf import LayerwiseTrainingArguments
+    >>> from layerwise_hf.galore import target_parameter_names
+    >>> args = LayerwiseTrainingArguments(
+    ...     output_dir="out", optim="galore_adamw_layerwise", optim_target_modules=["q_proj", "v_proj"]
+    ... )
+    >>> target_parameter_names("galore_adamw_layerwise", args, model)[:2]
+    ['model.layers.0.self_attn.q_proj.weight', 'model.layers.0.self_attn.v_proj.weight']
+    ```
     """
     from transformers.trainer_utils import check_target_module_exists
 
@@ -270,6 +366,35 @@ class LowRankFactory:
     """
     Builds one low-rank optimizer per parameter: projected parameters (`target_names`) get a group with the
     low-rank keys (`group_kwargs`), the others a plain group; every group gets the parameter's weight decay.
+    `low_rank_factory` builds it from `TrainingArguments` the way transformers does.
+
+    Args:
+        optimizer_cls (`type[torch.optim.Optimizer]`):
+            The low-rank optimizer class (see `optimizer_class`).
+        kwargs (`dict[str, Any]`):
+            Its constructor arguments (`lr`, ...).
+        group_kwargs (`dict[str, Any]`):
+            The low-rank keys of a projected parameter's group (`rank`, `update_proj_gap`, `scale`, `proj_type`, ...).
+        target_names (`list[str]`):
+            The names of the projected parameters.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf import LayerwiseParam
+    >>> from layerwise_hf.galore import LowRankFactory, optimizer_class
+    >>> factory = LowRankFactory(
+    ...     optimizer_class("galore_adamw"),
+    ...     {"lr": 1e-3, "no_deprecation_warning": True},
+    ...     {"rank": 4, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"},
+    ...     ["proj.weight"],
+    ... )
+    >>> weight = torch.nn.Parameter(torch.randn(16, 16))
+    >>> optimizer = factory(LayerwiseParam("proj.weight", weight, weight_decay=0.0), None)
+    >>> optimizer.param_groups[0]["rank"]
+    4
+    ```
     """
 
     def __init__(
@@ -285,7 +410,22 @@ class LowRankFactory:
         self.target_names = frozenset(target_names)
 
     def is_target(self, name: str) -> bool:
-        """Whether the parameter `name` is projected: it is the `.weight` of a selected `nn.Linear`."""
+        """
+        Whether the parameter `name` is projected: it is the `.weight` of a selected `nn.Linear`.
+
+        Args:
+            name (`str`):
+                A name from `model.named_parameters()`.
+
+        Example:
+
+        ```python
+        >>> from layerwise_hf.galore import LowRankFactory, optimizer_class
+        >>> factory = LowRankFactory(optimizer_class("galore_adamw"), {}, {"rank": 4}, ["proj.weight"])
+        >>> factory.is_target("proj.weight"), factory.is_target("proj.bias")
+        (True, False)
+        ```
+        """
         return name in self.target_names
 
     def __call__(self, lp: LayerwiseParam, args: Any) -> torch.optim.Optimizer:
@@ -302,7 +442,40 @@ class LowRankFactory:
 
 
 def low_rank_factory(name: str, base: str, args: Any, model: nn.Module | None) -> LowRankFactory:
-    """The per-parameter factory of `name` (e.g. `"galore_adamw_layerwise"`, whose base is `"galore_adamw"`)."""
+    """
+    The per-parameter factory of `name`, with transformers' `optim_target_modules` selection and `optim_args` keys
+    and defaults. Raises `ImportError` first when the base's package is missing.
+
+    Args:
+        name (`str`):
+            The layer-wise name (`"galore_adamw_layerwise"`).
+        base (`str`):
+            Its base (`"galore_adamw"`).
+        args (`TrainingArguments`):
+            Supplies `learning_rate`, `optim_args` (`"rank=64,update_proj_gap=100"`, ...) and
+            `optim_target_modules`.
+        model (`nn.Module`):
+            The model whose modules `optim_target_modules` selects.
+
+    Example:
+
+    ```python
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+    ...                                      num_hidden_layers=2, num_attention_heads=4))
+    >>> from layerwise_hf import LayerwiseTrainingArguments
+    >>> from layerwise_hf.galore import low_rank_factory
+    >>> args = LayerwiseTrainingArguments(
+    ...     output_dir="out",
+    ...     optim="galore_adamw_layerwise",
+    ...     optim_target_modules=["q_proj", "v_proj"],
+    ...     optim_args="rank=8",
+    ... )
+    >>> factory = low_rank_factory("galore_adamw_layerwise", "galore_adamw", args, model)
+    >>> factory.is_target("model.layers.0.self_attn.q_proj.weight"), factory.group_kwargs["rank"]
+    (True, 8)
+    ```
+    """
     optimizer_cls = optimizer_class(base)  # first, like transformers: a missing package is the first error
     targets = target_parameter_names(name, args, model)
     kwargs, group_kwargs = _optim_kwargs(base, args)

@@ -41,7 +41,19 @@ TRANSFORMERS_LAYERWISE_NAMES = tuple(
 
 
 def list_layerwise_optimizers() -> list[str]:
-    """All names `LayerwiseTrainingArguments(optim=...)` accepts for this plugin's layer-wise path, sorted."""
+    """
+    All names `LayerwiseTrainingArguments(optim=...)` accepts for this plugin's layer-wise path, sorted: a
+    `<base>_layerwise` name for every per-tensor Trainer optimizer, plus the names added with
+    `register_layerwise_optimizer`.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf import list_layerwise_optimizers
+    >>> "adamw_8bit_layerwise" in list_layerwise_optimizers()
+    True
+    ```
+    """
     return sorted({f"{b}{SUFFIX}" for b in _builtin_bases()} | set(_REGISTRY))
 
 
@@ -56,7 +68,18 @@ _BASE_REQUIRES = {
 
 
 def describe_layerwise_optimizers() -> list[tuple[str, str, str]]:
-    """`(layer-wise name, Trainer base name, extra package)` for every built-in layer-wise name, sorted."""
+    """
+    `(layer-wise name, Trainer base name, extra package)` for every built-in layer-wise name, sorted by base name.
+    The extra package is `""` when torch and transformers suffice. The README's table is generated from it.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.registry import describe_layerwise_optimizers
+    >>> ("adamw_8bit_layerwise", "adamw_8bit", "bitsandbytes") in describe_layerwise_optimizers()
+    True
+    ```
+    """
     from transformers.trainer_optimizer import _BITSANDBYTES_OPTIMIZERS, _TORCHAO_OPTIMIZERS
 
     requires = dict(_BASE_REQUIRES)
@@ -78,6 +101,20 @@ def register_layerwise_optimizer(name: str, factory: LayerwiseFactory, *, overwr
             `args.learning_rate` as the initial lr: the scheduler drives it afterwards.
         overwrite (`bool`, *optional*, defaults to `False`):
             Replace an earlier registration of the same name.
+
+    Raises `ValueError` for a malformed, built-in or (without `overwrite`) already registered name, and `TypeError`
+    when `factory` is not callable.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf import LayerwiseTrainingArguments, register_layerwise_optimizer
+    >>> def my_sgd(lp, args):
+    ...     return torch.optim.SGD([{"params": [lp.param], "weight_decay": lp.weight_decay}], lr=args.learning_rate)
+    >>> register_layerwise_optimizer("my_sgd_layerwise", my_sgd)
+    >>> args = LayerwiseTrainingArguments(output_dir="out", optim="my_sgd_layerwise")
+    ```
     """
     if not re.fullmatch(r"[a-z0-9_]+", name) or not name.endswith(SUFFIX) or name == SUFFIX:
         raise ValueError(f"Layer-wise optimizer names are lower-case [a-z0-9_] and end in '{SUFFIX}'; got {name!r}.")
@@ -92,7 +129,26 @@ def register_layerwise_optimizer(name: str, factory: LayerwiseFactory, *, overwr
 
 
 def unregister_layerwise_optimizer(name: str) -> None:
-    """Remove a name added with `register_layerwise_optimizer` (tests and notebooks re-register)."""
+    """
+    Remove a name added with `register_layerwise_optimizer` (tests and notebooks re-register). A name that is not
+    registered is ignored.
+
+    Args:
+        name (`str`):
+            The registered layer-wise name.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf import list_layerwise_optimizers, register_layerwise_optimizer
+    >>> from layerwise_hf import unregister_layerwise_optimizer
+    >>> register_layerwise_optimizer("scratch_sgd_layerwise", lambda lp, args: torch.optim.SGD([lp.param], lr=0.1))
+    >>> unregister_layerwise_optimizer("scratch_sgd_layerwise")
+    >>> "scratch_sgd_layerwise" in list_layerwise_optimizers()
+    False
+    ```
+    """
     _REGISTRY.pop(name, None)
 
 
@@ -113,6 +169,20 @@ def parse_optim_name(name) -> str | None:
     `"galore_adamw_layerwise"`), so `TrainingArguments` validates the arguments against it. Registered third-party
     names return `""` (they have no Trainer base). Raises `ValueError` naming the valid choices for an unknown or
     refused name.
+
+    Args:
+        name (`str` or `OptimizerNames`):
+            An `optim` value.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.registry import parse_optim_name
+    >>> parse_optim_name("adamw_8bit_layerwise")
+    'adamw_8bit'
+    >>> parse_optim_name("adamw_torch") is None
+    True
+    ```
     """
     name = getattr(name, "value", name)
     if not isinstance(name, str):
@@ -132,12 +202,50 @@ def parse_optim_name(name) -> str | None:
 
 
 def is_layerwise_name(name) -> bool:
-    """Whether `name` is served by this plugin's layer-wise path (not transformers' own)."""
+    """
+    Whether `name` is served by this plugin's layer-wise path (not transformers' own). Raises `ValueError` for an
+    unknown name, like `parse_optim_name`.
+
+    Args:
+        name (`str` or `OptimizerNames`):
+            An `optim` value.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf import is_layerwise_name
+    >>> is_layerwise_name("adamw_torch_layerwise"), is_layerwise_name("adamw_torch")
+    (True, False)
+    ```
+    """
     return parse_optim_name(name) is not None
 
 
 def resolve_factory(args: TrainingArguments, model: nn.Module | None = None) -> LayerwiseFactory:
-    """The per-parameter factory for `args.optim`, resolving built-in bases through Trainer."""
+    """
+    The per-parameter factory for `args.optim`, resolving built-in bases through Trainer (so the optimizer class and
+    its settings are exactly Trainer's). Raises `ValueError` when `args.optim` is not a layer-wise name of this
+    plugin, or its base does not build one optimizer per tensor.
+
+    Args:
+        args (`TrainingArguments`):
+            Supplies `optim` and the optimizer's settings (`learning_rate`, betas, `optim_args`, ...).
+        model (`nn.Module`, *optional*):
+            Needed by the low-rank names (GaLore, APOLLO), which select the projected tensors from it.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf import LayerwiseParam, LayerwiseTrainingArguments
+    >>> from layerwise_hf.registry import resolve_factory
+    >>> args = LayerwiseTrainingArguments(output_dir="out", optim="adamw_torch_layerwise")
+    >>> factory = resolve_factory(args)
+    >>> weight = torch.nn.Parameter(torch.zeros(4, 4))
+    >>> type(factory(LayerwiseParam("weight", weight, weight_decay=0.0), args)).__name__
+    'AdamW'
+    ```
+    """
     name = getattr(args.optim, "value", args.optim)
     base = parse_optim_name(name)
     if base is None:

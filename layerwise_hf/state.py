@@ -32,7 +32,26 @@ def _local(t):
 def layerwise_state_dict(optimizer: LayerwiseOptimizer) -> dict[str, Any]:
     """
     The standard layout (integer keys, one param group per parameter) with each group's parameter `name`, plus a
-    `layerwise_hf` entry (names, shapes, inner optimizer classes) for validated, name-keyed loading.
+    `layerwise_hf` entry (names, shapes, inner optimizer classes) for validated, name-keyed loading. This is what
+    `LayerwiseOptimizer.state_dict()` returns.
+
+    Args:
+        optimizer (`LayerwiseOptimizer`):
+            The optimizer to save.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
+    >>> model = torch.nn.Linear(4, 2)
+    >>> params = [LayerwiseParam("weight", model.weight, 0.1), LayerwiseParam("bias", model.bias, 0.0)]
+    >>> optimizer = LayerwiseOptimizer(params, lambda lp, args: torch.optim.SGD([lp.param], lr=0.1))
+    >>> from layerwise_hf.state import layerwise_state_dict
+    >>> state_dict = layerwise_state_dict(optimizer)
+    >>> [group["name"] for group in state_dict["param_groups"]]
+    ['weight', 'bias']
+    ```
     """
     state: dict[int, Any] = {}
     groups = []
@@ -90,7 +109,28 @@ def load_layerwise_state_dict(optimizer: LayerwiseOptimizer, state_dict: dict[st
     """
     Load `state_dict` (layer-wise, or a standard one, converted first) into `optimizer`'s inner optimizers by
     parameter name. Everything is checked before anything is loaded, and a failure while loading restores the
-    previous state. Returns the saved `last_grad_norm` (or `None`). The caller re-links the param groups.
+    previous state. Returns the saved `last_grad_norm` (or `None`). The caller re-links the param groups; use
+    `LayerwiseOptimizer.load_state_dict()`, which does.
+
+    Args:
+        optimizer (`LayerwiseOptimizer`):
+            The optimizer to load into.
+        state_dict (`dict`):
+            A layer-wise state (`LayerwiseOptimizer.state_dict()`) or a standard one of Trainer's two param groups.
+
+    Raises `ValueError` naming the parameters when the saved names, shapes or optimizer classes do not fit.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
+    >>> model = torch.nn.Linear(4, 2)
+    >>> params = [LayerwiseParam("weight", model.weight, 0.1), LayerwiseParam("bias", model.bias, 0.0)]
+    >>> optimizer = LayerwiseOptimizer(params, lambda lp, args: torch.optim.SGD([lp.param], lr=0.1))
+    >>> from layerwise_hf.state import layerwise_state_dict, load_layerwise_state_dict
+    >>> last_grad_norm = load_layerwise_state_dict(optimizer, layerwise_state_dict(optimizer))
+    ```
     """
     if not is_layerwise_state_dict(state_dict):
         state_dict = standard_to_layerwise(state_dict, optimizer.standard_groups_names())
@@ -128,11 +168,44 @@ def load_layerwise_state_dict(optimizer: LayerwiseOptimizer, state_dict: dict[st
 
 
 def standard_groups_names(names: list[str], in_decay_group: list[bool]) -> list[list[str]]:
-    """The names in each param group of Trainer's standard optimizer: the weight-decay group, then the rest."""
+    """
+    The names in each param group of Trainer's standard optimizer: the weight-decay group, then the rest.
+
+    Args:
+        names (`list[str]`):
+            The trainable parameter names, in `model.named_parameters()` order.
+        in_decay_group (`list[bool]`):
+            Per name, whether it is in Trainer's weight-decay group.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.state import standard_groups_names
+    >>> standard_groups_names(["weight", "bias"], [True, False])
+    [['weight'], ['bias']]
+    ```
+    """
     return [[n for n, d in zip(names, in_decay_group) if d], [n for n, d in zip(names, in_decay_group) if not d]]
 
 
 def is_layerwise_state_dict(state_dict: dict[str, Any]) -> bool:
+    """
+    Whether `state_dict` has the layer-wise layout (every param group has a parameter `name`).
+
+    Args:
+        state_dict (`dict`):
+            An optimizer state, as saved in `optimizer.pt`.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.state import is_layerwise_state_dict
+    >>> standard = torch.optim.AdamW(torch.nn.Linear(4, 2).parameters(), lr=1e-3)
+    >>> is_layerwise_state_dict(standard.state_dict())
+    False
+    ```
+    """
     groups = state_dict.get("param_groups", [])
     return bool(groups) and all("name" in g for g in groups)
 
@@ -146,6 +219,21 @@ def standard_to_layerwise(state_dict: dict[str, Any], groups_names: list[list[st
             `optimizer.state_dict()` of a standard optimizer.
         groups_names (`list[list[str]]`):
             The parameter names of each of its param groups, in order (Trainer: decay group, then no-decay group).
+
+    Raises `ValueError` when the group sizes do not match `groups_names`.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.state import standard_to_layerwise
+    >>> model = torch.nn.Linear(4, 2)
+    >>> groups = [{"params": [model.weight], "weight_decay": 0.1}, {"params": [model.bias], "weight_decay": 0.0}]
+    >>> standard = torch.optim.AdamW(groups, lr=1e-3)
+    >>> converted = standard_to_layerwise(standard.state_dict(), [["weight"], ["bias"]])
+    >>> [(group["name"], group["weight_decay"]) for group in converted["param_groups"]]
+    [('weight', 0.1), ('bias', 0.0)]
+    ```
     """
     groups = state_dict["param_groups"]
     sizes = [len(g["params"]) for g in groups]
@@ -169,7 +257,27 @@ def standard_to_layerwise(state_dict: dict[str, Any], groups_names: list[list[st
 
 
 def standard_groups_of(state_dict: dict[str, Any]) -> list[list[str]]:
-    """Trainer's (decay, no-decay) name lists recorded in a layer-wise state."""
+    """
+    Trainer's (decay, no-decay) name lists recorded in a layer-wise state. Raises `ValueError` when the state does
+    not record them (a state converted from the standard layout).
+
+    Args:
+        state_dict (`dict`):
+            `LayerwiseOptimizer.state_dict()`.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
+    >>> model = torch.nn.Linear(4, 2)
+    >>> params = [LayerwiseParam("weight", model.weight, 0.1), LayerwiseParam("bias", model.bias, 0.0)]
+    >>> optimizer = LayerwiseOptimizer(params, lambda lp, args: torch.optim.SGD([lp.param], lr=0.1))
+    >>> from layerwise_hf.state import standard_groups_of
+    >>> standard_groups_of(optimizer.state_dict())
+    [['weight'], ['bias']]
+    ```
+    """
     groups = state_dict["param_groups"]
     decay = state_dict.get(STATE_DICT_KEY, {}).get("in_decay_group")
     if decay is None:
@@ -178,7 +286,29 @@ def standard_groups_of(state_dict: dict[str, Any]) -> list[list[str]]:
 
 
 def first_members(state_dict: dict[str, Any], groups_names: list[list[str]]) -> list[int]:
-    """For each target group, the index of the saved per-parameter group of its first member."""
+    """
+    For each target group, the index of the saved per-parameter group of its first member (`0` for an empty
+    group): the source of each group's scheduler values in `convert_scheduler_state`.
+
+    Args:
+        state_dict (`dict`):
+            A layer-wise state.
+        groups_names (`list[list[str]]`):
+            The names in each param group of the target optimizer.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
+    >>> model = torch.nn.Linear(4, 2)
+    >>> params = [LayerwiseParam("weight", model.weight, 0.1), LayerwiseParam("bias", model.bias, 0.0)]
+    >>> optimizer = LayerwiseOptimizer(params, lambda lp, args: torch.optim.SGD([lp.param], lr=0.1))
+    >>> from layerwise_hf.state import first_members
+    >>> first_members(optimizer.state_dict(), [["weight"], ["bias"]])
+    [0, 1]
+    ```
+    """
     index = {g["name"]: i for i, g in enumerate(state_dict["param_groups"])}
     return [index[names[0]] if names else 0 for names in groups_names]
 
@@ -193,6 +323,22 @@ def layerwise_to_standard(state_dict: dict[str, Any], groups_names: list[list[st
         groups_names (`list[list[str]]`, *optional*):
             The names in each param group of the target optimizer, in order. Defaults to Trainer's split recorded in
             the checkpoint (weight-decay group, then no-decay group).
+
+    Raises `ValueError` naming the missing and unexpected parameters when the names do not match.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
+    >>> model = torch.nn.Linear(4, 2)
+    >>> params = [LayerwiseParam("weight", model.weight, 0.1), LayerwiseParam("bias", model.bias, 0.0)]
+    >>> optimizer = LayerwiseOptimizer(params, lambda lp, args: torch.optim.SGD([lp.param], lr=0.1))
+    >>> from layerwise_hf.state import layerwise_to_standard
+    >>> standard = layerwise_to_standard(optimizer.state_dict())
+    >>> [group["params"] for group in standard["param_groups"]]
+    [[0], [1]]
+    ```
     """
     groups = state_dict["param_groups"]
     by_name = {g["name"]: g for g in groups}
@@ -225,6 +371,23 @@ def convert_scheduler_state(state_dict: dict[str, Any], source_group: list[int],
     """
     Re-index the per-param-group lists of an LR scheduler state (`base_lrs`, `_last_lr`, `lr_lambdas`, ...) for an
     optimizer whose group `k` takes the values of the saved group `source_group[k]`.
+
+    Args:
+        state_dict (`dict`):
+            `lr_scheduler.state_dict()` of the saved run.
+        source_group (`list[int]`):
+            For each param group of the new optimizer, the saved group whose values it takes.
+        num_source_groups (`int`):
+            The number of saved param groups; only lists of that length are re-indexed.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.state import convert_scheduler_state
+    >>> saved = {"base_lrs": [1e-3, 5e-4], "last_epoch": 7}
+    >>> convert_scheduler_state(saved, source_group=[0, 0, 1], num_source_groups=2)
+    {'base_lrs': [0.001, 0.001, 0.0005], 'last_epoch': 7}
+    ```
     """
     out = {}
     for key, value in state_dict.items():

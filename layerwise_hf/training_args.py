@@ -29,6 +29,17 @@ class LayerwiseTrainingArguments(TrainingArguments):
             clipped alone) or `"off"`. With `fp16=True` only `"exact"` and `"off"` run: fp16 loss scaling checks every
             gradient for inf/nan before any layer steps, which costs the same second backward as `"exact"` (none
             with gradient accumulation).
+
+    Every other argument is `TrainingArguments`'; an unknown `optim` raises `ValueError` listing the valid names.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf import LayerwiseTrainingArguments
+    >>> args = LayerwiseTrainingArguments(output_dir="out", optim="adamw_8bit_layerwise", layerwise_clip="previous")
+    >>> args.is_layerwise
+    True
+    ```
     """
 
     # NOTE: re-declared as plain `str` so HfArgumentParser does not turn OptimizerNames into argparse `choices`.
@@ -72,10 +83,40 @@ class LayerwiseTrainingArguments(TrainingArguments):
 
     @property
     def is_layerwise(self) -> bool:
-        """Whether `optim` is served by this plugin's layer-wise path."""
+        """
+        Whether `optim` is served by this plugin's layer-wise path.
+
+        Example:
+
+        ```python
+        >>> from layerwise_hf import LayerwiseTrainingArguments
+        >>> LayerwiseTrainingArguments(output_dir="out", optim="adamw_torch").is_layerwise
+        False
+        ```
+        """
         return bool(parse_optim_name(self.optim) is not None)
 
     def set_optimizer(self, name: str = "adamw_torch", **kwargs):
+        """
+        `TrainingArguments.set_optimizer`, also accepting the layer-wise names of `list_layerwise_optimizers()`.
+
+        Args:
+            name (`str`, *optional*, defaults to `"adamw_torch"`):
+                A Trainer optimizer name or its layer-wise form (`"adamw_8bit_layerwise"`).
+            kwargs (*optional*):
+                `learning_rate`, `weight_decay`, `beta1`, `beta2`, `epsilon` and `args`, as in
+                `TrainingArguments.set_optimizer`.
+
+        Example:
+
+        ```python
+        >>> from layerwise_hf import LayerwiseTrainingArguments
+        >>> args = LayerwiseTrainingArguments(output_dir="out")
+        >>> args = args.set_optimizer("adamw_torch_layerwise", learning_rate=1e-4)
+        >>> args.optim, args.learning_rate
+        ('adamw_torch_layerwise', 0.0001)
+        ```
+        """
         base = parse_optim_name(name)
         if base is None:
             return super().set_optimizer(name=name, **kwargs)
