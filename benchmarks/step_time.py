@@ -377,7 +377,7 @@ def plot(report: dict, path: Path) -> None:
 def main(argv=None) -> int:
     opts = parse_args(argv)
     torch.set_num_threads(opts.threads)
-    started = time.perf_counter()
+    started, load_start = time.perf_counter(), os.getloadavg()
     base_model = h.build_llama(opts, seed=opts.seed)
     num_params = sum(p.numel() for p in base_model.parameters())
     runs = {kind: Run(base_model, kind) for kind in KINDS}
@@ -400,12 +400,14 @@ def main(argv=None) -> int:
         "timing": timing,
         "ratio": timing["layerwise"]["ratio"],
         "paired_ratio_median": timing["layerwise"]["paired_ratio_median"],
-        "environment": {"torch": torch.__version__, "python": h.python_version(), "cpus": os.cpu_count()},
+        "environment": {"torch": torch.__version__, "python": h.python_version(), "cpus": os.cpu_count()}
+        | {"loadavg_start": load_start},
     }
     if opts.profile:
         report["profile"] = profile_runs(runs, opts)
     for run in runs.values():
         run.close()
+    report["environment"]["loadavg_end"] = os.getloadavg()
     report["wall_time_s"] = time.perf_counter() - started
     print_report(report)
     h.write_report(opts.output_dir, "step_time", report, plot)
