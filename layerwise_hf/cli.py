@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import checkpoint, estimate
+from . import checkpoint
+from .estimate import cli as estimate_cli
 
-SUBCOMMANDS = (estimate, checkpoint)
+SUBCOMMANDS = (estimate_cli, checkpoint)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,10 +4,6 @@ meta device); nothing is downloaded."""
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,20 +17,22 @@ from transformers import (
     Qwen3Config,
 )
 
-from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer
-from layerwise_hf.cli import build_parser, main
+from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer, support
 from layerwise_hf.estimate import (
+    OPTIMIZER_RULES,
     PRESETS,
     EstimateError,
     ModelSpec,
+    TensorSpec,
     accelerate_estimate,
     estimate,
     list_presets,
     load_model_spec,
     resolve_config,
 )
+from layerwise_hf.estimate.models import PRESETS_DIR, collapse_layers
+from layerwise_hf.estimate.optimizers import RULES_FILE, fsdp2_refusal, load_rules
 
-ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
 
 # What `accelerate estimate-memory meta-llama/Llama-2-70b-hf` printed for float16 (its "GB" are GiB).
@@ -243,6 +241,7 @@ OPTIMIZERS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Paged optimizers are not supported on CPU:UserWarning")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
@@ -332,68 +331,54 @@ def test_bad_inputs_name_the_choices(tmp_path):
         estimate(tmp_path)
 
 
-# ---- command line ----
+# ---- data files ----
 
 
-def _cli(*args):
-    return subprocess.Popen(
-        [sys.executable, "-m", "layerwise_hf.cli", "estimate-memory", *args],
-        cwd=ROOT,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def test_presets_are_config_json_files():
+    files = sorted(PRESETS_DIR.glob("*.json"))
+    assert [f.stem for f in files] == list_presets()
+    for path in files:
+        values = json.loads(path.read_text())
+        # What a config.json holds: transformers builds the config from it as it is; `_name_or_path` names the repo.
+        config, name, source = resolve_config(path.stem)
+        assert config.model_type == values["model_type"] and source == values["_name_or_path"]
+        assert type(config).__name__.removesuffix("Config") in values["architectures"][0]
+        assert PRESETS[path.stem]["source"] == values["_name_or_path"]
 
 
-def test_cli_subprocess_json_and_bad_preset():
-    # Both at once: most of each process's time is importing torch and transformers.
-    good = _cli("llama-2-70b", "--dtypes", "fp16", "--json")
-    bad = _cli("llama-9-7b")
-    out, err = good.communicate(timeout=300)
-    assert good.returncode == 0, err[-3000:]
-    by_optim = {e["optimizer"]: e for e in json.loads(out)["estimates"]}
-    assert set(by_optim) == {"adamw_torch", "adamw_torch_layerwise"}
-    assert within(by_optim["adamw_torch"]["total_bytes"] / GIB, ACCELERATE_LLAMA2_70B_FP16_ADAM_GB)
-    assert by_optim["adamw_torch_layerwise"]["gradient_bytes"] == 32000 * 8192 * 2
-
-    out, err = bad.communicate(timeout=300)
-    assert bad.returncode == 2 and out == ""
-    assert "Unknown model 'llama-9-7b'" in err and "Traceback" not in err
-    for preset in list_presets():
-        assert preset in err
+def test_optimizer_rules_are_data_and_fsdp2_comes_from_support():
+    assert load_rules(RULES_FILE) == OPTIMIZER_RULES
+    assert {n for n, r in OPTIMIZER_RULES.items() if r.fsdp2} == set(support.FSDP2_ELEMENTWISE)
+    assert all(r.name == n for n, r in OPTIMIZER_RULES.items())
 
 
-def test_cli_table(capsys):
-    assert main(["estimate-memory", "llama-2-70b", "--dtypes", "fp16", "--optim", "adamw_8bit_layerwise"]) == 0
-    out = capsys.readouterr().out
-    for header in ("Weights", "Gradients", "Optimizer state", "Total", "Per GPU"):
-        assert header in out
-    assert "adamw_8bit_layerwise" in out and "128.48 GiB" in out and "500.00 MiB" in out
+def test_fsdp2_refusal_note_is_supports_message():
+    assert fsdp2_refusal("adamw_torch") is None
+    refused = estimate("llama-3-8b", optimizer="adafactor_layerwise", world_size=2, sharding="fsdp2")
+    (note,) = [n for n in refused.notes if "refused under FSDP2" in n]
+    with pytest.raises(ValueError) as raised:
+        support.check_fsdp2_optimizers("adafactor_layerwise", [type("adafactor", (), {})()])
+    assert note.endswith(str(raised.value))
+    allowed = estimate("llama-3-8b", optimizer="sgd_layerwise", world_size=2, sharding="fsdp2")
+    assert not any("refused" in n for n in allowed.notes)
 
 
-def test_cli_accelerate_mode(capsys):
-    assert main(["estimate-memory", "llama-2-70b", "--accelerate"]) == 0
-    out = capsys.readouterr().out
-    assert "Training using Adam" in out and "127.99 GB" in out and "511.96 GB" in out and "N/A" in out
-    assert main(["estimate-memory", "llama-2-70b", "--accelerate", "--lora-rank", "8"]) == 2
-    assert "--lora-rank" in capsys.readouterr().err
+def test_meta_device_spec_folds_identical_layers_only():
+    same = [TensorSpec(f"model.layers.{i}.mlp.up_proj.weight", (8, 4), module="up_proj") for i in range(3)]
+    (folded,) = collapse_layers(same)
+    assert folded.name == "model.layers.*.mlp.up_proj.weight" and folded.count == 3
+    # One layer of another shape: every layer keeps its own entry, in order.
+    mixed = [*same[:2], TensorSpec("model.layers.2.mlp.up_proj.weight", (16, 4), module="up_proj")]
+    assert collapse_layers(mixed) == mixed
+    # A name only some layers have is kept per layer too.
+    partial = [*same, TensorSpec("model.layers.0.extra.weight", (2,), module="extra")]
+    assert [t.count for t in collapse_layers(partial)] == [3, 1]
 
 
-def test_cli_lora_fsdp2_and_presets(capsys):
-    argv = ["estimate-memory", "llama-3-8b", "--lora-rank", "16", "--world-size", "2", "--sharding", "fsdp2"]
-    assert main([*argv, "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
-    assert all(e["per_gpu_bytes"] == math.ceil(e["total_bytes"] / 2) for e in data["estimates"])
-    assert main(["estimate-memory", "--list-presets"]) == 0
-    out = capsys.readouterr().out
-    assert "6,738,415,616" in out and all(p in out for p in list_presets())
+def test_config_of_any_architecture_honours_dtype(tmp_path):
+    from transformers import GPT2Config
 
-
-def test_parser_registers_subcommands():
-    from layerwise_hf import estimate as estimate_module
-
-    args = build_parser().parse_args(["estimate-memory", "llama-2-7b"])
-    assert args.func is estimate_module.run
-    with pytest.raises(SystemExit):
-        build_parser().parse_args([])
+    GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300).to_json_file(tmp_path / "config.json")
+    fp32 = estimate(tmp_path, optimizer="adamw_torch", dtype="fp32")
+    bf16 = estimate(tmp_path, optimizer="adamw_torch", dtype="bf16")
+    assert bf16.dtype == "bfloat16" and 2 * bf16.weight_bytes == fp32.weight_bytes
