@@ -6,8 +6,12 @@ therefore does not wrap the model in DDP (`prepare_model(..., evaluation_mode=Tr
 torch.compile only) and reduces gradients itself with torch's own collectives:
 
 - each parameter's post-accumulate-grad hook copies its gradient, times 1/world_size (DDP's `mul_out`, so the bits
-  are DDP's), into the bucket of its readiness order and frees it; a bucket holds at most `bucket_cap_mb` (a larger
-  tensor is a bucket of its own, reduced in place);
+  are DDP's), into its bucket and frees it. Buckets follow readiness: torch's own `_compute_bucket_assignment_by_size`
+  with DDP's limits (a 1 MiB first bucket, then `bucket_cap_mb`) over the parameters in reverse order for the first
+  backward, then over the order their gradients became ready, as DDP rebuilds its buckets. (DDP skips that rebuild
+  with `find_unused_parameters=True` and keeps buckets in parameter order, which would hold a bucket's early
+  gradients until its latest member is ready; so beyond 2 ranks, where the ring sums an element in an order set by
+  its place in the buffer, the last bits can differ from DDP's, as DDP's own do with another bucket cap.);
 - a complete bucket is all-reduced asynchronously, buckets are launched in the same order on every rank, and at
   most two are in flight; once a bucket is reduced its parameters step (the optimizer's `grad_ready`) and the
   bucket is freed;
@@ -35,7 +39,7 @@ from .routes import LocalHooks
 if TYPE_CHECKING:
     from .optimizer import LayerwiseOptimizer
 
-MAX_IN_FLIGHT = 2  # buckets all-reducing at once: overlap without letting memory grow with the model
+MAX_IN_FLIGHT = 1  # a bucket all-reduces while the next one fills: overlap, with memory bounded by two buckets
 DDP_TYPES = ("MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_HPU")
 
 
@@ -45,8 +49,9 @@ class DataParallelConfig:
     What the data-parallel route takes from DDP's settings.
 
     Args:
-        bucket_cap_mb (`float`, *optional*, defaults to `25.0`):
-            The most gradient megabytes (MiB) one all-reduce carries (`ddp_bucket_cap_mb`).
+        bucket_cap_mb (`float`, *optional*):
+            The most gradient megabytes (MiB) one all-reduce carries (`ddp_bucket_cap_mb`); `None`: DDP's default,
+            25 MiB after a first bucket of 1 MiB.
         find_unused_parameters (`bool`, *optional*, defaults to `False`):
             Agree across ranks on which parameters got no gradient anywhere (Trainer's default unless activation
             checkpointing is on).
@@ -65,14 +70,21 @@ class DataParallelConfig:
     ```
     """
 
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float | None = None
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
     sync_each_batch: bool = False
 
     @property
     def bucket_cap_bytes(self) -> int:
-        return int(self.bucket_cap_mb * 2**20)
+        return int((25.0 if self.bucket_cap_mb is None else self.bucket_cap_mb) * 2**20)
+
+    @property
+    def bucket_size_limits(self) -> list[int]:
+        # NOTE: DDP's `_BucketConfig`: a smaller first bucket only when the cap is the default.
+        cap = self.bucket_cap_bytes
+        first = dist._DEFAULT_FIRST_BUCKET_BYTES if self.bucket_cap_mb is None else cap
+        return [first, cap] if first < cap else [cap]
 
     @classmethod
     def from_accelerator(cls, accelerator: Any) -> DataParallelConfig | None:
@@ -82,11 +94,12 @@ class DataParallelConfig:
         handler = getattr(accelerator, "ddp_handler", None)
         kwargs = handler.to_kwargs() if handler is not None else {}
         plugin = getattr(accelerator.gradient_state, "plugin_kwargs", {}) or {}
-        config = cls(sync_each_batch=bool(plugin.get("sync_each_batch", False)))
-        for field in ("bucket_cap_mb", "find_unused_parameters", "broadcast_buffers"):
-            if kwargs.get(field) is not None:
-                setattr(config, field, type(getattr(config, field))(kwargs[field]))
-        return config
+        return cls(
+            bucket_cap_mb=None if kwargs.get("bucket_cap_mb") is None else float(kwargs["bucket_cap_mb"]),
+            find_unused_parameters=bool(kwargs.get("find_unused_parameters", False)),
+            broadcast_buffers=bool(kwargs.get("broadcast_buffers", True)),
+            sync_each_batch=bool(plugin.get("sync_each_batch", False)),
+        )
 
 
 class _Bucket:
@@ -117,29 +130,11 @@ class _Bucket:
         return self.buffer[self.offsets[k] : self.offsets[k] + self.numels[k]].view(shape)
 
 
-def build_buckets(params: list[torch.Tensor], cap_bytes: int) -> list[_Bucket]:
-    """
-    Buckets in the order gradients become ready (the reverse of the parameters' order, as DDP assumes), at most
-    `cap_bytes` each, one (device, dtype) per bucket; a tensor larger than the cap is a bucket of its own.
-    """
-    buckets: list[_Bucket] = []
-    current: list[int] = []
-    size = 0
-    key = None
-    for i in reversed(range(len(params))):
-        p = params[i]
-        local = p.to_local() if hasattr(p, "to_local") else p
-        nbytes = local.numel() * local.element_size()
-        this_key = (local.device, local.dtype)
-        if current and (this_key != key or size + nbytes > cap_bytes):
-            buckets.append(_make_bucket(params, current))
-            current, size = [], 0
-        current.append(i)
-        size += nbytes
-        key = this_key
-    if current:
-        buckets.append(_make_bucket(params, current))
-    return buckets
+def build_buckets(params: list[torch.Tensor], limits: list[int], ready_order: list[int]) -> list[_Bucket]:
+    """Buckets in launch order: torch's own assignment, with DDP's size limits, of the parameters in `ready_order`."""
+    tensors = [params[i] for i in ready_order]
+    assignment, _ = dist._compute_bucket_assignment_by_size(tensors, limits, [False] * len(tensors), ready_order)
+    return [_make_bucket(params, list(indices)) for indices in assignment]
 
 
 def _make_bucket(params: list[torch.Tensor], indices: list[int]) -> _Bucket:
@@ -179,6 +174,7 @@ class DataParallelReducer(LocalHooks):
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self._buffer_hook: Any = None
+        self._plan_hooks: list[Any] = []
 
     # ---- attach / detach ----
 
@@ -188,17 +184,70 @@ class DataParallelReducer(LocalHooks):
     def attach(self, optimizer: LayerwiseOptimizer) -> None:
         self.optimizer = optimizer
         self.params = list(optimizer.params)
-        self.buckets = build_buckets(self.params, self.config.bucket_cap_bytes)
-        self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.indices}
+        # Until the first training forward shows the order parameters are used: the reverse of their order.
+        self._set_buckets(build_buckets(self.params, self.config.bucket_size_limits, self._reversed_order()))
+        self._ready_order: list[int] | None = []
+        self._plan_hooks: list[Any] = []
         self._next = 0  # the next bucket to launch, in the same order on every rank
         self._in_flight: collections.deque[_Bucket] = collections.deque()
         self._in_backward = False
         self._sync_module_states()
         if self.model is not None and self.config.broadcast_buffers and any(True for _ in self.model.buffers()):
             self._buffer_hook = self.model.register_forward_pre_hook(self._broadcast_buffers)
+        if self.model is not None:
+            self._plan_from_first_forward()
         super().attach(optimizer)
 
+    def _plan_from_first_forward(self) -> None:
+        """
+        Gradients become ready in about the reverse of the order the forward first uses their parameters (a layer's
+        input norm last, not first as in parameter order). Bucketing in that order from the first step keeps a
+        bucket's early gradients from waiting for a late member; after the first backward the buckets are rebuilt
+        in the order actually observed, as DDP does.
+        """
+        index = {id(p): i for i, p in enumerate(self.params)}
+        used: list[int] = []
+
+        def note(module, args):
+            if module.training and torch.is_grad_enabled() and self._plan_hooks:
+                for p in module.parameters(recurse=False):
+                    i = index.get(id(p))
+                    if i is not None and i not in used:
+                        used.append(i)
+
+        def plan(module, args, output):
+            if module.training and torch.is_grad_enabled() and self._plan_hooks:
+                self._remove_plan_hooks()
+                seen = set(used)
+                order = used[::-1] + [i for i in self._reversed_order() if i not in seen]
+                self._set_buckets(build_buckets(self.params, self.config.bucket_size_limits, self._agree(order)))
+
+        for module in self.model.modules():
+            if any(True for _ in module.parameters(recurse=False)):
+                self._plan_hooks.append(module.register_forward_pre_hook(note))
+        self._plan_hooks.append(self.model.register_forward_hook(plan))
+
+    def _remove_plan_hooks(self) -> None:
+        for handle in self._plan_hooks:
+            handle.remove()
+        self._plan_hooks = []
+
+    def _agree(self, order: list[int]) -> list[int]:
+        # Every rank must bucket alike (a parameter unused on one rank changes its order): rank 0's order wins, as
+        # in DDP's bucket rebuild.
+        tensor = torch.tensor(order, dtype=torch.int64, device=self.params[0].device)
+        dist.broadcast(tensor, src=0, group=self.process_group)
+        return tensor.tolist()
+
+    def _reversed_order(self) -> list[int]:
+        return list(reversed(range(len(self.params))))
+
+    def _set_buckets(self, buckets: list[_Bucket]) -> None:
+        self.buckets = buckets
+        self.bucket_of = {i: b for b, bucket in enumerate(buckets) for i in bucket.indices}
+
     def detach(self) -> None:
+        self._remove_plan_hooks()
         if self._buffer_hook is not None:
             self._buffer_hook.remove()
             self._buffer_hook = None
@@ -218,11 +267,13 @@ class DataParallelReducer(LocalHooks):
         for t in tensors:
             dist.broadcast(t.data, src=0, group=self.process_group)
 
-    @torch.no_grad()
     def _broadcast_buffers(self, module, args) -> None:
+        # NOTE: as DDP, only before a forward that will be reduced (training, with grad): evaluation and no_sync
+        # forwards need not run in step on every rank.
         if module.training and torch.is_grad_enabled():
-            for buf in module.buffers():
-                dist.broadcast(buf, src=0, group=self.process_group)
+            with torch.no_grad():
+                for buf in module.buffers():
+                    dist.broadcast(buf, src=0, group=self.process_group)
 
     # ---- backward ----
 
@@ -235,6 +286,8 @@ class DataParallelReducer(LocalHooks):
             self._in_backward = True
             # NOTE: runs once the whole backward is done: buckets with parameters this rank did not use.
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if self._ready_order is not None:
+            self._ready_order.append(i)
         bucket = self.buckets[self.bucket_of[i]]
         k = bucket.slot[i]
         if bucket.ready[k]:
@@ -245,7 +298,7 @@ class DataParallelReducer(LocalHooks):
             )
         p = self.params[i]
         with torch.no_grad():
-            if len(bucket.indices) == 1:
+            if len(bucket.indices) == 1 and p.grad.is_contiguous():
                 # A tensor larger than the cap is reduced in place: the same product DDP writes, without a copy.
                 bucket.buffer = p.grad.mul_(1.0 / self.world_size).view(-1)
             else:
@@ -302,3 +355,9 @@ class DataParallelReducer(LocalHooks):
         while self._in_flight:
             self._step_bucket(self._in_flight.popleft())
         self._next = 0
+        if self._ready_order is not None:
+            # Parameters no gradient reached this time go last, in reverse order.
+            seen = set(self._ready_order)
+            order = self._ready_order + [i for i in self._reversed_order() if i not in seen]
+            self._set_buckets(build_buckets(self.params, self.config.bucket_size_limits, self._agree(order)))
+            self._ready_order = None

@@ -60,7 +60,7 @@ def test_data_parallel_matches_standard_ddp_and_resumes(tmp_path, quick):
         script_args=["--quick"] if quick else [],
     )
     # Under the DDP config the layer-wise path does not wrap the model in DDP: it reduces the gradients itself.
-    assert all(case["wrapped"] == "LlamaForCausalLM" for case in report["results"])
+    assert all(case["wrapped"] in ("LlamaForCausalLM", "OptimizedModule") for case in report["results"])
     names = {c["case"] for c in report["results"]}
     assert names >= {"adamw_torch ga2 sync_each_batch", "adamw_torch ga1 unused parameters", "resume"}
     if not quick:
@@ -77,6 +77,19 @@ def test_data_parallel_matches_standard_ddp_and_resumes(tmp_path, quick):
     assert_exact(report, "data_parallel")
 
 
+def test_data_parallel_gradient_memory_is_bounded_by_what_is_in_flight(tmp_path):
+    report = launch("configs/accelerate/cpu_ddp.yaml", "tests/distributed/ddp_memory.py", tmp_path / "r.json")
+    layerwise, standard = report["layerwise"], report["standard_bucket_view"]
+    # Distinct storages behind live gradients and buckets, at every layer's step: the bucket cap plus twice the
+    # largest tensor, not the model's gradients ...
+    bound = layerwise["cap_bytes"] + 2 * layerwise["largest_bytes"]
+    assert layerwise["peak_storage_bytes"] <= bound < layerwise["all_grad_bytes"], layerwise
+    assert layerwise["ddp_wrappers_alive"] == 0 and layerwise["wrapped"] == "LlamaForCausalLM"
+    # ... while DDP's persistent buckets, which its gradients alias with gradient_as_bucket_view, hold all of them.
+    assert standard["peak_storage_bytes"] >= standard["all_grad_bytes"] > bound, standard
+    assert standard["ddp_wrappers_alive"] >= 1
+
+
 @pytest.mark.slow
 def test_data_parallel_on_three_ranks_is_standard_ddp_within_its_own_rounding(tmp_path):
     report = launch(
@@ -90,10 +103,12 @@ def test_data_parallel_on_three_ranks_is_standard_ddp_within_its_own_rounding(tm
     for case in report["results"]:
         assert case["route"] == "data_parallel" and case["ranks_agree"], case
         assert case["lr_equal"] and case["steps_logged"] == 4, case
-        if "standard_vs_other_bucket_cap" in case:
-            # gloo's ring sums an element in an order set by its place in the buffer: bits may differ, by no more
-            # than standard DDP differs from itself with another bucket cap.
-            assert case["max_diff"] <= max(4 * case["standard_vs_other_bucket_cap"], 1e-6), case
+        # Beyond 2 ranks gloo's ring sums an element in an order set by its place in the bucket, and the route's
+        # buckets follow readiness where DDP's (with find_unused_parameters) follow parameter order: the last bits
+        # may differ, by what standard DDP differs from itself with another bucket cap.
+        scale = case.get("standard_vs_other_bucket_cap", 0.0)
+        assert case["max_diff"] <= max(2 * scale, 1e-6), case
+    assert any(case.get("standard_vs_other_bucket_cap", 0.0) > 0.0 for case in report["results"])
 
 
 @pytest.mark.slow

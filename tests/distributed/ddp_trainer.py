@@ -14,7 +14,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from common import dataset, finish_ranks, max_diff, ranks_agree, summary, tiny_llama, training_args, write_report
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from layerwise_hf import LayerwiseTrainer
 
@@ -34,6 +34,8 @@ def run(
     model_kwargs=None,
     bucket_cap_mb=None,
     unused=False,
+    perturb_buffers=False,
+    **extra_args,
 ):
     model = tiny_llama(**(model_kwargs or {}))
     if unused:
@@ -47,10 +49,12 @@ def run(
         save_steps=save_steps,
         accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": sync_each_batch}},
         **({"ddp_find_unused_parameters": True} if unused else {}),
+        **extra_args,
     )
     data = dataset(vocab=(model_kwargs or {}).get("vocab", 64))
     trainer_cls = LayerwiseTrainer if args.is_layerwise else Trainer
-    trainer = trainer_cls(model=model, args=args, train_dataset=data)
+    callbacks = [PerturbBuffersOnRank1()] if perturb_buffers else None
+    trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=callbacks)
     if bucket_cap_mb is not None:
         # TrainingArguments takes whole MiB only; the tiny model needs a smaller cap to make several buckets.
         trainer.accelerator.ddp_handler.bucket_cap_mb = bucket_cap_mb
@@ -58,7 +62,24 @@ def run(
     return {**summary(trainer, model), "wrapped": type(trainer.model_wrapped).__name__}
 
 
-QUICK = {"adamw_torch ga2 exact clip", "adamw_torch ga2 sync_each_batch", "adamw_torch ga1 unused parameters"}
+class PerturbBuffersOnRank1(TrainerCallback):
+    """Before every step, rank 1's rotary buffer drifts: DDP's per-forward buffer broadcast (broadcast_buffers) puts
+    rank 0's back before the forward, so the run only matches standard DDP if that broadcast happens."""
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if dist.get_rank() == 1:
+            for name, buf in model.named_buffers():
+                if name.endswith("inv_freq"):
+                    buf.mul_(1.5)
+
+
+QUICK = {
+    "adamw_torch ga2 exact clip",
+    "adamw_torch ga2 sync_each_batch",
+    "adamw_torch ga1 unused parameters",
+    "adamw_torch ga1 buffers broadcast",
+    "adamw_torch ga1 activation checkpointing",
+}
 
 
 def add_unused_parameters(model):
@@ -103,6 +124,15 @@ def main(report_path, quick=False):
         ("adamw_torch ga1 small buckets", "adamw_torch", {"bucket_cap_mb": 0.01, "max_grad_norm": 0.5}),
         ("adamw_torch ga2 bucket per tensor", "adamw_torch", {"ga": 2, "bucket_cap_mb": 0.0}),
         ("adamw_torch ga1 unused parameters", "adamw_torch", {"unused": True, "bucket_cap_mb": 0.01}),
+        ("adamw_torch ga1 buffers broadcast", "adamw_torch", {"perturb_buffers": True}),
+        # Trainer turns find_unused_parameters off with activation checkpointing: DDP then rebuilds its buckets in
+        # the order gradients became ready, and so does the data-parallel route.
+        (
+            "adamw_torch ga1 activation checkpointing",
+            "adamw_torch",
+            {"activation_checkpointing": True, "bucket_cap_mb": 0.01, "max_grad_norm": 0.5},
+        ),
+        ("adamw_torch ga1 torch_compile", "adamw_torch", {"torch_compile": True, "max_grad_norm": 0.5}),
     ]
     if quick:  # the fast tier: one optimizer, the mechanisms (accumulation, clipping, buckets, unused parameters)
         cases = [c for c in cases if c[1] == "adamw_torch" and c[0] in QUICK]
@@ -132,7 +162,7 @@ def main(report_path, quick=False):
     # resumes on the new one.
     old = os.path.join(os.path.dirname(report_path), "ddp_old_route")
     with mock.patch("layerwise_hf.trainer._replicate_without_ddp", lambda accelerator, model: None):
-        before = run("adamw_torch_layerwise", old, max_steps=2, save_steps=2)
+        before = run("adamw_torch_layerwise", old, max_steps=4, save_steps=2)
     resumed_old = run("adamw_torch_layerwise", old + "_b", max_steps=4, resume=os.path.join(old, "checkpoint-2"))
     results.append(
         {**compare("resume from the DDP comm-hook route", full_run, resumed_old), "saved_by": before["route"]}

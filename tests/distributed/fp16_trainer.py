@@ -73,7 +73,7 @@ def run(optim, out, *, ga=1, max_grad_norm=0.0):
     trainer.train()
     optimizer = trainer.layerwise_optimizer if args.is_layerwise else None
     return {
-        **summary(trainer, trainer.model_wrapped),
+        **summary(trainer, trainer.model),
         "scales": probe.scales,
         "wrapped": type(trainer.model_wrapped).__name__,
         "steps_taken": optimizer.steps_taken if optimizer is not None else None,

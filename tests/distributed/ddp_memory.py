@@ -1,0 +1,92 @@
+"""2 ranks with the DDP config: the gradient and communication storages alive at once stay within the bucket cap plus
+twice the largest tensor under the data-parallel route, while standard DDP's persistent buckets (seen through the
+storages its gradients alias, `gradient_as_bucket_view=True`) hold every gradient. Writes a JSON report (rank 0).
+
+    ACCELERATE_USE_CPU=true accelerate launch --config_file configs/accelerate/cpu_ddp.yaml \
+        tests/distributed/ddp_memory.py REPORT.json
+"""
+
+import gc
+import sys
+import tempfile
+
+import torch
+from common import dataset, finish_ranks, tiny_llama, training_args, write_report
+from transformers import Trainer, TrainerCallback
+
+from layerwise_hf import LayerwiseTrainer
+
+torch.set_num_threads(1)
+
+CAP_MB = 0.02
+MODEL = {"vocab": 256, "hidden": 64}
+
+
+class StorageMeter:
+    """The bytes of the distinct storages behind every live gradient (a view into a bucket counts the whole bucket)
+    and any extra tensors given, measured whenever an optimizer is about to step."""
+
+    def __init__(self, params, extra=lambda: []):
+        self.params = list(params)
+        self.extra = extra
+        self.peak = 0
+
+    def measure(self, *args, **kwargs):
+        tensors = [p.grad for p in self.params if p.grad is not None] + list(self.extra())
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        self.peak = max(self.peak, sum(storages.values()))
+
+
+def ddp_wrappers_alive() -> int:
+    # Each DistributedDataParallel owns a reducer whose buckets are as large as all gradients.
+    return sum(isinstance(o, torch.nn.parallel.DistributedDataParallel) for o in gc.get_objects())
+
+
+def run(optim, out, bucket_view=False):
+    model = tiny_llama(**MODEL)
+    args = training_args(out, optim, max_steps=3)
+    trainer_cls = LayerwiseTrainer if optim.endswith("_layerwise") else Trainer
+    trainer = trainer_cls(model=model, args=args, train_dataset=dataset(vocab=MODEL["vocab"]))
+    trainer.accelerator.ddp_handler.bucket_cap_mb = CAP_MB
+    trainer.accelerator.ddp_handler.gradient_as_bucket_view = bucket_view
+    params = [p for p in model.parameters() if p.requires_grad]
+    meters = []
+
+    def on_train_begin(*a, **k):
+        optimizer = getattr(trainer, "layerwise_optimizer", None)
+        if optimizer is not None:
+            route = optimizer.gradient_route
+            meter = StorageMeter(params, lambda: [b.buffer for b in route.buckets if b.buffer is not None])
+            for inner in optimizer.inner:
+                inner.register_step_pre_hook(meter.measure)
+        else:
+            meter = StorageMeter(params)
+            trainer.optimizer.optimizer.register_step_pre_hook(meter.measure)
+        meters.append(meter)
+
+    callback = type("Meter", (TrainerCallback,), {"on_train_begin": lambda self, *a, **k: on_train_begin()})()
+    trainer.add_callback(callback)
+    # The meter must attach after the layer-wise callback has connected the route.
+    trainer.callback_handler.callbacks.sort(key=lambda cb: cb is callback)
+    trainer.train()
+    return {
+        "peak_storage_bytes": meters[0].peak,
+        "ddp_wrappers_alive": ddp_wrappers_alive(),
+        "all_grad_bytes": sum(p.numel() * p.element_size() for p in params),
+        "largest_bytes": max(p.numel() * p.element_size() for p in params),
+        "cap_bytes": int(CAP_MB * 2**20),
+        "wrapped": type(trainer.model_wrapped).__name__,
+    }
+
+
+def main(report_path):
+    with tempfile.TemporaryDirectory() as d:
+        layerwise = run("adamw_torch_layerwise", d)
+    with tempfile.TemporaryDirectory() as d:
+        standard = run("adamw_torch", d, bucket_view=True)
+    write_report(report_path, {"layerwise": layerwise, "standard_bucket_view": standard})
+
+
+if __name__ == "__main__":
+    main(sys.argv[-1])
+    finish_ranks()
