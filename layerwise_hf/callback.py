@@ -6,6 +6,7 @@ import torch
 from transformers import TrainerCallback
 
 from .optimizer import unwrap_layerwise_optimizer
+from .support import check_trainable_unchanged
 
 MIB = 2**20
 
@@ -44,6 +45,10 @@ class LayerwiseCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self.optimizer = unwrap_layerwise_optimizer(optimizer)
         if self.optimizer is not None:
+            if model is not None:
+                check_trainable_unchanged(self.optimizer.names, model)
+            # Follow the arguments of this train() call, as Trainer does for a standard optimizer.
+            self.optimizer.configure_clipping(args.max_grad_norm, getattr(args, "layerwise_clip", "exact"))
             # NOTE: `is None`, not `or`: truth-testing a torch.compile'd module calls len(), which it refuses.
             wrapped = getattr(self.trainer, "model_wrapped", None)
             accelerator = getattr(self.trainer, "accelerator", None)

@@ -150,20 +150,47 @@ def check_checkpoint(checkpoint_dir: str) -> None:
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
     if not os.path.isdir(checkpoint_dir):
-        raise ValueError(f"resume_from_checkpoint={checkpoint_dir!r} is not a directory.")
+        # NOTE: Trainer's own words first: code that resumes matches on them.
+        raise ValueError(
+            f"Can't find a valid checkpoint at {checkpoint_dir}: resume_from_checkpoint={checkpoint_dir!r} is not a "
+            "directory."
+        )
     state_file = os.path.join(checkpoint_dir, "trainer_state.json")
+    advice = (
+        "Resume from an earlier checkpoint, or pass resume_from_checkpoint=True to take the newest complete "
+        f"{PREFIX_CHECKPOINT_DIR}-N."
+    )
+    if not os.path.isfile(state_file):
+        # Trainer raises FileNotFoundError for it (after loading the weights); this says so before anything loads.
+        raise FileNotFoundError(
+            f"{checkpoint_dir} has no {os.path.basename(state_file)}: it holds no resumable training state (only "
+            f"model weights, or a checkpoint interrupted while being written). {advice}"
+        )
     try:
         with open(state_file) as f:
             json.load(f)
     except (OSError, ValueError) as err:
         raise ValueError(
             f"{checkpoint_dir} is incomplete or corrupt ({os.path.basename(state_file)}: {err}); it was probably "
-            "interrupted while being written. Resume from an earlier checkpoint, or pass resume_from_checkpoint=True "
-            f"to take the newest complete {PREFIX_CHECKPOINT_DIR}-N."
+            f"interrupted while being written. {advice}"
         ) from err
     optimizer_file = os.path.join(checkpoint_dir, OPTIMIZER_NAME)
     if os.path.isfile(optimizer_file):
         load_optimizer_file(optimizer_file)
+    for name in sorted(os.listdir(checkpoint_dir)):
+        if name == SCHEDULER_NAME or (name.startswith("rng_state") and name.endswith(".pth")):
+            _check_loadable(os.path.join(checkpoint_dir, name))
+
+
+def _check_loadable(path: str) -> None:
+    # The way Trainer loads them (weights_only, numpy's RNG state allowed), but before the model is touched.
+    from transformers.trainer_pt_utils import safe_globals
+
+    try:
+        with safe_globals():
+            torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises several types for truncated or foreign files
+        raise ValueError(f"{path} cannot be loaded (truncated or corrupt?); nothing was loaded: {err}") from err
 
 
 def load_optimizer_file(path: str) -> dict[str, Any]:

@@ -64,16 +64,19 @@ def grad_norm_kernel(grad: torch.Tensor) -> torch.Tensor:
 
 def total_norm(norms: Sequence[tuple[torch.device, torch.dtype, torch.Tensor]]) -> torch.Tensor | None:
     """
-    The global L2 norm from per-tensor norms `(device, gradient dtype, norm)` in parameter order, stacked as
-    `clip_grad_norm_` does: grouped by (device, dtype) in order of first appearance.
+    The global L2 norm from per-tensor norms `(device, gradient dtype, norm)` in parameter order, stacked exactly as
+    `clip_grad_norm_` stacks them: in torch's own (device, dtype) grouping order, on the first gradient's device.
     """
     if not norms:
         return None
-    ordered: dict[tuple, list[torch.Tensor]] = {}
-    for device, dtype, norm in norms:
-        ordered.setdefault((device, dtype), []).append(norm)
-    flat = [n for group in ordered.values() for n in group]
-    first_device = flat[0].device
+    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+    # NOTE: torch groups by (device, dtype) in an order of its own, not first appearance; grouping stand-ins of the
+    # gradients' devices and dtypes gives the very order clip_grad_norm_ used, whatever the mix of dtypes.
+    stand_ins = [torch.empty(1, dtype=dtype, device=device) for device, dtype, _ in norms]
+    grouped = _group_tensors_by_device_and_dtype([stand_ins], with_indices=True)
+    flat = [norms[i][2] for _, (_, indices) in grouped.items() for i in indices]
+    first_device = norms[0][0]
     return torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in flat]), 2.0)
 
 

@@ -150,6 +150,11 @@ class GradientGate:
         self.window.reset()
         self.meter.clear()
 
+    def reset_window(self) -> None:
+        """Forget a window that will not be finished (a new route, or an exception in the middle of a step)."""
+        self.window.reset()
+        self.meter.clear()
+
     def close_skipped_window(self) -> None:
         """Forget, without stepping, a window whose step GradScaler skipped (our step() never ran)."""
         if self.scaler is not None and self.scaler.window_was_skipped(self.window):

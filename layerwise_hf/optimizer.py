@@ -179,9 +179,6 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         i = self._index.get(id(param))
         return i if i is not None and self._params[i] is param else None
 
-    def owns(self, param: torch.Tensor) -> bool:
-        return self.index_of(param) is not None
-
     def sync_gradients(self) -> bool:
         """Whether the current backward ends a gradient-accumulation window."""
         return self._sync_gradients()
@@ -207,6 +204,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         """Feed the per-layer steps through `route`, replacing the current one."""
         self.rebind()
         self.detach()
+        # A window cut short by an exception (Ctrl-C, OOM, a callback) must not carry into the next step.
+        self._gate.reset_window()
         route.attach(self)
         self._route = route
 

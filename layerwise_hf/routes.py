@@ -81,7 +81,7 @@ class LocalHooks(GradientRoute):
         taken_from = set()
         for p in optimizer.params:
             other = _OWNERS.get(id(p))
-            if other is not None and other is not optimizer and other.owns(p):
+            if other is not None and other is not optimizer and other.index_of(p) is not None:
                 other.detach()
                 taken_from.add(id(other))
         if taken_from:

@@ -129,6 +129,24 @@ def check_fp16_weights(named_params: Iterable[tuple[str, Any]]) -> None:
         )
 
 
+def check_trainable_unchanged(names: Sequence[str], model: Any) -> None:
+    """
+    The parameters a layer-wise optimizer was built for must be the ones that train: a parameter frozen since would
+    get a hook it cannot take, and one unfrozen since would silently never step.
+    """
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    built = set(names)
+    frozen = sorted(built - trainable)
+    new = sorted(trainable - built)
+    if frozen or new:
+        raise ValueError(
+            "The trainable parameters changed since the layer-wise optimizer was built "
+            f"(frozen since: {frozen or 'none'}; trainable since: {new or 'none'}). Nothing was stepped. To train "
+            "the new set, build a new optimizer and scheduler: set trainer.optimizer = None and "
+            "trainer.lr_scheduler = None before train(), or create a new Trainer."
+        )
+
+
 def check_fsdp2_optimizers(name: str | None, optimizers: Sequence[Any]) -> None:
     """Refuse inner optimizers whose update of a shard differs from the update of the whole tensor."""
     bad = sorted({type(inner).__name__ for inner in optimizers if not fsdp2_supports_optimizer(inner)})

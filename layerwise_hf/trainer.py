@@ -57,6 +57,10 @@ class LayerwiseTrainerMixin:
         super().__init__(*args, **kwargs)
         if not any(isinstance(cb, LayerwiseCallback) for cb in self.callback_handler.callbacks):
             self.add_callback(LayerwiseCallback(trainer=self))
+        if self._uses_layerwise():
+            # At init, before any wrapping: torch's FSDP1 wrap fails first, with an unrelated error, on CPU.
+            check_deepspeed(self.args.optim, self.is_deepspeed_enabled)
+            check_fsdp_version(self.args.optim, _fsdp_version(self))
 
     def log(self, logs, *args, **kwargs):
         # NOTE: Trainer.log records and prints before callbacks' on_log run, so the memory figures go in here.
@@ -96,8 +100,7 @@ class LayerwiseTrainerMixin:
         if not self._uses_layerwise():
             return _strip_frozen(super().create_optimizer(model))
         check_deepspeed(self.args.optim, self.is_deepspeed_enabled)
-        if self.is_fsdp_enabled:
-            check_fsdp_version(self.args.optim, getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1))
+        check_fsdp_version(self.args.optim, _fsdp_version(self))
         opt_model = self.model if model is None else model
         # NOTE: Trainer logs grad_norm every step, so the norms are always wanted.
         self.optimizer = build_layerwise_optimizer(
@@ -220,6 +223,15 @@ class LayerwiseTrainerMixin:
         if optimizer is None:
             return super()._get_grad_norm(model, grad_norm=grad_norm)
         return grad_norm if grad_norm is not None else optimizer.grad_norm()
+
+
+def _fsdp_version(trainer) -> int:
+    """2 without FSDP; else the FSDP version Accelerate's plugin, or the arguments, ask for."""
+    if trainer.is_fsdp_enabled:
+        return int(getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1))
+    if trainer.args.fsdp:
+        return int((trainer.args.fsdp_config or {}).get("version", 2))
+    return 2
 
 
 def _replicate_without_ddp(accelerator, model) -> None:

@@ -8,7 +8,7 @@ from transformers import TrainingArguments
 
 from .clipping import CLIP_MODES, ClipMode
 from .registry import list_layerwise_optimizers, parse_optim_name
-from .support import check_deepspeed, check_fp16_clip_mode
+from .support import check_deepspeed, check_fp16_clip_mode, check_fsdp_version
 
 
 @dataclass
@@ -63,6 +63,7 @@ class LayerwiseTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         self.layerwise_clip = ClipMode.parse(self.layerwise_clip).value
+        _check_arguments_trainer_uses_late(self)
         name = getattr(self.optim, "value", self.optim)
         base = parse_optim_name(name)  # raises with the list of valid names
         if base is not None:
@@ -80,6 +81,9 @@ class LayerwiseTrainingArguments(TrainingArguments):
     def _refuse_unsupported(self, name: str) -> None:
         check_fp16_clip_mode(self.layerwise_clip, self.fp16, self.max_grad_norm)
         check_deepspeed(name, self.deepspeed)
+        if self.fsdp:
+            config = self.fsdp_config if isinstance(self.fsdp_config, dict) else {}
+            check_fsdp_version(name, int(config.get("version", config.get("fsdp_version", 2))))
 
     @property
     def is_layerwise(self) -> bool:
@@ -123,3 +127,21 @@ class LayerwiseTrainingArguments(TrainingArguments):
         super().set_optimizer(name=base or "adamw_torch", **kwargs)
         self.optim = name
         return self
+
+
+def _check_arguments_trainer_uses_late(args) -> None:
+    # Trainer reads these only once training starts, and then fails far from the cause (ZeroDivisionError, "not
+    # enough values to unpack"): say what is wrong while the arguments are being made.
+    steps = args.gradient_accumulation_steps
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(
+            f"gradient_accumulation_steps={steps!r}: it must be a whole number >= 1 (1: no accumulation)."
+        )
+    if args.optim_args:
+        for item in str(args.optim_args).replace(" ", "").split(","):
+            # NOTE: Trainer splits on "," then on "=", and expects exactly two parts each time.
+            if item.count("=") != 1 or not item.split("=", 1)[0]:
+                raise ValueError(
+                    f"optim_args={args.optim_args!r}: {item!r} is not key=value. optim_args is a comma-separated "
+                    "list of key=value pairs, e.g. 'rank=128,scale=0.25,update_proj_gap=200'."
+                )

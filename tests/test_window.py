@@ -80,3 +80,27 @@ def test_clippers():
     # Bounded by the larger of the running norm of this step (sqrt(4^2 + 3^2) = 5) and the last step's norm.
     previous.coef(window, norm, None)
     assert torch.equal(previous.coef(window, torch.tensor(3.0), torch.tensor(2.0)), clip_coef(1.0, torch.tensor(5.0)))
+
+
+@pytest.mark.parametrize(
+    ("other", "seed"),
+    [(torch.bfloat16, 5), (torch.bfloat16, 9), (torch.complex64, 1), (torch.complex64, 2), (torch.float64, 3)],
+)
+def test_total_norm_of_mixed_dtypes_is_clip_grad_norms(other, seed):
+    # torch groups gradients by (device, dtype) in an order of its own (not first appearance) before stacking the
+    # per-tensor norms: the total must be stacked in that order to be bit-identical. These seeds give a different
+    # total in first-appearance order.
+    g = torch.Generator().manual_seed(seed)
+    params = []
+    for k in range(40):
+        dtype = other if k % 7 == 0 else torch.float32
+        size = int(torch.randint(1, 3000, (1,), generator=g))
+        scale = float(torch.rand(1, generator=g)) * 1000
+        p = torch.nn.Parameter(torch.zeros(size, dtype=dtype))
+        p.grad = (torch.randn(size, generator=g) * scale).to(dtype)
+        params.append(p)
+    window = StepWindow(len(params))
+    for i, p in enumerate(params):
+        window.record_norm(i, p)
+    expected = torch.nn.utils.clip_grad_norm_(params, float("inf"))
+    assert torch.equal(window.total_norm(params), expected)

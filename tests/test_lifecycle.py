@@ -1,0 +1,187 @@
+"""What users do during and between steps: exceptions, changes between `train()` calls, bad arguments, checkpoints
+that cannot be resumed. Stock Trainer with the standard optimizer is the reference wherever both can run."""
+
+import shutil
+
+import pytest
+import torch
+from helpers import TokenDataset, assert_params_equal, clone, logged, tiny_llama, training_args
+from transformers import Trainer, TrainerCallback
+
+from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments
+
+
+def params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+class RaiseOnce(TrainerCallback):
+    """Arms a tensor hook that raises in the middle of backward (after the upper layers' gradients are done) on the
+    given step, once: what a Ctrl-C, an OOM or a failing hook does to a step."""
+
+    def __init__(self, model, step: int):
+        self.step, self.armed, self.fired = step, False, False
+        model.model.layers[0].register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        if self.armed and torch.is_grad_enabled():
+            self.armed, self.fired = False, True
+
+            def boom(grad):
+                raise KeyboardInterrupt("simulated Ctrl-C in backward")
+
+            (output[0] if isinstance(output, tuple) else output).register_hook(boom)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.armed = state.global_step == self.step and not self.fired
+
+
+def test_train_works_again_after_an_exception_in_backward(tmp_path):
+    model = tiny_llama()
+    args = training_args(tmp_path, "adamw_torch_layerwise", max_steps=4)
+    trainer = LayerwiseTrainer(model=model, args=args, train_dataset=TokenDataset())
+    raiser = RaiseOnce(model, step=2)
+    trainer.add_callback(raiser)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert raiser.fired
+    before = params(model)
+    trainer.train()  # the interrupted step's window is forgotten: no "fired twice", every step runs
+    assert trainer.state.global_step == 4
+    assert len(logged(trainer, "loss")) == 4
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    # Nothing of the first run is still hooked: each parameter has exactly one layer-wise hook during training.
+    assert not trainer.layerwise_optimizer.attached
+
+
+class OOMAboveBatch(TrainerCallback):
+    """A forward that runs out of memory above a batch size, as on a small GPU (before any layer steps)."""
+
+    def __init__(self, model, limit: int):
+        model.register_forward_pre_hook(self._check, with_kwargs=True)
+        self.limit = limit
+
+    def _check(self, module, args, kwargs):
+        if kwargs["input_ids"].shape[0] > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+
+
+def test_auto_find_batch_size_retries_like_stock_trainer(tmp_path):
+    runs = {}
+    for optim in ("adamw_torch", "adamw_torch_layerwise"):
+        model = tiny_llama()
+        OOMAboveBatch(model, limit=4)
+        args = training_args(
+            tmp_path / optim, optim, per_device_train_batch_size=8, auto_find_batch_size=True, max_grad_norm=1.0
+        )
+        trainer_cls = LayerwiseTrainer if optim.endswith("_layerwise") else Trainer
+        trainer = trainer_cls(model=model, args=args, train_dataset=TokenDataset())
+        trainer.train()
+        assert trainer._train_batch_size == 4
+        runs[optim] = trainer
+    assert_params_equal(runs["adamw_torch"].model, runs["adamw_torch_layerwise"].model)
+    assert logged(runs["adamw_torch"], "grad_norm") == logged(runs["adamw_torch_layerwise"], "grad_norm")
+
+
+def test_clipping_arguments_changed_between_train_calls_are_followed(tmp_path):
+    runs = {}
+    base = tiny_llama()
+    for optim in ("adamw_torch", "adamw_torch_layerwise"):
+        model = clone(base)
+        trainer_cls = LayerwiseTrainer if optim.endswith("_layerwise") else Trainer
+        trainer = trainer_cls(model=model, args=training_args(tmp_path / optim, optim), train_dataset=TokenDataset())
+        trainer.train()
+        trainer.args.max_grad_norm = 0.05  # clips every step of the second run
+        trainer.train()
+        runs[optim] = trainer
+    assert_params_equal(runs["adamw_torch"].model, runs["adamw_torch_layerwise"].model)
+    assert logged(runs["adamw_torch"], "grad_norm") == logged(runs["adamw_torch_layerwise"], "grad_norm")
+
+
+@pytest.mark.parametrize("change", ["freeze", "unfreeze"])
+def test_trainable_set_changed_between_train_calls_is_refused_naming_it(tmp_path, change):
+    model = tiny_llama()
+    if change == "unfreeze":
+        model.lm_head.weight.requires_grad_(False)
+    trainer = LayerwiseTrainer(
+        model=model, args=training_args(tmp_path, "adamw_torch_layerwise", max_steps=2), train_dataset=TokenDataset()
+    )
+    trainer.train()
+    model.lm_head.weight.requires_grad_(change == "unfreeze")
+    before = params(model)
+    which = "frozen since" if change == "freeze" else "trainable since"
+    with pytest.raises(ValueError, match=rf"{which}: \['lm_head.weight'\].*trainer.optimizer = None"):
+        trainer.train()
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    # What the message says works: a new optimizer and scheduler for the new set.
+    trainer.optimizer, trainer.lr_scheduler = None, None
+    trainer.train()
+    assert trainer.layerwise_optimizer.names == [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0: it must be a whole number >= 1"),
+        ({"optim_args": "garbage"}, "'garbage' is not key=value"),
+        ({"optim_args": "rank=128,scale"}, "'scale' is not key=value"),
+    ],
+)
+def test_arguments_trainer_reads_late_are_checked_when_made(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        LayerwiseTrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise", **overrides)
+
+
+def test_fsdp1_is_refused_before_any_wrapping(tmp_path):
+    # At argument time: on CPU, Accelerate's FSDP1 plugin would otherwise fail first with an unrelated error.
+    with pytest.raises(ValueError, match="needs FSDP2.*FSDP1 flattens parameters"):
+        training_args(tmp_path, "adamw_torch_layerwise", fsdp=True, fsdp_config={"version": 1})
+    training_args(tmp_path, "adamw_torch", fsdp=True, fsdp_config={"version": 1})  # standard optimizers: Trainer's
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    args = training_args(out, "adamw_torch_layerwise", max_steps=2, save_strategy="steps", save_steps=2)
+    LayerwiseTrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset()).train()
+    return out / "checkpoint-2"
+
+
+def fresh(tmp_path):
+    model = tiny_llama(seed=3)
+    trainer = LayerwiseTrainer(
+        model=model, args=training_args(tmp_path, "adamw_torch_layerwise", max_steps=4), train_dataset=TokenDataset()
+    )
+    return model, trainer
+
+
+def test_missing_checkpoint_keeps_trainers_words(tmp_path):
+    _, trainer = fresh(tmp_path)
+    with pytest.raises(ValueError, match="Can't find a valid checkpoint at .*checkpoint-9"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-9"))
+
+
+def test_checkpoint_with_weights_only_is_file_not_found_as_with_trainer(checkpoint, tmp_path):
+    weights_only = tmp_path / "weights-only"
+    weights_only.mkdir()
+    shutil.copy(checkpoint / "model.safetensors", weights_only)
+    shutil.copy(checkpoint / "config.json", weights_only)
+    model, trainer = fresh(tmp_path / "out")
+    before = params(model)
+    with pytest.raises(FileNotFoundError, match="trainer_state.json"):
+        trainer.train(resume_from_checkpoint=str(weights_only))
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("name", ["scheduler.pt", "rng_state.pth"])
+def test_unloadable_file_is_named_before_anything_loads(checkpoint, tmp_path, name):
+    broken = tmp_path / "checkpoint-2"
+    shutil.copytree(checkpoint, broken)
+    data = (broken / name).read_bytes()
+    (broken / name).write_bytes(data[: len(data) // 2])
+    model, trainer = fresh(tmp_path / "out")
+    before = params(model)
+    with pytest.raises(ValueError, match=rf"{name} cannot be loaded"):
+        trainer.train(resume_from_checkpoint=str(broken))
+    # The model's weights were not loaded from the checkpoint before the error.
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
