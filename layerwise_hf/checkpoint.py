@@ -319,12 +319,9 @@ def register(subparsers) -> None:
     Example:
 
     ```python
-    >>> import argparse
-    >>> from layerwise_hf.checkpoint import register
-    >>> parser = argparse.ArgumentParser(prog="layerwise-hf")
-    >>> register(parser.add_subparsers())
-    >>> parser.parse_args(["convert-checkpoint", "out/checkpoint-500", "--to", "layerwise"]).output_dir is None
-    True
+    >>> from layerwise_hf.cli import build_parser  # registers this subcommand with the others
+    >>> build_parser().parse_args(["convert-checkpoint", "out/checkpoint-4", "--to", "standard"]).to
+    'standard'
     ```
     """
     parser = subparsers.add_parser(

@@ -460,9 +460,7 @@ def low_rank_factory(name: str, base: str, args: Any, model: nn.Module | None) -
     Example:
 
     ```python
-    >>> from transformers import LlamaConfig, LlamaForCausalLM
-    >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-    ...                                      num_hidden_layers=2, num_attention_heads=4))
+    >>> # model: a LlamaForCausalLM, as in `target_parameter_names`' example
     >>> from layerwise_hf import LayerwiseTrainingArguments
     >>> from layerwise_hf.galore import low_rank_factory
     >>> args = LayerwiseTrainingArguments(

@@ -123,11 +123,7 @@ def load_layerwise_state_dict(optimizer: LayerwiseOptimizer, state_dict: dict[st
     Example:
 
     ```python
-    >>> import torch
-    >>> from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
-    >>> model = torch.nn.Linear(4, 2)
-    >>> params = [LayerwiseParam("weight", model.weight, 0.1), LayerwiseParam("bias", model.bias, 0.0)]
-    >>> optimizer = LayerwiseOptimizer(params, lambda lp, args: torch.optim.SGD([lp.param], lr=0.1))
+    >>> # optimizer: the two-parameter LayerwiseOptimizer of `layerwise_state_dict`'s example
     >>> from layerwise_hf.state import layerwise_state_dict, load_layerwise_state_dict
     >>> last_grad_norm = load_layerwise_state_dict(optimizer, layerwise_state_dict(optimizer))
     ```
@@ -268,11 +264,7 @@ def standard_groups_of(state_dict: dict[str, Any]) -> list[list[str]]:
     Example:
 
     ```python
-    >>> import torch
-    >>> from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
-    >>> model = torch.nn.Linear(4, 2)
-    >>> params = [LayerwiseParam("weight", model.weight, 0.1), LayerwiseParam("bias", model.bias, 0.0)]
-    >>> optimizer = LayerwiseOptimizer(params, lambda lp, args: torch.optim.SGD([lp.param], lr=0.1))
+    >>> # optimizer: the two-parameter LayerwiseOptimizer of `layerwise_state_dict`'s example
     >>> from layerwise_hf.state import standard_groups_of
     >>> standard_groups_of(optimizer.state_dict())
     [['weight'], ['bias']]
@@ -299,11 +291,7 @@ def first_members(state_dict: dict[str, Any], groups_names: list[list[str]]) -> 
     Example:
 
     ```python
-    >>> import torch
-    >>> from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
-    >>> model = torch.nn.Linear(4, 2)
-    >>> params = [LayerwiseParam("weight", model.weight, 0.1), LayerwiseParam("bias", model.bias, 0.0)]
-    >>> optimizer = LayerwiseOptimizer(params, lambda lp, args: torch.optim.SGD([lp.param], lr=0.1))
+    >>> # optimizer: the two-parameter LayerwiseOptimizer of `layerwise_state_dict`'s example
     >>> from layerwise_hf.state import first_members
     >>> first_members(optimizer.state_dict(), [["weight"], ["bias"]])
     [0, 1]
@@ -329,11 +317,7 @@ def layerwise_to_standard(state_dict: dict[str, Any], groups_names: list[list[st
     Example:
 
     ```python
-    >>> import torch
-    >>> from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
-    >>> model = torch.nn.Linear(4, 2)
-    >>> params = [LayerwiseParam("weight", model.weight, 0.1), LayerwiseParam("bias", model.bias, 0.0)]
-    >>> optimizer = LayerwiseOptimizer(params, lambda lp, args: torch.optim.SGD([lp.param], lr=0.1))
+    >>> # optimizer: the two-parameter LayerwiseOptimizer of `layerwise_state_dict`'s example
     >>> from layerwise_hf.state import layerwise_to_standard
     >>> standard = layerwise_to_standard(optimizer.state_dict())
     >>> [group["params"] for group in standard["param_groups"]]

@@ -78,15 +78,11 @@ class LayerwiseTrainerMixin:
         Example:
 
         ```python
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
         >>> from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments
-        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-        ...                                      num_hidden_layers=2, num_attention_heads=4))
-        >>> args = LayerwiseTrainingArguments(output_dir="out", optim="adamw_torch_layerwise")
-        >>> trainer = LayerwiseTrainer(model=model, args=args)
+        >>> trainer = LayerwiseTrainer(model=model, args=LayerwiseTrainingArguments("out", optim="sgd_layerwise"))
         >>> _ = trainer.create_optimizer()
         >>> trainer.layerwise_optimizer.optimizer_name
-        'adamw_torch_layerwise'
+        'sgd_layerwise'
         ```
         """
         return unwrap_layerwise_optimizer(self.optimizer)
