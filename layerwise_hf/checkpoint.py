@@ -127,7 +127,7 @@ def latest_complete_checkpoint(run_dir: str) -> str | None:
     return None
 
 
-def check_checkpoint(checkpoint_dir: str) -> None:
+def check_checkpoint(checkpoint_dir: str, accept_nonfinite: bool = False) -> None:
     """
     Raise a clear `ValueError` for a checkpoint that cannot be resumed from (not a directory, an unreadable
     `trainer_state.json` or `optimizer.pt`), before anything is loaded.
@@ -176,10 +176,67 @@ def check_checkpoint(checkpoint_dir: str) -> None:
         ) from err
     optimizer_file = os.path.join(checkpoint_dir, OPTIMIZER_NAME)
     if os.path.isfile(optimizer_file):
-        load_optimizer_file(optimizer_file)
+        _check_finite(optimizer_file, load_optimizer_file(optimizer_file), accept_nonfinite)
     for name in sorted(os.listdir(checkpoint_dir)):
         if name == SCHEDULER_NAME or (name.startswith("rng_state") and name.endswith(".pth")):
             _check_loadable(os.path.join(checkpoint_dir, name))
+
+
+def _check_finite(path: str, state_dict: dict[str, Any], accept: bool) -> None:
+    # NOTE: a NaN moment loads silently and turns the weights NaN a few steps later, while the logged loss stays
+    # finite for a while: say which parameters before anything is loaded.
+    names = {
+        i: g.get("name", f"param group {k}")
+        for k, g in enumerate(state_dict.get("param_groups", []))
+        for i in g["params"]
+    }
+    bad = sorted(
+        {
+            f"{names.get(i, i)}.{key}"
+            for i, state in state_dict.get("state", {}).items()
+            for key, value in state.items()
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and not torch.isfinite(value).all()
+        }
+    )
+    if not bad:
+        return
+    message = f"{path} holds NaN or inf in the optimizer state of {len(bad)} tensor(s), e.g. {bad[:3]}"
+    if not accept:
+        raise ValueError(
+            f"{message}; training on from it would turn the weights NaN. Resume from an earlier checkpoint, or set "
+            "layerwise_accept_nonfinite_state=True to load it anyway."
+        )
+    logger.warning("%s; loading it anyway (layerwise_accept_nonfinite_state=True).", message)
+
+
+def warn_missing_optimizer_state(checkpoint_dir: str) -> None:
+    """
+    Warn when a checkpoint has no optimizer or scheduler state: Trainer then resumes silently with a fresh optimizer
+    (moments from zero) and a fresh schedule (warmup again).
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.checkpoint import warn_missing_optimizer_state
+    >>> warn_missing_optimizer_state("out/checkpoint-500")  # logs a warning if optimizer.pt / scheduler.pt are gone
+    ```
+    """
+    entries = set(os.listdir(checkpoint_dir)) if os.path.isdir(checkpoint_dir) else set()
+    # FSDP writes its optimizer state as a directory (optimizer_0), DeepSpeed inside global_step*.
+    has_optimizer = OPTIMIZER_NAME in entries or any(e.startswith(("optimizer_", "global_step")) for e in entries)
+    missing = [
+        name for name, ok in ((OPTIMIZER_NAME, has_optimizer), (SCHEDULER_NAME, SCHEDULER_NAME in entries)) if not ok
+    ]
+    if missing:
+        logger.warning(
+            "%s has no %s: training resumes with a fresh %s (Trainer does so silently). Resume from a checkpoint "
+            "that has them if this one was copied or cleaned up partially.",
+            checkpoint_dir,
+            " or ".join(missing),
+            "optimizer and schedule"
+            if len(missing) == 2
+            else ("optimizer" if OPTIMIZER_NAME in missing else "schedule"),
+        )
 
 
 def _check_loadable(path: str) -> None:

@@ -23,6 +23,7 @@ from .checkpoint import (
     load_optimizer_file,
     mark_complete,
     standard_to_layerwise,
+    warn_missing_optimizer_state,
 )
 from .data_parallel import DataParallelConfig
 from .optimizer import build_layerwise_optimizer, unwrap_layerwise_optimizer
@@ -150,7 +151,9 @@ class LayerwiseTrainerMixin:
             # Trainer would take the newest checkpoint-N even if a crash interrupted its writing.
             resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir) or True
         if isinstance(resume_from_checkpoint, str):
-            check_checkpoint(resume_from_checkpoint)
+            accept = bool(getattr(self.args, "layerwise_accept_nonfinite_state", False))
+            check_checkpoint(resume_from_checkpoint, accept_nonfinite=accept)
+            warn_missing_optimizer_state(resume_from_checkpoint)
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:

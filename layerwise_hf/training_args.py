@@ -61,6 +61,14 @@ class LayerwiseTrainingArguments(TrainingArguments):
         },
     )
 
+    layerwise_accept_nonfinite_state: bool = field(
+        default=False,
+        metadata={
+            "help": "Resume from an optimizer.pt whose state holds NaN or inf (refused by default: the weights would "
+            "turn NaN a few steps later while the logged loss stays finite)."
+        },
+    )
+
     def __post_init__(self):
         self.layerwise_clip = ClipMode.parse(self.layerwise_clip).value
         _check_arguments_trainer_uses_late(self)

@@ -185,3 +185,34 @@ def test_unloadable_file_is_named_before_anything_loads(checkpoint, tmp_path, na
         trainer.train(resume_from_checkpoint=str(broken))
     # The model's weights were not loaded from the checkpoint before the error.
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+def test_nonfinite_optimizer_state_is_refused_unless_accepted(checkpoint, tmp_path):
+    broken = tmp_path / "checkpoint-2"
+    shutil.copytree(checkpoint, broken)
+    state = torch.load(broken / "optimizer.pt", weights_only=True)
+    index = next(g["params"][0] for g in state["param_groups"] if g["name"] == "lm_head.weight")
+    state["state"][index]["exp_avg_sq"][0, 0] = float("nan")
+    torch.save(state, broken / "optimizer.pt")
+    model, trainer = fresh(tmp_path / "out")
+    before = params(model)
+    with pytest.raises(
+        ValueError, match=r"NaN or inf .*lm_head\.weight\.exp_avg_sq.*layerwise_accept_nonfinite_state"
+    ):
+        trainer.train(resume_from_checkpoint=str(broken))
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    model, trainer = fresh(tmp_path / "accepting")
+    trainer.args.layerwise_accept_nonfinite_state = True
+    trainer.train(resume_from_checkpoint=str(broken))  # what the user asked for: the NaN comes through
+    assert torch.isnan(model.lm_head.weight).any()
+
+
+@pytest.mark.parametrize("name", ["optimizer.pt", "scheduler.pt"])
+def test_missing_optimizer_or_scheduler_state_is_warned_about(checkpoint, tmp_path, caplog, name):
+    partial = tmp_path / "checkpoint-2"
+    shutil.copytree(checkpoint, partial)
+    (partial / name).unlink()
+    _, trainer = fresh(tmp_path / "out")
+    with caplog.at_level("WARNING", logger="layerwise_hf.checkpoint"):
+        trainer.train(resume_from_checkpoint=str(partial))
+    assert any(name in r.getMessage() and "fresh" in r.getMessage() for r in caplog.records)
