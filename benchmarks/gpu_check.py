@@ -3,8 +3,8 @@
 Run it through `bash benchmarks/gpu_check.sh` (sets the environment, refuses to start without CUDA, bounds the time),
 or directly:
 
-    python benchmarks/gpu_check.py                      # CUDA: the three checks below, ~2-4 min on an H200-class GPU
-    python benchmarks/gpu_check.py --tiny               # CPU dry run: tiny models, the same code paths (~1 min)
+    python benchmarks/gpu_check.py                      # CUDA: the three checks below (not yet run on a GPU)
+    python benchmarks/gpu_check.py --tiny               # CPU dry run: tiny models, same code paths (~80 s, 2 cores)
     python benchmarks/gpu_check.py --checks parity,fp16 --output /tmp/gpu_check.json
 
 Models are built from `LlamaConfig` with random weights (nothing downloaded). Three checks, each in its own
