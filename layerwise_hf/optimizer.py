@@ -359,7 +359,15 @@ def _check_params(params: Sequence[LayerwiseParam]) -> None:
 
 
 def _build_inner(factory: LayerwiseFactory, lp: LayerwiseParam, args: Any) -> torch.optim.Optimizer:
-    inner = factory(lp, args)
+    try:
+        inner = factory(lp, args)
+    except Exception as err:
+        # An optimizer's own error ("Muon only supports 2D parameters") does not say which tensor it refused.
+        where = f"building the {getattr(args, 'optim', 'layer-wise')} optimizer of {lp.name} {tuple(lp.param.shape)}"
+        if not err.args or not isinstance(err.args[0], str):
+            raise RuntimeError(f"{type(err).__name__} while {where}: {err}") from err
+        err.args = (f"{err.args[0]} [{where}]", *err.args[1:])  # the same type: callers may catch it
+        raise
     groups = getattr(inner, "param_groups", None)
     if not groups or len(groups) != 1 or len(groups[0]["params"]) != 1 or groups[0]["params"][0] is not lp.param:
         raise ValueError(

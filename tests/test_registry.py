@@ -74,3 +74,16 @@ def test_bitsandbytes_private_manager_ignores_global_overrides(tmp_path):
         assert optimizer.inner[up].state[optimizer.param_groups[up]["params"][0]]["state1"].dtype == torch.uint8
     finally:
         del manager.index2config[(0, 0)]
+
+
+def test_factory_errors_name_the_parameter_and_the_optimizer(tmp_path):
+    from layerwise_hf import build_layerwise_optimizer
+
+    register_layerwise_optimizer("muon_2d_only_layerwise", lambda lp, args: torch.optim.Muon([lp.param], lr=0.1))
+    try:
+        args = training_args(tmp_path, "muon_2d_only_layerwise")
+        match = r"Muon only supports 2D.*muon_2d_only_layerwise optimizer of model\.layers\.0\.input_layernorm"
+        with pytest.raises(ValueError, match=match):
+            build_layerwise_optimizer(tiny_llama(), args)
+    finally:
+        unregister_layerwise_optimizer("muon_2d_only_layerwise")

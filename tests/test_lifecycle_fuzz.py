@@ -1,0 +1,130 @@
+"""Seeded lifecycle fuzz: random sequences of what users do between and during `train()` calls, run side by side on
+stock Trainer + AdamW and LayerwiseTrainer + adamw_torch_layerwise, with every parameter compared after each
+sequence.
+
+Operations: train; an exception mid-backward (or in the forward when nothing clips: then no layer has stepped in
+either run); a change of `max_grad_norm`; freezing or unfreezing a parameter (the layer-wise run must refuse it
+naming the parameter and change nothing; then both build a new optimizer, as the refusal advises); resuming from
+the newest checkpoint in a new trainer; a second trainer on the same model.
+"""
+
+import os
+import random
+
+import pytest
+import torch
+from helpers import TokenDataset, assert_params_equal, clone, tiny_llama, training_args
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
+
+from layerwise_hf import LayerwiseTrainer
+
+SEQUENCES = int(os.environ.get("LAYERWISE_FUZZ_SEQUENCES", 50))
+OPERATIONS = ("train", "exception", "clip", "freeze", "resume", "second_trainer")
+KINDS = {"stock": ("adamw_torch", Trainer), "layerwise": ("adamw_torch_layerwise", LayerwiseTrainer)}
+
+
+class Interrupt(Exception):
+    pass
+
+
+class RaiseOnce(TrainerCallback):
+    """On the first step after arming: raise in the middle of backward (a tensor hook on the first layer's output,
+    after the upper layers' gradients are done) or, when asked, in the forward."""
+
+    def __init__(self, model):
+        self.where = None
+        model.model.layers[0].register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        if self.where is None or not torch.is_grad_enabled():
+            return
+        where, self.where = self.where, None
+        if where == "forward":
+            raise Interrupt("in forward")
+
+        def boom(grad):
+            raise Interrupt("mid-backward")
+
+        (output[0] if isinstance(output, tuple) else output).register_hook(boom)
+
+
+class Run:
+    """One side of the comparison: a model and its current trainer."""
+
+    def __init__(self, kind, model, root):
+        self.optim, self.trainer_cls = KINDS[kind]
+        self.model, self.root, self.raiser = model, root, RaiseOnce(model)
+        self.max_grad_norm, self.made, self.max_steps = 1.0, 0, 2
+        self.trainer = self.new_trainer()
+
+    def new_trainer(self, max_steps=2):
+        self.made += 1
+        self.max_steps = max_steps
+        args = training_args(
+            self.root / f"t{self.made}",
+            self.optim,
+            max_steps=max_steps,
+            max_grad_norm=self.max_grad_norm,
+            save_strategy="steps",
+            save_steps=2,
+            warmup_steps=1,
+        )
+        trainer = self.trainer_cls(model=self.model, args=args, train_dataset=TokenDataset(n=16))
+        trainer.add_callback(self.raiser)
+        return trainer
+
+
+def apply(op: str, run: Run, rng_choice) -> None:
+    trainer = run.trainer
+    if op == "train":
+        trainer.train()
+    elif op == "exception":
+        run.raiser.where = "backward" if run.max_grad_norm > 0 else "forward"
+        with pytest.raises(Interrupt):
+            trainer.train()
+    elif op == "clip":
+        run.max_grad_norm = trainer.args.max_grad_norm = rng_choice["clip"]
+    elif op == "freeze":
+        param = dict(run.model.named_parameters())[rng_choice["param"]]
+        param.requires_grad_(not param.requires_grad)
+        if isinstance(trainer, LayerwiseTrainer) and trainer.optimizer is not None:
+            before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+            with pytest.raises(ValueError, match=rng_choice["param"]):
+                trainer.train()
+            assert all(torch.equal(before[n], p) for n, p in run.model.named_parameters())
+        trainer.optimizer, trainer.lr_scheduler = None, None  # what the refusal advises, on both sides
+    elif op == "resume":
+        last = get_last_checkpoint(str(trainer.args.output_dir))
+        if last is None:
+            trainer.train()
+            last = get_last_checkpoint(str(trainer.args.output_dir))
+        step = int(last.rsplit("-", 1)[1])
+        run.trainer = run.new_trainer(max_steps=step + 2)
+        run.trainer.train(resume_from_checkpoint=last)
+    elif op == "second_trainer":
+        run.trainer = run.new_trainer()
+        run.trainer.train()
+
+
+@pytest.mark.slow
+def test_lifecycle_sequences_match_stock_trainer(tmp_path):
+    names = [n for n, _ in tiny_llama().named_parameters() if "embed" not in n]
+    tried = {op: 0 for op in OPERATIONS}
+    for seed in range(SEQUENCES):
+        rng = random.Random(seed)
+        ops = [rng.choice(OPERATIONS) for _ in range(4)]
+        choices = [{"clip": rng.choice([0.0, 0.05, 1.0]), "param": rng.choice(names)} for _ in ops]
+        base = tiny_llama(seed=seed)
+        runs = {kind: Run(kind, clone(base), tmp_path / f"s{seed}" / kind) for kind in KINDS}
+        for op, choice in zip(ops, choices):
+            for run in runs.values():
+                apply(op, run, choice)
+            tried[op] += 1
+        for run in runs.values():
+            run.trainer.train()  # every sequence ends with a step, so a stale state would show
+        try:
+            assert_params_equal(runs["stock"].model, runs["layerwise"].model)
+        except AssertionError as err:
+            raise AssertionError(f"sequence {seed}: {ops}: {err}") from err
+    assert all(tried.values()), tried
