@@ -144,6 +144,22 @@ def test_cli_lora_fsdp2_and_presets(capsys):
     assert "6,738,415,616" in out and all(p in out for p in list_presets())
 
 
+def test_cli_ddp_bucket_cap(capsys):
+    argv = ["estimate-memory", "llama-2-7b", "--world-size", "2", "--sharding", "ddp", "--json"]
+    assert main([*argv, "--bucket-cap-mb", "100"]) == 0
+    wide = {e["optimizer"]: e for e in json.loads(capsys.readouterr().out)["estimates"]}
+    assert main(argv) == 0
+    default = {e["optimizer"]: e for e in json.loads(capsys.readouterr().out)["estimates"]}
+    layerwise, standard = default["adamw_torch_layerwise"], default["adamw_torch"]
+    assert layerwise["bucket_cap_mb"] is None and wide["adamw_torch_layerwise"]["bucket_cap_mb"] == 100
+    assert layerwise["gradient_bytes"] == layerwise["ddp_in_flight_bytes"] < standard["gradient_bytes"]
+    assert wide["adamw_torch_layerwise"]["gradient_bytes"] > layerwise["gradient_bytes"]
+    assert wide["adamw_torch"]["gradient_bytes"] == standard["gradient_bytes"]  # standard DDP: buckets = gradients
+    assert main(argv[:-1]) == 0
+    out = capsys.readouterr().out
+    assert "Layer-wise gradients under DDP: at most" in out and "no persistent buckets" in out
+
+
 def test_parser_registers_subcommands():
     from layerwise_hf import estimate as estimate_module
 

@@ -213,15 +213,88 @@ def test_fsdp2_divides_weights_gradients_and_state():
     assert any("refused under FSDP2" in n for n in refused.notes)
 
 
-def test_ddp_replicates_and_keeps_bucket_buffers():
-    one = estimate("llama-2-7b", optimizer="adamw_torch_layerwise")
-    ddp = estimate("llama-2-7b", optimizer="adamw_torch_layerwise", world_size=4)
-    assert ddp.sharding == "ddp" and ddp.per_gpu_bytes == ddp.total_bytes
-    assert ddp.gradient_bytes == one.all_gradient_bytes + one.gradient_bytes
+def test_ddp_standard_keeps_bucket_buffers():
+    one = estimate("llama-2-7b", optimizer="adamw_torch")
     standard = estimate("llama-2-7b", optimizer="adamw_torch", world_size=4)
-    assert standard.gradient_bytes == 2 * one.all_gradient_bytes
+    assert standard.sharding == "ddp" and standard.per_gpu_bytes == standard.total_bytes
+    assert standard.gradient_bytes == 2 * one.all_gradient_bytes  # buckets + .grad
     view = estimate("llama-2-7b", optimizer="adamw_torch", world_size=4, gradient_as_bucket_view=True)
-    assert view.gradient_bytes == one.all_gradient_bytes
+    assert view.gradient_bytes == one.all_gradient_bytes  # .grad are views of the buckets
+    assert standard.ddp_in_flight_bytes is None and any("whole run" in n for n in standard.notes)
+
+
+def test_ddp_layerwise_holds_only_the_buckets_in_flight():
+    # The data-parallel route (no DDP wrapper): two buckets and the gradient being copied in, not all gradients.
+    view = estimate("llama-2-7b", optimizer="adamw_torch", world_size=4, gradient_as_bucket_view=True)
+    ddp = estimate("llama-2-7b", optimizer="adamw_torch_layerwise", world_size=4)
+    assert ddp.gradient_bytes == ddp.ddp_in_flight_bytes
+    assert view.gradient_bytes - ddp.gradient_bytes > 0.9 * ddp.all_gradient_bytes  # the saving is no longer 0
+    # Llama-2-7b, bf16, buckets in the reverse of forward's order of use: the last one is the first layer's
+    # input_layernorm with embed_tokens (250 MiB, copied in: not alone, so not reduced in place), filled while the
+    # one before it (the first layer's q_proj, 32 MiB) reduces.
+    q_proj, norm, embed = 4096 * 4096 * 2, 4096 * 2, 32000 * 4096 * 2
+    assert ddp.gradient_bytes == q_proj + (norm + embed) + embed
+    assert any("no persistent buckets" in n for n in ddp.notes)
+    assert ddp.total_bytes == ddp.weight_bytes + ddp.gradient_bytes + ddp.optimizer_state_bytes
+
+
+def test_ddp_layerwise_bound_grows_with_the_bucket_cap():
+    sizes = [estimate("llama-2-7b", world_size=2, bucket_cap_mb=cap).gradient_bytes for cap in (25, 100, 400, 2000)]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+    # A cap above every gradient: one bucket of all of them, plus the largest gradient while it is copied in.
+    one = estimate("llama-2-7b", world_size=2, bucket_cap_mb=10**6)
+    assert one.gradient_bytes == one.all_gradient_bytes + one.largest_parameter_bytes
+    with pytest.raises(EstimateError, match="bucket_cap_mb"):
+        estimate("llama-2-7b", world_size=2, bucket_cap_mb=0)
+
+
+def test_ddp_layerwise_with_gradient_accumulation_keeps_every_gradient():
+    ga = estimate("llama-2-7b", optimizer="adamw_torch_layerwise", world_size=2, gradient_accumulation_steps=4)
+    assert ga.gradient_bytes == ga.all_gradient_bytes and ga.ddp_in_flight_bytes is None
+    assert any("accumulation" in n for n in ga.notes)
+
+
+def test_ddp_buckets_match_torch_assignment():
+    import random
+
+    import torch.distributed as dist
+
+    from layerwise_hf.estimate.buckets import assign_buckets, bucket_size_limits
+
+    rng = random.Random(0)
+    for limits in (bucket_size_limits(), bucket_size_limits(0.5), [1000, 5000]):
+        numels = [rng.choice([1, 64, 4096, 70_000, 300_000, 3_000_000]) for _ in range(60)]
+        tensors = [torch.empty(n, device="meta") for n in numels]
+        expected, _ = dist._compute_bucket_assignment_by_size(tensors, limits, [False] * len(tensors))
+        ours = assign_buckets([4 * n for n in numels], limits)
+        assert [b.sizes for b in ours] == [tuple(4 * numels[i] for i in b) for b in expected]
+
+
+def test_ddp_layerwise_bound_on_the_58m_benchmark_model():
+    # benchmarks/distributed_memory.py's model, bucketed by torch in the reverse of forward's order of use (the
+    # route's order after the first step): the last bucket (the first layer's rest + embed_tokens, 78.6 MiB) is
+    # filled while the one before it (26.8 MiB) reduces, and embed_tokens' 62.5 MiB .grad is copied in.
+    import torch.distributed as dist
+
+    from layerwise_hf.estimate.buckets import DEFAULT_FIRST_BUCKET_BYTES
+    from layerwise_hf.estimate.models import forward_use_order
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)  # fmt: skip
+    est = estimate(config, optimizer="adamw_torch_layerwise", dtype="float32", world_size=2)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    named = dict(model.named_parameters())
+    ready = [named[n] for n in reversed(forward_use_order(model))]
+    assert len(ready) == len(named) and DEFAULT_FIRST_BUCKET_BYTES == dist._DEFAULT_FIRST_BUCKET_BYTES
+    assignment, _ = dist._compute_bucket_assignment_by_size(
+        ready, [DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20], [False] * len(ready)
+    )
+    sizes = [sum(ready[i].numel() * 4 for i in b) for b in assignment]
+    copies = [max(ready[i].numel() * 4 for i in b) if len(b) > 1 else 0 for b in assignment]
+    bound = max((sizes[k - 1] if k else 0) + sizes[k] + copies[k] for k in range(len(sizes)))
+    assert est.gradient_bytes == bound
+    assert round(bound / 2**20, 1) == 167.9 and round(est.all_gradient_bytes / 2**20, 1) == 221.5
 
 
 # ---- optimizer state against the real optimizers ----

@@ -25,7 +25,8 @@ Two conventions, because the numbers people compare against come from `accelerat
   included; pure float16 weights, gradients and AdamW moments, 2 + 2 + 4 B/param, summed).
 
 Layout: `units` (dtypes, byte sizes, formatting), `models` (parameter tensors from a config or a model, the presets in
-`presets/*.json`), `optimizers` (state per tensor, rules in `optimizer_rules.txt`), `core` (`estimate()`),
+`presets/*.json`), `optimizers` (state per tensor, rules in `optimizer_rules.txt`), `buckets` (the layer-wise
+data-parallel route's gradient buckets under DDP and the bytes it holds in flight), `core` (`estimate()`),
 `accelerate_mode` (`accelerate_estimate()`), `cli` (the `estimate-memory` subcommand and its tables).
 
 Example:

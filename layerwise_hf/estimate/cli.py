@@ -131,7 +131,16 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     parser.add_argument("--world-size", type=int, default=1, help="Number of devices.")
     parser.add_argument("--sharding", choices=SHARDINGS, help="Default: none on one device, ddp on several.")
-    parser.add_argument("--gradient-as-bucket-view", action="store_true", help="DDP's gradient_as_bucket_view=True.")
+    parser.add_argument(
+        "--gradient-as-bucket-view", action="store_true", help="Standard DDP's gradient_as_bucket_view=True."
+    )
+    parser.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="DDP's bucket_cap_mb (Trainer's ddp_bucket_cap_mb): the layer-wise route's bucket size under DDP. "
+        "Default: DDP's, 25 MiB after a first bucket of 1 MiB.",
+    )
     parser.add_argument(
         "--units",
         choices=("binary", "decimal"),
@@ -201,6 +210,7 @@ def _run(args: argparse.Namespace) -> str:
                     world_size=args.world_size,
                     sharding=args.sharding,
                     gradient_as_bucket_view=args.gradient_as_bucket_view,
+                    bucket_cap_mb=args.bucket_cap_mb,
                 )
             )
     if args.json:
@@ -262,6 +272,13 @@ def _estimates_table(spec: ModelSpec | ModuleSpec, estimates: list[MemoryEstimat
             f"trainable tensor is {lw.largest_parameter}, {format_bytes(lw.largest_parameter_bytes, units)}) instead "
             f"of all {format_bytes(lw.all_gradient_bytes, units)}"
             + (f"; each device holds 1/{lw.world_size} of it." if lw.sharding == "fsdp2" else ".")
+        )
+    if lw is not None and lw.ddp_in_flight_bytes is not None:
+        every = format_bytes(lw.all_gradient_bytes, units)
+        lines.append(
+            f"Layer-wise gradients under DDP: at most {format_bytes(lw.ddp_in_flight_bytes, units)} in flight per "
+            f"device (two buckets and a copy) instead of standard DDP's {every} of buckets (plus {every} of .grad "
+            "without --gradient-as-bucket-view)."
         )
     notes = list(dict.fromkeys(note for e in estimates for note in e.notes))
     # The caveat that applies to every row reads best after the ones specific to this configuration.

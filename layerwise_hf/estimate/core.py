@@ -1,6 +1,6 @@
 """`estimate()`: weights, gradients and optimizer state of one training configuration, in three steps. Counting walks
 the tensors once (what each holds and trains); the gradient term decides how many gradients are alive at once; the
-sharding step applies DDP's buckets or FSDP2's division."""
+sharding step applies DDP (standard: its persistent buckets; layer-wise: the buckets in flight) or FSDP2's division."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .buckets import assign_buckets, bucket_size_limits, ddp_in_flight_bound
 from .models import ModelSpec, ModuleSpec, TensorSpec, load_model_spec
 from .optimizers import OPTIMIZER_RULES, OptimizerRule, fsdp2_refusal, parse_optimizer, tensor_state_bytes, uses_qmaps
 from .units import (
@@ -49,7 +50,8 @@ class MemoryEstimate:
             The largest trainable tensor: the layer-wise gradient term on one process (two of it for a tied
             embedding; the largest FSDP2 unit under FSDP2).
         weight_bytes, gradient_bytes, optimizer_state_bytes (`int`):
-            The three terms. Under DDP `gradient_bytes` includes the reducer's bucket buffers.
+            The three terms. Under DDP `gradient_bytes` includes the standard reducer's bucket buffers, or, layer-wise,
+            the gradient buckets in flight (`ddp_in_flight_bytes`).
         total_bytes (`int`):
             Their sum.
         per_gpu_bytes (`int`):
@@ -58,6 +60,11 @@ class MemoryEstimate:
             Every trainable gradient at once (what the standard optimizer holds at its step), for comparison.
         notes (`list[str]`):
             What the figures assume or leave out for this configuration.
+        bucket_cap_mb (`float`, *optional*):
+            DDP's `bucket_cap_mb` (`None`: DDP's default, 25 MiB after a first bucket of 1 MiB).
+        ddp_in_flight_bytes (`int`, *optional*):
+            Layer-wise under DDP with no gradient accumulation: the most gradient bytes the data-parallel route holds
+            at once (see `ddp_in_flight_bound`); `None` otherwise.
 
     Example:
 
@@ -88,6 +95,8 @@ class MemoryEstimate:
     per_gpu_bytes: int
     all_gradient_bytes: int
     notes: list[str] = field(default_factory=list)
+    bucket_cap_mb: float | None = None
+    ddp_in_flight_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -157,6 +166,8 @@ def _entries(spec: ModelSpec | ModuleSpec, opts: _Options, notes: list[str]) -> 
         notes.append(f"{fraction:g} of every tensor trains: an approximation of freezing whole layers.")
     return [(t, DTYPE_BYTES[opts.dtype], True, fraction) for t in tensors], opts.dtype
 
+
+_LAYER_NAME = re.compile(r"^(?P<stack>(?:.*\.)?layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
 
 # ---- step 1: counting ----
 
@@ -286,23 +297,103 @@ def _gradient_term(counts: _Counts, layerwise: bool, opts: _Options, notes: list
 # ---- step 3: sharding ----
 
 
-def _shard(counts: _Counts, grads: int, state: int, base: str, layerwise: bool, opts: _Options, notes: list[str]):
+def _ready_order(entries: Sequence[Entry], use_order: Sequence[str] = ()) -> tuple[list[int], list[object]]:
     """
-    Step 3: DDP's bucket buffers or FSDP2's division. Returns `(gradient_bytes, total_bytes, per_gpu_bytes)`.
+    Each trainable gradient's bytes (per-layer entries expanded, layer by layer) and its bucket key (dtype), in the
+    order the data-parallel route buckets them after the first step: the reverse of the order forward first uses the
+    parameters (`ModelSpec.use_order`). Without that order (a real model, LoRA adapters), the reverse of
+    `named_parameters()` order, the route's order for the first step.
+
+    """
+    rows = [(t, elem, fraction) for t, elem, trainable, fraction in entries if trainable]
+    by_name = {t.name: (t, elem, fraction) for t, elem, fraction in rows}
+
+    def size(row) -> int:
+        t, elem, fraction = row
+        return round(t.numel * elem * fraction)
+
+    if use_order:
+        picked = []
+        for name in use_order:
+            match = _LAYER_NAME.match(name)
+            row = by_name.get(name) or (by_name.get(f"{match['stack']}.*.{match['rest']}") if match else None)
+            if row is not None:
+                picked.append(row)
+        if len(picked) == sum(t.count for t, _, _ in rows):  # every trainable tensor was used
+            return [size(r) for r in picked][::-1], [r[0].dtype or r[1] for r in picked][::-1]
+    sizes: list[int] = []
+    keys: list[object] = []
+    i = 0
+    while i < len(rows):
+        t = rows[i][0]
+        j = i + 1
+        if "*" in t.name:
+            # A run of per-layer entries is one decoder layer, repeated `count` times.
+            while j < len(rows) and "*" in rows[j][0].name and rows[j][0].count == t.count:
+                j += 1
+        for _ in range(t.count):
+            sizes += [size(r) for r in rows[i:j]]
+            keys += [r[0].dtype or r[1] for r in rows[i:j]]
+        i = j
+    return sizes[::-1], keys[::-1]
+
+
+def _ddp_in_flight(
+    entries: Sequence[Entry], spec_use_order: Sequence[str], counts: _Counts, opts: _Options, notes: list[str]
+) -> int:
+    """The layer-wise data-parallel route's gradient term (no gradient accumulation): see `buckets`."""
+    sizes, keys = _ready_order(entries, spec_use_order)
+    buckets = assign_buckets(sizes, bucket_size_limits(opts.bucket_cap_mb), keys)
+    bound, k = ddp_in_flight_bound(buckets)
+    cap = "25 MiB after a first bucket of 1 MiB" if opts.bucket_cap_mb is None else f"{opts.bucket_cap_mb:g} MiB"
+    where = " + ".join(
+        format_bytes(x)
+        for x in ([buckets[k - 1].nbytes] if k else []) + [buckets[k].nbytes, buckets[k].copy_bytes]
+        if x
+    )
+    notes.append(
+        f"DDP layer-wise: no DDP wrapper and no persistent buckets; the route all-reduces gradients in buckets formed "
+        f"in the order they become ready (bucket_cap_mb: {cap}; a tensor larger than the cap is a bucket of its own, "
+        "reduced in place), one bucket reducing while the next fills, each stepped and freed. The gradient term is "
+        f"the most alive at once: two consecutive buckets plus the gradient being copied into the second ({where}, "
+        f"bucket {k + 1} of {len(buckets)}), instead of DDP's buckets of all gradients."
+    )
+    if counts.tied[0]:
+        notes.append(
+            f"Tied embeddings: the lm_head part of {counts.tied[1]}'s gradient is held through the whole backward, "
+            "on top of the buckets in flight."
+        )
+        bound += counts.tied[0]
+    return bound
+
+
+def _shard(
+    counts: _Counts, grads: int, state: int, base: str, layerwise: bool, opts: _Options, notes: list[str], in_flight
+):
+    """
+    Step 3: DDP (standard: persistent buckets; layer-wise: the buckets in flight) or FSDP2's division. Returns
+    `(gradient_bytes, total_bytes, per_gpu_bytes)`.
 
     """
     if opts.sharding == "ddp":
-        # The reducer allocates flat buckets for every gradient at wrap time; `.grad` is a second copy unless it is
-        # a view of them. The layer-wise comm hook steps from the buckets and frees `.grad`.
-        buckets = counts.all_grads
-        if layerwise or opts.gradient_as_bucket_view:
-            grads = buckets + (grads if layerwise and not opts.gradient_as_bucket_view else 0)
+        if layerwise and in_flight is not None:
+            grads = in_flight
+            if opts.gradient_as_bucket_view:
+                notes.append("gradient_as_bucket_view: ignored layer-wise (no DDP wrapper, no DDP buckets).")
+        elif layerwise:
+            notes.append(
+                "DDP layer-wise with gradient accumulation: gradients accumulate in .grad during the window and are "
+                "bucketed, reduced and freed only on its last micro-batch, so every gradient is held."
+            )
         else:
-            grads = buckets + counts.all_grads
-        notes.append(
-            "DDP: gradients include the reducer's bucket buffers (as large as all gradients), so layer-wise saves no "
-            "gradient memory under DDP; FSDP2 or one process does."
-        )
+            # The reducer allocates flat buckets for every gradient at wrap time and keeps them for the whole run;
+            # `.grad` is a second copy unless it is a view of them.
+            grads = counts.all_grads + (0 if opts.gradient_as_bucket_view else counts.all_grads)
+            notes.append(
+                "DDP (standard): the reducer's bucket buffers hold all gradients for the whole run"
+                + ("; .grad are views of them." if opts.gradient_as_bucket_view else ", and .grad is a second copy "
+                   "(--gradient-as-bucket-view makes it a view).")
+            )  # fmt: skip
     total = counts.weight_bytes + grads + state
     if opts.sharding != "fsdp2":
         return grads, total, total
@@ -335,6 +426,7 @@ class _Options:
     world_size: int = 1
     sharding: str = "none"
     gradient_as_bucket_view: bool = False
+    bucket_cap_mb: float | None = None
 
     @classmethod
     def check(cls, frozen_dtype: str | None = None, sharding: str | None = None, **kwargs: Any) -> _Options:
@@ -360,6 +452,8 @@ class _Options:
             raise EstimateError("Give either lora_rank or trainable_fraction, not both.")
         if self.trainable_fraction is not None and not 0 < self.trainable_fraction <= 1:
             raise EstimateError(f"trainable_fraction must be in (0, 1], got {self.trainable_fraction}.")
+        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
+            raise EstimateError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb}.")
         if self.lora_rank is not None and self.lora_rank < 1:
             raise EstimateError(f"lora_rank must be positive, got {self.lora_rank}.")
 
@@ -379,6 +473,7 @@ def estimate(
     world_size: int = 1,
     sharding: str | None = None,
     gradient_as_bucket_view: bool = False,
+    bucket_cap_mb: float | None = None,
 ) -> MemoryEstimate:
     """
     Estimate the weights, gradients and optimizer state of training `model`.
@@ -414,9 +509,14 @@ def estimate(
         sharding (`str`, *optional*):
             `"none"` (one device), `"ddp"` or `"fsdp2"`; defaults to `"none"` for one device, `"ddp"` otherwise.
             FSDP2 divides everything by `world_size` (layer-wise, the gradient term is the largest FSDP2 unit). DDP
-            replicates everything, and its bucket buffers hold all gradients: layer-wise saves no gradient memory.
+            replicates everything; standard DDP's bucket buffers hold all gradients for the whole run, while the
+            layer-wise route (no DDP wrapper) holds only the buckets in flight (`buckets.ddp_in_flight_bound`;
+            every gradient with gradient accumulation).
         gradient_as_bucket_view (`bool`, *optional*, defaults to `False`):
-            DDP's option making `.grad` a view of its buckets (one copy of the gradients instead of two).
+            Standard DDP's option making `.grad` a view of its buckets (one copy of the gradients instead of two).
+        bucket_cap_mb (`float`, *optional*):
+            DDP's `bucket_cap_mb` (Trainer's `ddp_bucket_cap_mb`): the layer-wise route's bucket size under DDP.
+            `None`: DDP's default, 25 MiB after a first bucket of 1 MiB.
 
     Example:
 
@@ -440,6 +540,7 @@ def estimate(
         world_size=world_size,
         sharding=sharding,
         gradient_as_bucket_view=gradient_as_bucket_view,
+        bucket_cap_mb=bucket_cap_mb,
     )
     return _steps(spec, OPTIMIZER_RULES[base], suffix_layerwise if layerwise is None else bool(layerwise), opts)
 
@@ -453,7 +554,10 @@ def _steps(spec: ModelSpec | ModuleSpec, rule: OptimizerRule, layerwise: bool, o
         raise EstimateError(f"{spec.name}: nothing is trainable.")
     state = _state_notes(counts, rule, layerwise, notes)
     grads = _gradient_term(counts, layerwise, opts, notes)
-    grads, total, per_gpu = _shard(counts, grads, state, rule.name, layerwise, opts, notes)
+    in_flight = None
+    if opts.sharding == "ddp" and layerwise and opts.gradient_accumulation_steps == 1:
+        in_flight = _ddp_in_flight(entries, getattr(spec, "use_order", ()), counts, opts, notes)
+    grads, total, per_gpu = _shard(counts, grads, state, rule.name, layerwise, opts, notes, in_flight)
     notes.append("Not included: activations, autocast copies, temporary buffers, CUDA context.")
     return MemoryEstimate(
         model=spec.name,
@@ -475,4 +579,6 @@ def _steps(spec: ModelSpec | ModuleSpec, rule: OptimizerRule, layerwise: bool, o
         per_gpu_bytes=per_gpu,
         all_gradient_bytes=counts.all_grads,
         notes=notes,
+        bucket_cap_mb=opts.bucket_cap_mb if opts.sharding == "ddp" else None,
+        ddp_in_flight_bytes=in_flight,
     )

@@ -158,6 +158,47 @@ def collapse_layers(tensors: list[TensorSpec]) -> list[TensorSpec]:
     return out
 
 
+def forward_use_order(model: Any) -> tuple[str, ...]:
+    """
+    The names of `model`'s parameters in the order one forward first uses them, from a two-token forward on the
+    meta device (nothing computed); `()` when the model cannot run that forward.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> from layerwise_hf.estimate.models import forward_use_order
+    >>> with torch.device("meta"):
+    ...     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+    ...                                          num_hidden_layers=1, num_attention_heads=2))
+    >>> order = forward_use_order(model)
+    >>> order[:2], order[-1]
+    (('model.embed_tokens.weight', 'model.layers.0.input_layernorm.weight'), 'lm_head.weight')
+    ```
+    """
+    import torch
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    order: dict[str, None] = {}
+
+    def note(module, args):
+        for p in module.parameters(recurse=False):
+            if id(p) in names:
+                order.setdefault(names[id(p)])
+
+    handles = [m.register_forward_pre_hook(note) for m in model.modules() if any(True for _ in m.parameters(False))]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device="meta"))
+    except Exception:  # noqa: BLE001  any architecture that will not run on meta keeps parameter order
+        return ()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return tuple(order)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """
@@ -176,6 +217,9 @@ class ModelSpec:
             The names of the output head's own parameters (absent from the base model `AutoModel` builds).
         source (`str`, *optional*, defaults to `""`):
             Where the dimensions come from.
+        use_order (`tuple[str, ...]`, *optional*):
+            Parameter names in the order a forward first uses them (from a forward on the meta device; empty when
+            that forward fails): gradients become ready in the reverse order, which decides DDP's buckets.
 
     Example:
 
@@ -193,6 +237,7 @@ class ModelSpec:
     parameters: tuple[TensorSpec, ...] = ()
     head: frozenset[str] = frozenset()
     source: str = ""
+    use_order: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     def __getattr__(self, name: str) -> Any:
         # NOTE: only reached for names the dataclass does not define; copy and pickle probe before `config` exists.
@@ -253,6 +298,7 @@ class ModelSpec:
             parameters=tuple(collapse_layers(tensors)),
             head=head,
             source=source,
+            use_order=forward_use_order(model),
         )
 
 
