@@ -1,20 +1,24 @@
-"""Per-rank memory of standard vs layer-wise AdamW on 2 CPU ranks (gloo), under DDP and FSDP2, plain Accelerate loop.
+"""Per-rank memory and step time on 2 CPU ranks (gloo): Trainer under the DDP config (standard DDP vs the layer-wise
+data-parallel route), and a plain Accelerate loop under FSDP2.
 
 Launch (each configuration runs in its own `accelerate launch` process group, spawned by this script):
 
-    python benchmarks/distributed_memory.py                            # ~58M-param Llama, 3 steps per configuration
-    python benchmarks/distributed_memory.py --small --steps 2 --output_dir /tmp/bench   # smoke run, seconds
-    python benchmarks/distributed_memory.py --engines fsdp2 --hidden_size 768 --num_hidden_layers 12
+    python benchmarks/distributed_memory.py                       # 58M Llama, batch 1x128: DDP (6 runs) + FSDP2 (2)
+    python benchmarks/distributed_memory.py --engines ddp --time  # also the step-time rounds (and --profile)
+    python benchmarks/distributed_memory.py --small --steps 2 --output_dir /tmp/bench   # smoke run
 
-Per rank it reports (see benchmarks/README.md for how to read them):
-- peak RSS: VmHWM of the rank, reset (`echo 5 > /proc/self/clear_refs`) before step 1 and after every step;
-- gradient bytes, three ways: local `.grad` tensors alive at once (max over every gradient hook and the end of
-  backward), the distinct storages those tensors keep alive (an FSDP2 shard is a view into its unit's
-  reduce-scatter output, so one live shard pins the whole buffer), and everything gradient-related: those storages
-  plus FSDP2's reduce-scatter buffers or DDP's bucket buffers;
-- optimizer state bytes (local shards under FSDP2), and the package's own figures (`peak_grad_bytes`, ...).
+DDP (`configs/accelerate/cpu_ddp.yaml`, Trainer): for each of `--ddp_optims` (adamw_torch, adamw_8bit) three runs,
+(a) standard DDP with Trainer's default DDP kwargs, (b) the same with `gradient_as_bucket_view=True`, (c) the
+`<optim>_layerwise` LayerwiseTrainer (no DDP wrapper: the layer-wise route reduces the gradients itself). Per rank the
+training peak is VmHWM during `trainer.train()` minus the RSS just before it (peak reset with
+`echo 5 > /proc/self/clear_refs`; the ranks run with MALLOC_MMAP_THRESHOLD_=65536). Target: (c) below (b) by at least
+60% of all gradient bytes, for each optimizer. `--time`: step time of (c) vs (a), interleaved rounds in one launch
+without the malloc setting; `--profile`: where the time goes (cProfile of rank 0).
 
-Writes `<output_dir>/distributed_memory.json` and `.png`; prints a table and the FSDP2 PASS/FAIL check.
+FSDP2 (`configs/accelerate/cpu_fsdp2.yaml`, plain loop): peak RSS per step, gradient bytes three ways (`.grad`
+tensors, the storages they keep alive, plus FSDP2's reduce-scatter buffers), optimizer state, and the FSDP2 check.
+
+Writes `<output_dir>/distributed_memory.json` and `.png`; prints the tables and the PASS/FAIL checks.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import contextlib
 import gc
 import json
 import os
+import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,21 +47,37 @@ from benchmarks import _common as h  # noqa: E402
 from benchmarks._common import MIB, local, mib, nbytes, proc_status_bytes, reset_peak_rss  # noqa: E402
 
 ENGINES = {"ddp": "configs/accelerate/cpu_ddp.yaml", "fsdp2": "configs/accelerate/cpu_fsdp2.yaml"}
-OPTIMS = ("adamw_torch", "adamw_torch_layerwise")
-FULL = h.LLAMA_58M | dict(seq_len=128, batch_size=4)
-SMALL = h.LLAMA_TINY | dict(seq_len=32, batch_size=2)
+OPTIMS = ("adamw_torch", "adamw_torch_layerwise")  # the FSDP2 plain loop
+DDP_OPTIMS = ("adamw_torch", "adamw_8bit")  # the DDP Trainer runs, each as (a), (b), (c)
+KINDS = {
+    "standard": "(a) DDP, Trainer's default",
+    "bucket_view": "(b) DDP, gradient_as_bucket_view",
+    "layerwise": "(c) layer-wise route",
+}
+TARGET_FRACTION = 0.6  # of all gradient bytes: how far (c) must be below (b)
+FULL = h.LLAMA_58M | dict(seq_len=128, batch_size=1)
+SMALL = h.LLAMA_TINY | dict(seq_len=32, batch_size=1)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = h.benchmark_parser(__doc__.splitlines()[0], FULL, SMALL)
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per configuration (GA 1)")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per memory run (GA 1)")
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
-    parser.add_argument("--optims", nargs="+", default=list(OPTIMS), choices=list(OPTIMS))
+    parser.add_argument("--optims", nargs="+", default=list(OPTIMS), choices=list(OPTIMS), help="FSDP2 runs")
+    parser.add_argument("--ddp_optims", nargs="+", default=list(DDP_OPTIMS), help="DDP runs: base optimizer names")
+    parser.add_argument("--kinds", nargs="*", default=list(KINDS), choices=list(KINDS), help="DDP memory runs")
+    parser.add_argument("--time", action="store_true", help="DDP step time, (c) vs (a), interleaved rounds")
+    parser.add_argument("--time_optims", nargs="+", default=["adamw_torch"], help="base optimizers timed")
+    parser.add_argument("--rounds", type=int, default=4, help="--time: rounds (one train() per configuration each)")
+    parser.add_argument("--time_steps", type=int, default=8, help="--time: steps per train()")
+    parser.add_argument("--warmup_steps", type=int, default=2, help="--time: steps dropped at each train()'s start")
+    parser.add_argument("--profile", action="store_true", help="--time: cProfile rank 0 for a few steps of each")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per launched configuration")
     # Internal: set by the driver for the launched ranks.
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", default=None, choices=("loop", "trainer", "time"), help=argparse.SUPPRESS)
     parser.add_argument("--engine", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--optim", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--kind", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     h.fill_sizes(opts, FULL, SMALL)
@@ -315,6 +337,342 @@ def measure(opts: argparse.Namespace, args, accelerator) -> dict:
     return result
 
 
+# ---- DDP through Trainer (runs inside the launched ranks) ----
+
+
+class TokenDataset:
+    """Random token rows (`input_ids` = `labels`), the same on every rank; Trainer's sampler splits them."""
+
+    def __init__(self, opts: argparse.Namespace, rows: int, seed: int = 0):
+        self.rows = [h.random_tokens(opts.vocab_size, 1, opts.seq_len, seed + k)[0] for k in range(rows)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, k: int) -> dict:
+        return {"input_ids": self.rows[k], "labels": self.rows[k]}
+
+
+def trainer_args(opts: argparse.Namespace, optim: str, out: str, max_steps: int):
+    # NOTE: built before any Accelerator: constructing TrainingArguments resets Accelerate's shared state.
+    return h.training_args(
+        optim,
+        out,
+        per_device_train_batch_size=opts.batch_size,
+        max_steps=max_steps,
+        learning_rate=1e-4,
+        weight_decay=0.1,
+        max_grad_norm=0.0,
+        lr_scheduler_type="constant",
+        logging_steps=10**6,
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+
+
+def build_trainer(opts: argparse.Namespace, kind: str, optim: str, model, out: str, max_steps: int, callbacks=()):
+    """(a) / (b): `Trainer` with `optim`; (c): `LayerwiseTrainer` with `<optim>_layerwise`."""
+    from transformers import Trainer
+
+    from layerwise_hf import LayerwiseTrainer
+
+    name = f"{optim}_layerwise" if kind == "layerwise" else optim
+    args = trainer_args(opts, name, out, max_steps)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dataset = TokenDataset(opts, rows=max_steps * opts.batch_size * world)
+    cls = LayerwiseTrainer if kind == "layerwise" else Trainer
+    trainer = cls(model=model, args=args, train_dataset=dataset, callbacks=list(callbacks))
+    if kind == "bucket_view":
+        # Trainer has no argument for it: set on the DDP kwargs Accelerate will wrap the model with.
+        trainer.accelerator.ddp_handler.gradient_as_bucket_view = True
+    return trainer
+
+
+def ddp_reducer_bucket_bytes(model) -> int | None:
+    """Standard DDP: the reducer's bucket buffers (as large as all gradients, for the whole run)."""
+    try:
+        sizes = model._get_ddp_logging_data()["bucket_sizes"]
+    except (AttributeError, KeyError):
+        return None
+    return sum(int(s) for s in str(sizes).split(",") if s.strip())
+
+
+class TrainMeter:
+    """
+    A Trainer callback for one run. RSS: the peak (VmHWM) of each segment of `train()` (setup = from `train()` to
+    `on_train_begin`: optimizer, DDP wrap; then each step), each reset with `echo 5 > /proc/self/clear_refs`, so the
+    peak of the whole run is the largest. Gradients: the distinct storages behind every live `.grad`, plus the
+    layer-wise route's bucket buffers or standard DDP's reducer buckets, sampled at every post-accumulate-grad hook
+    (registered before train(), so ahead of the route's hooks) and before every optimizer step (torch's step
+    pre-hooks). Time: wall and CPU seconds from `on_step_begin` to `on_step_end`.
+    """
+
+    def __init__(self, model, kind: str, sample_grads: bool = True):
+        from transformers import TrainerCallback
+
+        self.kind = kind
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.trainer = None
+        self.segments: list[dict] = []
+        self.step_wall: list[float] = []
+        self.step_cpu: list[float] = []
+        self.grad_peak = 0  # .grad storages + route buckets (layer-wise) or + reducer buckets (standard)
+        self.grad_tensor_peak = 0  # .grad tensors alone
+        self.bucket_bytes = None
+        self.handles = [p.register_post_accumulate_grad_hook(self.hook) for p in self.params] if sample_grads else []
+        meter = self
+
+        class Callback(TrainerCallback):
+            def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+                meter.mark("setup")
+                if sample_grads:
+                    meter.watch_steps()
+
+            def on_step_begin(self, args, state, control, **kwargs):
+                meter._t = (time.perf_counter(), time.process_time())
+
+            def on_step_end(self, args, state, control, **kwargs):
+                meter.step_wall.append(time.perf_counter() - meter._t[0])
+                meter.step_cpu.append(time.process_time() - meter._t[1])
+                meter.mark(f"step {state.global_step}")
+
+        self.callback = Callback()
+
+    def start(self) -> None:
+        h.settle()
+        self.rss_before = proc_status_bytes("VmRSS")
+        reset_peak_rss()
+
+    def mark(self, label: str) -> None:
+        self.segments.append({"label": label, "peak": proc_status_bytes("VmHWM"), "rss": proc_status_bytes("VmRSS")})
+        reset_peak_rss()
+
+    def watch_steps(self) -> None:
+        from layerwise_hf import unwrap_layerwise_optimizer
+
+        lw = unwrap_layerwise_optimizer(self.trainer.optimizer)
+        if lw is not None:
+            for inner in lw.inner:
+                self.handles.append(inner.register_step_pre_hook(lambda *a, **k: self.sample()))
+        else:
+            inner = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
+            self.handles.append(inner.register_step_pre_hook(lambda *a, **k: self.sample()))
+            self.bucket_bytes = ddp_reducer_bucket_bytes(self.trainer.model_wrapped)
+
+    def hook(self, param) -> None:
+        self.sample()
+
+    def sample(self) -> None:
+        storages, tensor_bytes = {}, 0
+        for p in self.params:
+            if p.grad is not None:
+                tensor_bytes += nbytes(p.grad)
+                storage = p.grad.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        total = sum(storages.values())
+        route = None
+        if self.trainer is not None and getattr(self.trainer, "layerwise_optimizer", None) is not None:
+            route = self.trainer.layerwise_optimizer.gradient_route
+        if route is not None:
+            for bucket in getattr(route, "buckets", []):
+                if bucket.buffer is not None:
+                    storage = bucket.buffer.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+            total = sum(storages.values())
+        elif self.bucket_bytes is not None:
+            # With gradient_as_bucket_view the .grad storages are the buckets; otherwise a second copy.
+            total = self.bucket_bytes + (0 if self.kind == "bucket_view" else total)
+        self.grad_peak = max(self.grad_peak, total)
+        self.grad_tensor_peak = max(self.grad_tensor_peak, tensor_bytes)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def check_ddp_mode(accelerator) -> None:
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.MULTI_CPU or accelerator.num_processes != 2:
+        raise RuntimeError(
+            f"ddp: got {accelerator.distributed_type} with {accelerator.num_processes} processes; a silent fallback "
+            "would measure the wrong thing (ACCELERATE_USE_CPU missing?)"
+        )
+
+
+def trainer_worker(opts: argparse.Namespace) -> None:
+    """One DDP memory run: (a), (b) or (c) for one optimizer, `opts.steps` Trainer steps."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as out:
+        model = h.build_llama(opts, seed=0)
+        trainer = build_trainer(opts, opts.kind, opts.optim, model, out, opts.steps)
+        check_ddp_mode(trainer.accelerator)
+        meter = TrainMeter(model, opts.kind)
+        meter.trainer = trainer
+        trainer.add_callback(meter.callback)
+        meter.start()
+        trainer.train()
+        meter.mark("end")
+        result = trainer_result(opts, trainer, model, meter)
+        meter.remove()
+        # NOTE: the DDP objects must die while the process group is alive (a reducer freed after
+        # destroy_process_group can hang in ProcessGroupGloo's destructor).
+        trainer.accelerator.free_memory()
+        del trainer
+        gc.collect()
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, result)
+        if dist.get_rank() == 0:
+            Path(opts.result).write_text(json.dumps(gathered, indent=1))
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def trainer_result(opts, trainer, model, meter: TrainMeter) -> dict:
+    import torch.distributed as dist
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    lw = trainer.layerwise_optimizer if opts.kind == "layerwise" else None
+    peak = max(s["peak"] for s in meter.segments)
+    handler = trainer.accelerator.ddp_handler
+    return {
+        "engine": "ddp",
+        "api": "trainer",
+        "kind": opts.kind,
+        "optim": trainer.args.optim,
+        "base_optim": opts.optim,
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "wrapped": type(trainer.model_wrapped).__name__,
+        "route": lw.route if lw is not None else None,
+        "ddp_kwargs": handler.to_kwargs() if handler is not None else None,
+        "gradient_as_bucket_view": opts.kind == "bucket_view",
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "grad_bytes_all": sum(nbytes(p) for p in params),
+        "largest_param_bytes": max(nbytes(p) for p in params),
+        "rss_before_train_bytes": meter.rss_before,
+        "train_peak_rss_bytes": peak,
+        "training_peak_bytes": peak - meter.rss_before,
+        "segments": meter.segments,
+        "grad_live_peak_bytes": meter.grad_peak,
+        "grad_tensor_peak_bytes": meter.grad_tensor_peak,
+        "ddp_bucket_bytes": meter.bucket_bytes,
+        "optimizer_state_bytes": h.tensor_bytes(h.optimizer_state_tensors(trainer.optimizer)),
+        "package_peak_grad_bytes": lw.peak_grad_bytes if lw is not None else None,
+        "step_times_s": meter.step_wall,
+        "step_cpu_s": meter.step_cpu,
+        "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+    }
+
+
+# ---- DDP step time (one launch, interleaved rounds) ----
+
+
+def time_worker(opts: argparse.Namespace) -> None:
+    """(a) and (c) for each of `--time_optims`, one `train()` of `--time_steps` steps per configuration and round, in
+    an order shuffled alike on both ranks; then, with `--profile`, cProfile of a few steps of each on rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    base = h.build_llama(opts, seed=0)
+    configs = [(kind, optim) for optim in opts.time_optims for kind in ("standard", "layerwise")]
+    times = {f"{k}:{o}": {"wall": [], "cpu": [], "rounds": []} for k, o in configs}
+    order_rng = random.Random(42)  # the same order on both ranks: they must run the same Trainer at once
+    total = opts.rounds
+
+    def run(kind, optim, steps, profile=None):
+        with tempfile.TemporaryDirectory() as out:
+            model = h.copy_model(base)
+            trainer = build_trainer(opts, kind, optim, model, out, steps)
+            check_ddp_mode(trainer.accelerator)
+            meter = TrainMeter(model, kind, sample_grads=False)
+            meter.trainer = trainer
+            trainer.add_callback(meter.callback)
+            if profile is not None:
+                profile.enable()
+            trainer.train()
+            if profile is not None:
+                profile.disable()
+            trainer.accelerator.free_memory()
+            del trainer
+            gc.collect()
+            return meter
+
+    for rnd in range(total):
+        order = list(configs)
+        order_rng.shuffle(order)
+        for kind, optim in order:
+            meter = run(kind, optim, opts.time_steps)
+            entry = times[f"{kind}:{optim}"]
+            entry["wall"] += meter.step_wall[opts.warmup_steps :]
+            entry["cpu"] += meter.step_cpu[opts.warmup_steps :]
+            entry["rounds"].append(statistics.median(meter.step_wall[opts.warmup_steps :]))
+        if dist.get_rank() == 0:
+            print(f"  time round {rnd + 1}/{total}", flush=True)
+    profiles = {}
+    if opts.profile:
+        import cProfile
+
+        for kind, optim in configs:
+            prof = cProfile.Profile() if dist.get_rank() == 0 else None
+            run(kind, optim, opts.warmup_steps + 3, profile=prof)
+            if prof is not None:
+                profiles[f"{kind}:{optim}"] = profile_summary(prof, steps=opts.warmup_steps + 3)
+    result = {"rank": dist.get_rank(), "times": times, "profiles": profiles}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if dist.get_rank() == 0:
+        Path(opts.result).write_text(json.dumps(gathered, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+RUN_BACKWARD = "<method 'run_backward' of 'torch._C._EngineBase' objects>"
+# Where a step's time goes: (label, how to recognise the function in cProfile's stats: file part, function name).
+PROFILE_ROWS = [
+    ("forward (LlamaForCausalLM.forward)", "modeling_llama.py", "forward"),
+    ("backward (autograd engine; DDP reducer / layer-wise hooks inside)", "~", RUN_BACKWARD),
+    ("  layer-wise hook: _local_ready (cumulative)", "data_parallel.py", "_local_ready"),
+    ("    copies into buckets (torch.mul out=)", "~", "<built-in method torch.mul>"),
+    ("    all_reduce launches", "distributed_c10d.py", "all_reduce"),
+    ("    bucket steps: _step_bucket (cumulative)", "data_parallel.py", "_step_bucket"),
+    ("      all-reduce waits (Work.wait)", "~", "<built-in method torch._C._distributed_c10d.wait>"),
+    ("      grad_ready -> gate -> inner step (cumulative)", "layerwise_hf/optimizer.py", "grad_ready"),
+    ("      per-parameter grad norm (torch._foreach_norm)", "~", "<built-in method torch._foreach_norm>"),
+    ("  end of backward: _finish_backward (cumulative)", "data_parallel.py", "_finish_backward"),
+    ("Adam math (_single_tensor_adam, all calls)", "adam.py", "_single_tensor_adam"),
+    ("Trainer optimizer.step (AcceleratedOptimizer.step)", "accelerate/optimizer.py", "step"),
+    ("buffer / parameter broadcasts", "~", "<built-in method torch._C._distributed_c10d.broadcast>"),
+]
+
+
+def profile_summary(prof, steps: int) -> dict:
+    """cProfile's table reduced to the rows that say where the time goes (cumulative seconds over `steps`)."""
+    import pstats
+
+    stats = pstats.Stats(prof)
+    rows = []
+    for (filename, _, func), (_cc, nc, tt, ct, _callers) in stats.stats.items():
+        rows.append({"file": filename, "func": func, "calls": nc, "tottime": tt, "cumtime": ct})
+    total = max((r["cumtime"] for r in rows if r["func"] in ("train", "_inner_training_loop")), default=0.0)
+    top = sorted(rows, key=lambda r: r["tottime"], reverse=True)[:25]
+    picked = []
+    for label, file_part, func in PROFILE_ROWS:
+        matches = [r for r in rows if file_part in r["file"] and r["func"] == func]
+        if matches:
+            best = max(matches, key=lambda r: r["cumtime"])
+            picked.append({"label": label, "calls": best["calls"], "cumtime": best["cumtime"], "func": best["func"]})
+    return {"steps": steps, "train_cumtime_s": total, "rows": picked, "top_tottime": top}
+
+
 # ---- driver ----
 
 
@@ -334,15 +692,17 @@ def descendants(pid: int) -> list[int]:
     return children + [d for child in children for d in descendants(child)]
 
 
-def launch(opts: argparse.Namespace, engine: str, optim: str, result: Path) -> list[dict]:
-    env = h.worker_env(threads=1, mmap_threshold=True)
+def launch(opts: argparse.Namespace, engine: str, worker_args: list[str], result: Path, mmap: bool = True) -> list:
+    """Run this script's `--worker ...` on 2 ranks under `engine`'s config; the ranks' results (rank 0 writes them)."""
+    env = h.worker_env(threads=1, mmap_threshold=mmap)
     env["ACCELERATE_USE_CPU"] = "true"  # the multi-process launcher does not forward use_cpu
     if engine == "fsdp2":
         env["LAYERWISE_HF_FORCE_FSDP_CPU"] = "1"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / ENGINES[engine])]
-    cmd += ["--main_process_port", str(free_port()), str(Path(__file__).resolve()), "--worker"]
-    cmd += ["--engine", engine, "--optim", optim, "--result", str(result), "--steps", str(opts.steps)]
+    cmd += ["--main_process_port", str(free_port()), str(Path(__file__).resolve()), *worker_args]
+    cmd += ["--engine", engine, "--result", str(result), "--steps", str(opts.steps)]
     cmd += h.size_args(opts, FULL)
+    label = " ".join(worker_args)
     # Output goes to a file, not a pipe: ranks left behind by a killed launcher would hold a pipe open.
     log = result.with_suffix(".log")
     with open(log, "w") as out:
@@ -355,15 +715,13 @@ def launch(opts: argparse.Namespace, engine: str, optim: str, result: Path) -> l
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             proc.wait()
-            raise RuntimeError(
-                f"{engine} / {optim} timed out after {opts.timeout}s:\n{log.read_text()[-4000:]}"
-            ) from None
+            raise RuntimeError(f"{label} timed out after {opts.timeout}s:\n{log.read_text()[-4000:]}") from None
     stderr = log.read_text()
     if proc.returncode != 0 or not result.is_file():
         # The launcher's own traceback says nothing; the ranks' lines carry the error.
         rank_lines = [line for line in stderr.splitlines() if line.startswith("[rank")]
         detail = "\n".join(rank_lines[-60:]) or stderr[-6000:]
-        raise RuntimeError(f"{engine} / {optim} failed (exit {proc.returncode}):\n{detail}")
+        raise RuntimeError(f"{label} failed (exit {proc.returncode}):\n{detail}")
     return json.loads(result.read_text())
 
 
@@ -509,35 +867,320 @@ def plot(runs: list[dict], path: Path, model_desc: str) -> None:
     h.save_figure(fig, path, model_desc)
 
 
+# ---- DDP report ----
+
+
+def by_rank_max(runs: list[dict], key: str) -> int | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return max(values) if values else None
+
+
+def ddp_target(ddp_runs: list[dict]) -> list[dict]:
+    """Per base optimizer: the training peak of (a), (b), (c) (max over ranks and per rank), (c)'s saving vs (b) and
+    (a), and the target: (c) below (b) by at least TARGET_FRACTION of all gradient bytes."""
+    out = []
+    for base in dict.fromkeys(r["base_optim"] for r in ddp_runs):
+        runs = {k: [r for r in ddp_runs if r["base_optim"] == base and r["kind"] == k] for k in KINDS}
+        peak = {k: by_rank_max(rs, "training_peak_bytes") for k, rs in runs.items()}
+        per_rank = {
+            k: {str(r["rank"]): r["training_peak_bytes"] for r in sorted(rs, key=lambda r: r["rank"])}
+            for k, rs in runs.items()
+        }
+        grads = by_rank_max(ddp_runs, "grad_bytes_all")
+        need = TARGET_FRACTION * grads
+        row = {"base_optim": base, "grad_bytes_all": grads, "target_saving_bytes": need, "peak_bytes": peak}
+        row["peak_bytes_per_rank"] = per_rank
+        lw = peak["layerwise"]
+        row["saving_vs_bucket_view_bytes"] = None if None in (lw, peak["bucket_view"]) else peak["bucket_view"] - lw
+        row["saving_vs_standard_bytes"] = None if None in (lw, peak["standard"]) else peak["standard"] - lw
+        rank_savings = [
+            per_rank["bucket_view"][k] - per_rank["layerwise"][k]
+            for k in per_rank["layerwise"]
+            if k in per_rank["bucket_view"]
+        ]
+        row["saving_vs_bucket_view_per_rank_bytes"] = rank_savings
+        saving = row["saving_vs_bucket_view_bytes"]
+        row["pass"] = None if saving is None else bool(saving >= need and all(s >= need for s in rank_savings))
+        out.append(row)
+    return out
+
+
+def print_ddp_report(ddp_runs: list[dict], targets: list[dict]) -> None:
+    rows = []
+    for r in sorted(ddp_runs, key=lambda r: (r["base_optim"], list(KINDS).index(r["kind"]), r["rank"])):
+        segs = r["segments"]
+        where = max(segs, key=lambda s: s["peak"])["label"]
+        rows.append(
+            [r["optim"], KINDS[r["kind"]], r["rank"], r["wrapped"], mib(r["rss_before_train_bytes"]),
+             mib(r["training_peak_bytes"]), where, mib(r["grad_live_peak_bytes"]), mib(r["optimizer_state_bytes"]),
+             mib(r["ddp_bucket_bytes"])]
+        )  # fmt: skip
+    h.print_table(
+        [("optim", 22), ("run", 33, "<"), ("rank", 4), ("model", 23, "<"), ("RSS before", 10), ("train peak", 10),
+         ("peak in", 7), ("grads live", 10), ("opt state", 9), ("DDP buckets", 11)],
+        rows,
+        title="\nDDP, Trainer, 2 ranks: training peak per rank = VmHWM during train() - RSS before it (MiB)",
+    )  # fmt: skip
+    print(
+        "grads live: the most gradient storage alive at once (.grad storages + the route's buckets in flight, or + "
+        "DDP's reducer buckets).\npeak in: the segment of train() holding the peak (setup: optimizer + DDP wrap)."
+    )
+    print("\nTarget: layer-wise training peak below (b) by >= 60% of all gradients (max over ranks)")
+    rows = []
+    for t in targets:
+        p = t["peak_bytes"]
+        rows.append(
+            [t["base_optim"], mib(p["standard"]), mib(p["bucket_view"]), mib(p["layerwise"]),
+             mib(t["saving_vs_bucket_view_bytes"]), mib(t["saving_vs_standard_bytes"]),
+             " / ".join(mib(s) for s in t["saving_vs_bucket_view_per_rank_bytes"]),
+             f">= {mib(t['target_saving_bytes'])} of {mib(t['grad_bytes_all'])}",
+             {True: "PASS", False: "FAIL", None: "-"}[t["pass"]]]
+        )  # fmt: skip
+    h.print_table(
+        [("optimizer", 12), ("(a) std", 8), ("(b) view", 8), ("(c) lw", 8), ("c vs b", 8), ("c vs a", 8),
+         ("c vs b per rank", 16), ("needed", 18), ("target", 6)],
+        rows,
+    )  # fmt: skip
+
+
+def time_summary(results: list[dict]) -> dict:
+    """Per configuration the median step time over ranks' post-warm-up steps (the slower rank), and the ratios."""
+    configs = list(results[0]["times"])
+    out = {"configs": {}, "ratios": {}}
+    for c in configs:
+        wall = [statistics.median(r["times"][c]["wall"]) for r in results]
+        cpu = [statistics.median(r["times"][c]["cpu"]) for r in results]
+        out["configs"][c] = {
+            "median_s_per_rank": wall,
+            "cpu_median_s_per_rank": cpu,
+            "median_s": max(wall),
+            "cpu_median_s": max(cpu),
+            "round_medians_per_rank": [r["times"][c]["rounds"] for r in results],
+            "steps_per_rank": len(results[0]["times"][c]["wall"]),
+        }
+    for c in configs:
+        kind, optim = c.split(":")
+        ref = f"standard:{optim}"
+        if kind == "layerwise" and ref in out["configs"]:
+            a, b = out["configs"][c], out["configs"][ref]
+            paired = [
+                statistics.median([x / y for x, y in zip(r["times"][c]["rounds"], r["times"][ref]["rounds"])])
+                for r in results
+            ]
+            out["ratios"][optim] = {
+                "wall_ratio": a["median_s"] / b["median_s"],
+                "cpu_ratio": a["cpu_median_s"] / b["cpu_median_s"],
+                "paired_round_ratio_per_rank": paired,
+                "goal": 1.10,
+                "pass": a["median_s"] / b["median_s"] <= 1.10,
+            }
+    out["profiles"] = results[0].get("profiles", {})
+    return out
+
+
+def print_time_report(summary: dict) -> None:
+    rows = []
+    for c, t in summary["configs"].items():
+        rows.append(
+            [c, " / ".join(f"{x:.3f}" for x in t["median_s_per_rank"]), " / ".join(f"{x:.3f}" for x in
+             t["cpu_median_s_per_rank"]), t["steps_per_rank"]]
+        )  # fmt: skip
+    h.print_table(
+        [("config", 28), ("median s/step (rank 0 / 1)", 27), ("CPU s/step (rank 0 / 1)", 24), ("steps", 5)],
+        rows,
+        title="\nDDP step time, Trainer, interleaved rounds, no malloc setting",
+    )
+    for optim, r in summary["ratios"].items():
+        print(
+            f"{optim}: layer-wise / standard DDP = {r['wall_ratio']:.3f}x wall (slower rank), {r['cpu_ratio']:.3f}x "
+            f"CPU, paired rounds {' / '.join(f'{x:.3f}' for x in r['paired_round_ratio_per_rank'])} -> goal <= 1.10: "
+            f"{'PASS' if r['pass'] else 'FAIL'}"
+        )
+    for c, p in summary["profiles"].items():
+        print(
+            f"\ncProfile, rank 0, {c}: {p['steps']} steps, train() {p['train_cumtime_s']:.2f}s (profiler overhead in)"
+        )
+        for row in p["rows"]:
+            print(f"  {row['label']:<55} {row['cumtime']:8.3f}s  {row['calls']:7d} calls")
+
+
+def estimator_check(opts: argparse.Namespace, ddp_runs: list[dict]) -> list[dict]:
+    """`estimate()` for the same LlamaConfig, DDP on 2 ranks, vs what the ranks measured (max over ranks)."""
+    from layerwise_hf.estimate import estimate
+
+    config = h.llama_config(opts)
+    out = []
+    for base in dict.fromkeys(r["base_optim"] for r in ddp_runs):
+        for kind in KINDS:
+            rs = [r for r in ddp_runs if r["base_optim"] == base and r["kind"] == kind]
+            if not rs:
+                continue
+            est = estimate(
+                config,
+                optimizer=f"{base}_layerwise" if kind == "layerwise" else base,
+                dtype="float32",
+                world_size=2,
+                sharding="ddp",
+                gradient_as_bucket_view=kind == "bucket_view",
+            )
+            predicted = est.gradient_bytes + est.optimizer_state_bytes
+            counted = max(r["grad_live_peak_bytes"] + r["optimizer_state_bytes"] for r in rs)
+            peak = by_rank_max(rs, "training_peak_bytes")
+            out.append(
+                {
+                    "base_optim": base,
+                    "kind": kind,
+                    "estimated_gradient_bytes": est.gradient_bytes,
+                    "estimated_state_bytes": est.optimizer_state_bytes,
+                    "estimated_bytes": predicted,
+                    "counted_grad_live_plus_state_bytes": counted,
+                    "measured_training_peak_bytes": peak,
+                    "vs_counted": predicted / counted - 1,
+                    "vs_training_peak": predicted / peak - 1,
+                }
+            )
+    return out
+
+
+def print_estimator_check(rows: list[dict]) -> None:
+    h.print_table(
+        [("optimizer", 12), ("run", 33, "<"), ("est grads", 9), ("est state", 9), ("est sum", 8), ("counted", 8),
+         ("vs counted", 10), ("train peak", 10), ("vs peak", 8)],
+        [[r["base_optim"], KINDS[r["kind"]], mib(r["estimated_gradient_bytes"]), mib(r["estimated_state_bytes"]),
+          mib(r["estimated_bytes"]), mib(r["counted_grad_live_plus_state_bytes"]), h.pct(r["vs_counted"]),
+          mib(r["measured_training_peak_bytes"]), h.pct(r["vs_training_peak"])] for r in rows],
+        title="\nEstimator (layerwise-hf estimate-memory, --sharding ddp, gradient + state terms) vs measured (MiB)",
+    )  # fmt: skip
+    print(
+        "counted: the ranks' own count of gradient storage alive at once + optimizer state; train peak: RSS, which "
+        "also holds activations and temporaries."
+    )
+
+
+def plot_all(report: dict, path: Path, model_desc: str) -> None:
+    plt = h.pyplot()
+    ddp_runs, targets = report.get("ddp_runs") or [], report.get("ddp_targets") or []
+    loop_runs = report.get("runs") or []
+    step_time = report.get("step_time")
+    ncols = max(1, len(targets))
+    nrows = 1 + bool(loop_runs or step_time or ddp_runs)
+    fig, axes = plt.subplots(nrows, max(ncols, 2), figsize=(7 * max(ncols, 2), 4.6 * nrows), squeeze=False)
+    for col, t in enumerate(targets):
+        ax = axes[0][col]
+        for k, kind in enumerate(KINDS):
+            per_rank = t["peak_bytes_per_rank"][kind]
+            for rank, value in per_rank.items():
+                x = k + (int(rank) - 0.5) * 0.38
+                ax.bar(x, value / MIB, 0.36, color=f"C{k}", alpha=1.0 if rank == "0" else 0.6,
+                       label=f"{KINDS[kind]}" if rank == "0" else None)  # fmt: skip
+                ax.text(x, value / MIB, f"{value / MIB:.0f}", ha="center", va="bottom", fontsize=7)
+        if t["peak_bytes"]["bucket_view"] is not None:
+            line = (t["peak_bytes"]["bucket_view"] - t["target_saving_bytes"]) / MIB
+            ax.axhline(line, color="k", ls="--", lw=1, label=f"target: (b) - 60% of grads = {line:.0f}")
+        ax.set_xticks(range(len(KINDS)), ["(a) std DDP", "(b) bucket view", "(c) layer-wise"])
+        ax.set_ylabel("training peak per rank, MiB (rank 0 | rank 1)")
+        verdict = {True: "PASS", False: "FAIL", None: "-"}[t["pass"]]
+        ax.set_title(f"{t['base_optim']}: VmHWM during train() - RSS before ({verdict})", fontsize=10)
+        ax.legend(fontsize=7, loc="lower left")
+    if nrows > 1:
+        ax = axes[1][0]
+        labels = [f"{t['base_optim']}\n{kind}" for t in targets for kind in KINDS]
+        grads, state = [], []
+        for t in targets:
+            for kind in KINDS:
+                rs = [r for r in ddp_runs if r["base_optim"] == t["base_optim"] and r["kind"] == kind]
+                grads.append((by_rank_max(rs, "grad_live_peak_bytes") or 0) / MIB)
+                state.append((by_rank_max(rs, "optimizer_state_bytes") or 0) / MIB)
+        xs = range(len(labels))
+        ax.bar(xs, grads, color="C3", label="gradient storage alive at once (incl. DDP buckets)")
+        ax.bar(xs, state, bottom=grads, color="C7", label="optimizer state")
+        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.set_ylabel("MiB per rank (max over ranks)")
+        ax.set_title("DDP: counted gradient + state bytes", fontsize=10)
+        ax.legend(fontsize=7)
+        ax = axes[1][1]
+        if step_time:
+            names = list(step_time["configs"])
+            ax.bar(range(len(names)), [step_time["configs"][c]["median_s"] for c in names], color="C2")
+            ax.set_xticks(range(len(names)), [c.replace(":", "\n") for c in names], fontsize=7)
+            ax.set_ylabel("median s/step (slower rank)")
+            ratios = ", ".join(f"{o} {r['wall_ratio']:.3f}x" for o, r in step_time["ratios"].items())
+            ax.set_title(f"DDP step time, layer-wise / standard: {ratios}", fontsize=10)
+        elif loop_runs:
+            fs = [r for r in loop_runs if r["engine"] == "fsdp2"]
+            names = [f"{r['optim']}\nrank {r['rank']}" for r in fs]
+            ax.bar(range(len(fs)), [(max(r["step_peak_rss_bytes"]) - r["rss_start_bytes"]) / MIB for r in fs])
+            ax.set_xticks(range(len(fs)), names, fontsize=7)
+            ax.set_ylabel("peak RSS - start, MiB")
+            ax.set_title("FSDP2, plain loop", fontsize=10)
+        else:
+            ax.axis("off")
+    for col in range(len(targets), axes.shape[1]):
+        axes[0][col].axis("off")
+    h.save_figure(fig, path, model_desc)
+
+
 def main(argv=None) -> None:
     opts = parse_args(argv)
     if opts.worker:
-        worker(opts)
+        {"loop": worker, "trainer": trainer_worker, "time": time_worker}[opts.worker](opts)
         return
     started = time.perf_counter()
-    runs = []
+    runs, ddp_runs, time_results = [], [], None
     with tempfile.TemporaryDirectory() as tmp:
         for engine in opts.engines:
+            if engine == "ddp":
+                for optim in opts.ddp_optims:
+                    for kind in opts.kinds:
+                        t0 = time.perf_counter()
+                        args = ["--worker", "trainer", "--optim", optim, "--kind", kind]
+                        ddp_runs += launch(opts, engine, args, Path(tmp) / f"ddp_{optim}_{kind}.json")
+                        print(f"ddp    {optim:<12} {kind:<11} done in {time.perf_counter() - t0:.0f}s", flush=True)
+                if opts.time:
+                    t0 = time.perf_counter()
+                    args = ["--worker", "time", "--rounds", str(opts.rounds), "--time_steps", str(opts.time_steps)]
+                    args += ["--warmup_steps", str(opts.warmup_steps), "--time_optims", *opts.time_optims]
+                    args += ["--profile"] if opts.profile else []
+                    time_results = launch(opts, engine, args, Path(tmp) / "ddp_time.json", mmap=False)
+                    print(f"ddp    step time done in {time.perf_counter() - t0:.0f}s", flush=True)
+                continue
             for optim in opts.optims:
                 t0 = time.perf_counter()
-                runs += launch(opts, engine, optim, Path(tmp) / f"{engine}_{optim}.json")
+                args = ["--worker", "loop", "--optim", optim]
+                runs += launch(opts, engine, args, Path(tmp) / f"{engine}_{optim}.json")
                 print(f"{engine:<6} {optim:<22} done in {time.perf_counter() - t0:.0f}s", flush=True)
-    num_params = runs[0]["num_params"]
+    num_params = (runs or ddp_runs or [{"num_params": h.build_llama(opts).num_parameters()}])[0]["num_params"]
     model_desc = (
         f"Llama {num_params / 1e6:.1f}M params (vocab {opts.vocab_size}, hidden {opts.hidden_size}, "
-        f"{opts.num_hidden_layers} layers), batch {opts.batch_size}x{opts.seq_len} per rank, {opts.steps} steps, fp32"
+        f"{opts.num_hidden_layers} layers), batch {opts.batch_size}x{opts.seq_len} per rank, {opts.steps} steps, "
+        "fp32, 2 gloo ranks"
     )
+    print(f"\n{model_desc}")
+    targets = ddp_target(ddp_runs) if ddp_runs else []
+    estimates = estimator_check(opts, ddp_runs) if ddp_runs else []
+    if ddp_runs:
+        print_ddp_report(ddp_runs, targets)
+        print_estimator_check(estimates)
+    step_time = time_summary(time_results) if time_results else None
+    if step_time:
+        print_time_report(step_time)
     checks = fsdp2_checks(runs)
-    print_report(runs, checks, model_desc)
+    if runs:
+        print_report(runs, checks, model_desc)
     report = {
         "model": {k: getattr(opts, k) for k in FULL} | {"num_params": num_params, "steps": opts.steps},
         "environment": {"malloc_mmap_threshold": "65536", "omp_num_threads": 1, "backend": "gloo", "world_size": 2},
+        "ddp_runs": ddp_runs,
+        "ddp_targets": targets,
+        "ddp_goal_pass": all(t["pass"] for t in targets) if targets else None,
+        "estimator_check": estimates,
+        "step_time": step_time,
         "runs": runs,
         "fsdp2_checks": checks,
         "fsdp2_goal_pass": all(c["tensor_pass"] and c["storage_pass"] for c in checks) if checks else None,
         "wall_time_s": time.perf_counter() - started,
     }
-    h.write_report(opts.output_dir, "distributed_memory", report, lambda r, path: plot(r["runs"], path, model_desc))
+    h.write_report(opts.output_dir, "distributed_memory", report, lambda r, path: plot_all(r, path, model_desc))
 
 
 if __name__ == "__main__":

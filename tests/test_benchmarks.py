@@ -127,15 +127,39 @@ def test_memory_suite_small(tmp_path):
     assert all(line.count("|") == lines[0].count("|") for line in lines)
 
 
-# One engine per test: each launches two 2-rank process groups, which is most of the time on 2 cores.
+# One engine per test: each launches several 2-rank process groups, which is most of the time on 2 cores.
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
 def test_distributed_memory_small(tmp_path, engine):
-    result = run_script(
-        "distributed_memory.py", "--small", "--steps", "2", "--engines", engine, "--output_dir", str(tmp_path)
-    )
+    args = ["--small", "--steps", "2", "--engines", engine, "--output_dir", str(tmp_path)]
+    if engine == "ddp":
+        # One optimizer's three runs, and the step-time launch (two rounds, profiled).
+        args += ["--ddp_optims", "adamw_torch", "--time", "--rounds", "2", "--time_steps", "3", "--profile"]
+    result = run_script("distributed_memory.py", *args, timeout=600)
     report = report_of(tmp_path, "distributed_memory")
     assert {"model", "environment", "runs", "fsdp2_checks", "fsdp2_goal_pass", "wall_time_s"} <= report.keys()
+    assert {"ddp_runs", "ddp_targets", "ddp_goal_pass", "estimator_check", "step_time"} <= report.keys()
+    if engine == "ddp":
+        runs = report["ddp_runs"]
+        assert {(r["kind"], r["rank"]) for r in runs} == {(k, r) for k in ("standard", "bucket_view", "layerwise")
+                                                          for r in (0, 1)}  # fmt: skip
+        for r in runs:
+            assert r["engine"] == "ddp" and r["world_size"] == 2 and len(r["step_times_s"]) == 2
+            assert r["training_peak_bytes"] > 0 and r["grad_live_peak_bytes"] > 0 and r["optimizer_state_bytes"] > 0
+            assert (r["wrapped"] == "DistributedDataParallel") == (r["kind"] != "layerwise")
+        layerwise = [r for r in runs if r["kind"] == "layerwise"]
+        assert {r["route"] for r in layerwise} == {"data_parallel"} and {r["optim"] for r in layerwise} == {
+            "adamw_torch_layerwise"
+        }
+        assert all(r["ddp_bucket_bytes"] > 0 for r in runs if r["kind"] != "layerwise")
+        (target,) = report["ddp_targets"]
+        assert target["base_optim"] == "adamw_torch" and target["pass"] in (True, False)
+        assert len(report["estimator_check"]) == 3
+        assert {"standard:adamw_torch", "layerwise:adamw_torch"} == set(report["step_time"]["configs"])
+        assert report["step_time"]["ratios"]["adamw_torch"]["wall_ratio"] > 0
+        assert set(report["step_time"]["profiles"]) == {"standard:adamw_torch", "layerwise:adamw_torch"}
+        assert "Target: layer-wise training peak" in result.stdout and "goal <= 1.10" in result.stdout
+        return
     runs = report["runs"]
     assert {(r["optim"], r["rank"]) for r in runs} == {
         (o, k) for o in ("adamw_torch", "adamw_torch_layerwise") for k in (0, 1)
@@ -147,13 +171,10 @@ def test_distributed_memory_small(tmp_path, engine):
     layerwise = [r for r in runs if r["optim"] == "adamw_torch_layerwise"]
     assert {r["route"] for r in layerwise} == {engine}
     standard_samples = next(r["grad_samples"] for r in runs if r["optim"] == "adamw_torch")
-    # The inner steps add samples (torch's step pre-hooks), also on the DDP route where no parameter hook steps.
+    # The inner steps add samples (torch's step pre-hooks).
     assert all(r["grad_samples"] > standard_samples for r in layerwise)
-    if engine == "fsdp2":
-        assert len(report["fsdp2_checks"]) == 2 and report["fsdp2_goal_pass"] in (True, False)
-        assert "PASS" in result.stdout or "FAIL" in result.stdout
-    else:
-        assert all(r["ddp_bucket_bytes"] > 0 for r in runs)
+    assert len(report["fsdp2_checks"]) == 2 and report["fsdp2_goal_pass"] in (True, False)
+    assert "PASS" in result.stdout or "FAIL" in result.stdout
 
 
 @pytest.mark.slow
