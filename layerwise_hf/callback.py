@@ -90,3 +90,23 @@ def memory_logs(optimizer) -> dict[str, float]:
     if torch.cuda.is_available():
         logs["max_memory_allocated_mib"] = round(torch.cuda.max_memory_allocated() / MIB, 1)
     return logs
+
+
+def learning_rate_logs(optimizer, logs: dict) -> dict[str, float]:
+    """
+    When the per-parameter optimizers run at different learning rates (`muon_layerwise` with `muon_lr`), the lr each
+    optimizer class applied in the latest step, next to Trainer's `learning_rate` (only the first parameter's).
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.callback import learning_rate_logs
+    >>> learning_rate_logs(trainer.layerwise_optimizer, {"learning_rate": 0.001})
+    {'learning_rate_adamw': 0.001, 'learning_rate_muon': 0.02}
+    ```
+    """
+    applied = optimizer.applied_learning_rates()
+    configured = {float(i.param_groups[0].get("initial_lr", i.param_groups[0]["lr"])) for i in optimizer.inner}
+    if "learning_rate" not in logs or len(configured) < 2 or len(applied) < 2:
+        return {}
+    return {f"learning_rate_{name.lower()}": float(lr) for name, lr in sorted(applied.items())}

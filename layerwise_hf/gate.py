@@ -65,6 +65,7 @@ class GradientGate:
         self.scaler: GradScalerBridge | None = None
         self.track_grad_norm = track_grad_norm
         self.last_grad_norm: torch.Tensor | None = None
+        self.applied_lr: dict[str, float] = {}  # per optimizer class, the lr of its latest step
 
     # ---- one gradient ----
 
@@ -121,7 +122,9 @@ class GradientGate:
         coef = clipper.coef(window, None if norm is None else norm[2], self.last_grad_norm)
         if coef is not None:
             grad.mul_(coef.to(grad.device))
-        self.inner[i].step()
+        inner = self.inner[i]
+        inner.step()
+        self.applied_lr[type(inner).__name__] = inner.param_groups[0]["lr"]
         window.stepped[i] = True
         p.grad = None
         self.meter.release(i)

@@ -50,9 +50,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     A proxy optimizer over one inner optimizer per trainable parameter.
 
     Once a route is attached (`connect(model)`, or `attach()` for local hooks), each inner optimizer steps as soon
-    as its parameter's (reduced) gradient is ready, and the gradient is freed right after, so at most about one
-    gradient is alive at a time. `step()` only steps parameters whose gradient no hook consumed (hooks detached,
-    gradients held for exact clipping or fp16, gradients set by hand) and closes the step.
+    as its parameter's (reduced) gradient is ready and the gradient is freed; `step()` steps what no hook consumed
+    (held for exact clipping or fp16, or set by hand) and closes the step.
 
     Args:
         params (`Sequence[LayerwiseParam]`):
@@ -237,12 +236,11 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     @property
     def gradient_route(self) -> GradientRoute | None:
-        """The route of the last `connect` / `attach`."""
-        return self._route
+        return self._route  # the route of the last connect() / attach(), kept after detach()
 
     @property
     def route(self) -> str | None:
-        """How gradients arrived in the last connect(): `"local"`, `"ddp"` or `"fsdp2"`."""
+        """How gradients arrived in the last connect(): "local", "data_parallel", "ddp" or "fsdp2"."""
         return None if self._route is None else self._route.name
 
     # ---- gradients: the per-parameter entry point, clipping, norm passes, fp16 (see `GradientGate`) ----
@@ -309,6 +307,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     @track_grad_norm.setter
     def track_grad_norm(self, value: bool) -> None:
         self._gate.track_grad_norm = value
+
+    def applied_learning_rates(self) -> dict[str, float]:
+        return dict(self._gate.applied_lr)  # per inner optimizer class ("AdamW", "Muon"): its latest step's lr
 
     @property
     def last_grad_norm(self) -> torch.Tensor | None:

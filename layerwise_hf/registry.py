@@ -24,6 +24,10 @@ _LOW_RANK_REQUIRES = {base: package for base, (_, _, package) in LOW_RANK_BASES.
 
 _REGISTRY: dict[str, LayerwiseFactory] = {}
 
+# Layer-wise names of this plugin with no Trainer optimizer of that name: name -> the Trainer base the arguments are
+# validated against. Mixes of optimizers per tensor are natural here (layerwise_hf.muon).
+PLUGIN_NAMES = {"muon_layerwise": "adamw_torch"}
+
 
 def _builtin_bases() -> list[str]:
     return sorted(n.value for n in OptimizerNames if not n.value.endswith(SUFFIX) and n.value not in REFUSED_BASES)
@@ -54,7 +58,7 @@ def list_layerwise_optimizers() -> list[str]:
     True
     ```
     """
-    return sorted({f"{b}{SUFFIX}" for b in _builtin_bases()} | set(_REGISTRY))
+    return sorted({f"{b}{SUFFIX}" for b in _builtin_bases()} | set(PLUGIN_NAMES) | set(_REGISTRY))
 
 
 # What a base needs beyond torch/transformers (Trainer raises an ImportError naming it when missing).
@@ -118,7 +122,7 @@ def register_layerwise_optimizer(name: str, factory: LayerwiseFactory, *, overwr
     """
     if not re.fullmatch(r"[a-z0-9_]+", name) or not name.endswith(SUFFIX) or name == SUFFIX:
         raise ValueError(f"Layer-wise optimizer names are lower-case [a-z0-9_] and end in '{SUFFIX}'; got {name!r}.")
-    builtin = {f"{b}{SUFFIX}" for b in _builtin_bases()} | {n.value for n in OptimizerNames}
+    builtin = {f"{b}{SUFFIX}" for b in _builtin_bases()} | {n.value for n in OptimizerNames} | set(PLUGIN_NAMES)
     if name in builtin:
         raise ValueError(f"{name!r} is a built-in optimizer name and cannot be registered.")
     if name in _REGISTRY and not overwrite:
@@ -189,6 +193,8 @@ def parse_optim_name(name) -> str | None:
         raise ValueError(f"optim must be a string, got {type(name).__name__}.")
     if name in _REGISTRY:
         return ""
+    if name in PLUGIN_NAMES:
+        return PLUGIN_NAMES[name]
     # NOTE: before the check against OptimizerNames, which also holds transformers' galore_*_layerwise names.
     if name.endswith(SUFFIX) and name not in TRANSFORMERS_LAYERWISE_NAMES:
         base = name[: -len(SUFFIX)]
@@ -252,6 +258,10 @@ def resolve_factory(args: TrainingArguments, model: nn.Module | None = None) -> 
         raise ValueError(f"{name!r} is not a layer-wise optimizer of this plugin.")
     if base == "":
         return _REGISTRY[name]
+    if name in PLUGIN_NAMES:
+        from .muon import muon_factory
+
+        return muon_factory(args, model)
     if base in _LOW_RANK_REQUIRES:
         from .galore import low_rank_factory
 

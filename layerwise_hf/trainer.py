@@ -11,7 +11,7 @@ import warnings
 
 from transformers import Trainer
 
-from .callback import LayerwiseCallback, memory_logs
+from .callback import LayerwiseCallback, learning_rate_logs, memory_logs
 from .checkpoint import (
     OPTIMIZER_NAME,
     check_checkpoint,
@@ -67,7 +67,7 @@ class LayerwiseTrainerMixin:
         # NOTE: Trainer.log records and prints before callbacks' on_log run, so the memory figures go in here.
         optimizer = self.layerwise_optimizer
         if optimizer is not None:
-            logs = {**logs, **memory_logs(optimizer)}
+            logs = {**logs, **learning_rate_logs(optimizer, logs), **memory_logs(optimizer)}
         return super().log(logs, *args, **kwargs)
 
     @property
