@@ -32,6 +32,7 @@ def test_gpu_check_sh_is_valid_bash():
 
 
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="coreutils timeout not found")
+@pytest.mark.slow
 def test_gpu_check_sh_refuses_to_start_without_cuda():
     result = subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "gpu_check.sh")],
@@ -44,6 +45,7 @@ def test_gpu_check_sh_refuses_to_start_without_cuda():
     assert "torch.cuda.is_available() is False" in result.stderr
 
 
+@pytest.mark.slow
 def test_gpu_check_py_refuses_cuda_without_cuda(tmp_path):
     out = tmp_path / "gpu_check.json"
     result = subprocess.run(

@@ -66,6 +66,7 @@ class OOMAboveBatch(TrainerCallback):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
 
 
+@pytest.mark.slow
 def test_auto_find_batch_size_retries_like_stock_trainer(tmp_path):
     runs = {}
     for optim in ("adamw_torch", "adamw_torch_layerwise"):
