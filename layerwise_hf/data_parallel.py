@@ -131,10 +131,35 @@ class _Bucket:
 
 
 def build_buckets(params: list[torch.Tensor], limits: list[int], ready_order: list[int]) -> list[_Bucket]:
-    """Buckets in launch order: torch's own assignment, with DDP's size limits, of the parameters in `ready_order`."""
-    tensors = [params[i] for i in ready_order]
-    assignment, _ = dist._compute_bucket_assignment_by_size(tensors, limits, [False] * len(tensors), ready_order)
-    return [_make_bucket(params, list(indices)) for indices in assignment]
+    """
+    Buckets in launch order: torch's own assignment, with DDP's size limits, of the parameters in `ready_order`,
+    except that a tensor at least as large as the cap is a bucket of its own. (torch's rule closes a bucket once it
+    reaches the limit, so an embedding would otherwise be copied into a bucket with the layer before it: a copy of
+    the largest tensor, and that layer's gradients held until the embedding's is ready.)
+    """
+    cap = limits[-1]
+    assignment: list[list[int]] = []
+    run: list[int] = []
+
+    def flush() -> None:
+        if run:
+            # The smaller first bucket only while nothing has been bucketed yet.
+            run_limits = limits if not assignment else [cap]
+            tensors = [params[i] for i in run]
+            # NOTE: no expect_sparse_gradient list: torch requires it as long as `tensors` but reads it at the given
+            # indices, which are parameter indices here (past its end).
+            indices, _ = dist._compute_bucket_assignment_by_size(tensors, run_limits, [], run)
+            assignment.extend(list(b) for b in indices)
+            run.clear()
+
+    for i in ready_order:
+        if params[i].numel() * params[i].element_size() >= cap:
+            flush()
+            assignment.append([i])
+        else:
+            run.append(i)
+    flush()
+    return [_make_bucket(params, indices) for indices in assignment]
 
 
 def _make_bucket(params: list[torch.Tensor], indices: list[int]) -> _Bucket:

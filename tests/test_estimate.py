@@ -229,11 +229,11 @@ def test_ddp_layerwise_holds_only_the_buckets_in_flight():
     ddp = estimate("llama-2-7b", optimizer="adamw_torch_layerwise", world_size=4)
     assert ddp.gradient_bytes == ddp.ddp_in_flight_bytes
     assert view.gradient_bytes - ddp.gradient_bytes > 0.9 * ddp.all_gradient_bytes  # the saving is no longer 0
-    # Llama-2-7b, bf16, buckets in the reverse of forward's order of use: the last one is the first layer's
-    # input_layernorm with embed_tokens (250 MiB, copied in: not alone, so not reduced in place), filled while the
-    # one before it (the first layer's q_proj, 32 MiB) reduces.
-    q_proj, norm, embed = 4096 * 4096 * 2, 4096 * 2, 32000 * 4096 * 2
-    assert ddp.gradient_bytes == q_proj + (norm + embed) + embed
+    # Llama-2-7b, bf16, buckets in the reverse of forward's order of use: a tensor above the cap is a bucket of its
+    # own, reduced in place, so the most alive is embed_tokens (250 MiB) with the small bucket before it (the first
+    # layer's input_layernorm), as lm_head with model.norm at the start.
+    norm, embed = 4096 * 2, 32000 * 4096 * 2
+    assert ddp.gradient_bytes == norm + embed
     assert any("no persistent buckets" in n for n in ddp.notes)
     assert ddp.total_bytes == ddp.weight_bytes + ddp.gradient_bytes + ddp.optimizer_state_bytes
 
@@ -266,14 +266,30 @@ def test_ddp_buckets_match_torch_assignment():
         numels = [rng.choice([1, 64, 4096, 70_000, 300_000, 3_000_000]) for _ in range(60)]
         tensors = [torch.empty(n, device="meta") for n in numels]
         expected, _ = dist._compute_bucket_assignment_by_size(tensors, limits, [False] * len(tensors))
-        ours = assign_buckets([4 * n for n in numels], limits)
+        ours = assign_buckets([4 * n for n in numels], limits, large_alone=False)
         assert [b.sizes for b in ours] == [tuple(4 * numels[i] for i in b) for b in expected]
 
 
+def test_ddp_buckets_are_the_routes_buckets():
+    # The estimator's buckets are the ones the data-parallel route builds (layerwise_hf.data_parallel).
+    import random
+
+    from layerwise_hf.data_parallel import build_buckets
+    from layerwise_hf.estimate.buckets import assign_buckets, bucket_size_limits
+
+    rng = random.Random(1)
+    for limits in (bucket_size_limits(), bucket_size_limits(0.5), [1000, 5000], [5000]):
+        for _ in range(20):
+            numels = [rng.choice([1, 64, 1000, 4096, 70_000, 300_000, 3_000_000]) for _ in range(40)]
+            tensors = [torch.empty(n, device="meta") for n in numels]
+            route = build_buckets(tensors, limits, list(range(len(tensors))))
+            ours = assign_buckets([4 * n for n in numels], limits)
+            assert [b.sizes for b in ours] == [tuple(4 * n for n in b.numels) for b in route]
+
+
 def test_ddp_layerwise_bound_on_the_58m_benchmark_model():
-    # benchmarks/distributed_memory.py's model, bucketed by torch in the reverse of forward's order of use (the
-    # route's order after the first step): the last bucket (the first layer's rest + embed_tokens, 78.6 MiB) is
-    # filled while the one before it (26.8 MiB) reduces, and embed_tokens' 62.5 MiB .grad is copied in.
+    # benchmarks/distributed_memory.py's model, bucketed as the route does in the reverse of forward's order of use:
+    # embed_tokens (62.5 MiB) is a bucket of its own, reduced in place while the bucket before it finishes.
     import torch.distributed as dist
 
     from layerwise_hf.estimate.buckets import DEFAULT_FIRST_BUCKET_BYTES
@@ -287,14 +303,16 @@ def test_ddp_layerwise_bound_on_the_58m_benchmark_model():
     named = dict(model.named_parameters())
     ready = [named[n] for n in reversed(forward_use_order(model))]
     assert len(ready) == len(named) and DEFAULT_FIRST_BUCKET_BYTES == dist._DEFAULT_FIRST_BUCKET_BYTES
-    assignment, _ = dist._compute_bucket_assignment_by_size(
-        ready, [DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20], [False] * len(ready)
-    )
+    from layerwise_hf.data_parallel import build_buckets
+
+    assignment = [
+        b.indices for b in build_buckets(ready, [DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20], list(range(len(ready))))
+    ]
     sizes = [sum(ready[i].numel() * 4 for i in b) for b in assignment]
     copies = [max(ready[i].numel() * 4 for i in b) if len(b) > 1 else 0 for b in assignment]
     bound = max((sizes[k - 1] if k else 0) + sizes[k] + copies[k] for k in range(len(sizes)))
     assert est.gradient_bytes == bound
-    assert round(bound / 2**20, 1) == 167.9 and round(est.all_gradient_bytes / 2**20, 1) == 221.5
+    assert round(bound / 2**20, 1) == 92.0 and round(est.all_gradient_bytes / 2**20, 1) == 221.5
 
 
 # ---- optimizer state against the real optimizers ----

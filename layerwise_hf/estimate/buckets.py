@@ -8,8 +8,9 @@ The route's policy (`DataParallelReducer`):
   (for a decoder-only model: the reverse of `named_parameters()` order, lm_head first, the input embedding last);
 - they are cut by torch's `_compute_bucket_assignment_by_size` with DDP's limits: a 1 MiB first bucket then
   `bucket_cap_mb` (25 MiB by default; an explicit `bucket_cap_mb` applies to every bucket). A bucket closes as soon
-  as it reaches its limit, so it can exceed the cap by its last tensor, and a tensor met by an empty bucket that is
-  larger than the limit is a bucket of its own;
+  as it reaches its limit, so it can exceed the cap by its last tensor; a tensor at least as large as the cap is a
+  bucket of its own (the route's one exception to torch's rule, so the embedding is not copied into a bucket with
+  the layer before it);
 - a bucket of one tensor is all-reduced in place in that tensor's `.grad`; a bucket of several is one buffer of their
   sum, allocated at its first gradient, into which each gradient is copied (its `.grad` is freed after the copy);
 - at most one bucket is reducing while the next fills: when a bucket is launched, the one before it (if still
@@ -64,28 +65,41 @@ class Bucket:
         return max(self.sizes) if len(self.sizes) > 1 else 0
 
 
-def assign_buckets(sizes: Sequence[int], limits: Sequence[int], keys: Sequence[object] | None = None) -> list[Bucket]:
+def assign_buckets(
+    sizes: Sequence[int], limits: Sequence[int], keys: Sequence[object] | None = None, large_alone: bool = True
+) -> list[Bucket]:
     """
     torch's `_compute_bucket_assignment_by_size` over gradient byte sizes in ready order: per key (dtype), add each
     tensor to the open bucket and close it once it reaches the current limit (then move to the next limit); open
-    buckets are closed at the end. Buckets come in the order they close, the order they are launched.
+    buckets are closed at the end. Buckets come in the order they close, the order they are launched. With
+    `large_alone` (the route's layout), a tensor at least as large as the last limit closes the open buckets and is
+    a bucket of its own.
 
     Example:
 
     ```python
     >>> from layerwise_hf.estimate.buckets import assign_buckets
-    >>> [b.sizes for b in assign_buckets([3, 1, 1, 2, 9, 1], [2, 4])]
+    >>> [b.sizes for b in assign_buckets([3, 1, 1, 2, 9, 1], [2, 4], large_alone=False)]
     [(3,), (1, 1, 2), (9,), (1,)]
+    >>> [b.sizes for b in assign_buckets([1, 1, 9, 1, 2, 3], [2, 4])]
+    [(1, 1), (9,), (1, 2, 3)]
     ```
     """
     keys = list(keys) if keys is not None else [None] * len(sizes)
     open_buckets: dict[object, list[int]] = {}
     limit_index: dict[object, int] = {}
     out: list[Bucket] = []
+    started = False
     for size, key in zip(sizes, keys):
+        if large_alone and size >= limits[-1]:
+            out += [Bucket(tuple(b)) for b in open_buckets.values() if b]
+            out.append(Bucket((size,)))
+            open_buckets, limit_index, started = {}, {}, True
+            continue
         bucket = open_buckets.setdefault(key, [])
         bucket.append(size)
-        k = limit_index.setdefault(key, 0)
+        # After a tensor of its own, the smaller first limit no longer applies (the route restarts torch's rule).
+        k = limit_index.setdefault(key, len(limits) - 1 if started else 0)
         if sum(bucket) >= limits[k]:
             out.append(Bucket(tuple(bucket)))
             open_buckets[key] = []
