@@ -112,6 +112,38 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="Optimizer name(s), one row each; <name>_layerwise for the layer-wise form. "
         f"Known: {', '.join(sorted(OPTIMIZER_RULES))}. Default: adamw_torch adamw_torch_layerwise.",
     )
+    _add_training_setup_arguments(parser)
+    parser.add_argument(
+        "--units",
+        choices=("binary", "decimal"),
+        default="binary",
+        help="binary: KiB/MiB/GiB (2**30 bytes; what accelerate prints as 'GB'); decimal: kB/MB/GB (10**9 bytes).",
+    )
+    parser.add_argument("--json", action="store_true", help="Print JSON (exact bytes) instead of a table.")
+    parser.add_argument(
+        "--accelerate", action="store_true", help="Reproduce `accelerate estimate-memory`'s table and conventions."
+    )
+    parser.add_argument("--list-presets", action="store_true", help="List the presets and their parameter counts.")
+    parser.set_defaults(func=run)
+    return parser
+
+
+ESTIMATE_OPTIONS = (
+    "trainable_fraction",
+    "lora_rank",
+    "lora_target_modules",
+    "adapter_dtype",
+    "frozen_dtype",
+    "gradient_accumulation_steps",
+    "world_size",
+    "sharding",
+    "gradient_as_bucket_view",
+    "bucket_cap_mb",
+)
+
+
+def _add_training_setup_arguments(parser: argparse.ArgumentParser) -> None:
+    # What is trained and how it is spread over devices.
     trainable = parser.add_mutually_exclusive_group()
     trainable.add_argument("--trainable-fraction", type=float, help="Fraction of every tensor that trains.")
     trainable.add_argument("--lora-rank", type=int, help="Train LoRA adapters of this rank, the base frozen.")
@@ -141,19 +173,6 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="DDP's bucket_cap_mb (Trainer's ddp_bucket_cap_mb): the layer-wise route's bucket size under DDP. "
         "Default: DDP's, 25 MiB after a first bucket of 1 MiB.",
     )
-    parser.add_argument(
-        "--units",
-        choices=("binary", "decimal"),
-        default="binary",
-        help="binary: KiB/MiB/GiB (2**30 bytes; what accelerate prints as 'GB'); decimal: kB/MB/GB (10**9 bytes).",
-    )
-    parser.add_argument("--json", action="store_true", help="Print JSON (exact bytes) instead of a table.")
-    parser.add_argument(
-        "--accelerate", action="store_true", help="Reproduce `accelerate estimate-memory`'s table and conventions."
-    )
-    parser.add_argument("--list-presets", action="store_true", help="List the presets and their parameter counts.")
-    parser.set_defaults(func=run)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:
@@ -193,26 +212,13 @@ def _run(args: argparse.Namespace) -> str:
     if args.accelerate:
         return _run_accelerate(args)
     spec = load_model_spec(args.model)
-    estimates = []
-    for dtype in args.dtypes or ["bfloat16"]:
-        for optim in args.optim:
-            estimates.append(
-                estimate(
-                    spec,
-                    optimizer=optim,
-                    dtype=dtype,
-                    trainable_fraction=args.trainable_fraction,
-                    lora_rank=args.lora_rank,
-                    lora_target_modules=args.lora_target_modules,
-                    adapter_dtype=args.adapter_dtype,
-                    frozen_dtype=args.frozen_dtype,
-                    gradient_accumulation_steps=args.gradient_accumulation_steps,
-                    world_size=args.world_size,
-                    sharding=args.sharding,
-                    gradient_as_bucket_view=args.gradient_as_bucket_view,
-                    bucket_cap_mb=args.bucket_cap_mb,
-                )
-            )
+    # The command line's options are estimate()'s keyword arguments, under the same names.
+    options = {name: getattr(args, name) for name in ESTIMATE_OPTIONS}
+    estimates = [
+        estimate(spec, optimizer=optim, dtype=dtype, **options)
+        for dtype in args.dtypes or ["bfloat16"]
+        for optim in args.optim
+    ]
     if args.json:
         payload = {"model": spec.name, "source": spec.source, "estimates": [e.to_dict() for e in estimates]}
         return json.dumps(payload, indent=2)

@@ -10,23 +10,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import units
 from .buckets import assign_buckets, bucket_size_limits, ddp_in_flight_bound
 from .models import ModelSpec, ModuleSpec, TensorSpec, load_model_spec
 from .optimizers import OPTIMIZER_RULES, OptimizerRule, fsdp2_refusal, parse_optimizer, tensor_state_bytes, uses_qmaps
-from .units import (
-    BNB_MIN_8BIT_SIZE,
-    BNB_QMAP_BYTES,
-    DEFAULT_LORA_TARGETS,
-    DTYPE_BYTES,
-    FROZEN_DTYPES,
-    LINEAR_MODULES,
-    NF4_BLOCKSIZE,
-    SHARDINGS,
-    EstimateError,
-    blocks,
-    format_bytes,
-    normalize_dtype,
-)
+from .units import DEFAULT_LORA_TARGETS, DTYPE_BYTES, SHARDINGS, EstimateError, blocks, format_bytes, normalize_dtype
 
 
 @dataclass
@@ -112,15 +100,15 @@ def _lora_tensors(spec: ModelSpec, rank: int, targets: Sequence[str]) -> list[Te
     linear = spec.linear_shapes()
     weights = {t.module: t for t in spec.parameters if t.module in linear and t.name.endswith(".weight")}
     if "all-linear" in targets:
-        targets = LINEAR_MODULES
+        targets = units.LINEAR_MODULES
     unknown = sorted(set(targets) - set(weights))
     if unknown:
         raise EstimateError(
             f"Unknown LoRA target module(s) {', '.join(unknown)}; "
-            f"choose from {', '.join(LINEAR_MODULES)} or all-linear."
+            f"choose from {', '.join(units.LINEAR_MODULES)} or all-linear."
         )
     out = []
-    for module in LINEAR_MODULES:
+    for module in units.LINEAR_MODULES:
         if module in targets and module in weights:
             weight = weights[module]
             fan_out, fan_in = weight.shape
@@ -131,11 +119,11 @@ def _lora_tensors(spec: ModelSpec, rank: int, targets: Sequence[str]) -> list[Te
 
 
 def _frozen_bytes(tensor: TensorSpec, frozen_dtype: str, dtype: str) -> int:
-    quantizable = tensor.module in LINEAR_MODULES and len(tensor.shape) == 2
+    quantizable = tensor.module in units.LINEAR_MODULES and len(tensor.shape) == 2
     if frozen_dtype == "int8" and quantizable:
         return tensor.numel + 4 * tensor.shape[0]  # LLM.int8(): one float32 scale per output row
     if frozen_dtype == "nf4" and quantizable:
-        return tensor.numel // 2 + 4 * blocks(tensor.numel, NF4_BLOCKSIZE)
+        return tensor.numel // 2 + 4 * blocks(tensor.numel, units.NF4_BLOCKSIZE)
     if frozen_dtype in DTYPE_BYTES:
         return tensor.numel * DTYPE_BYTES[frozen_dtype]
     return tensor.numel * DTYPE_BYTES[dtype]
@@ -243,11 +231,11 @@ def _state_notes(counts: _Counts, rule: OptimizerRule, layerwise: bool, notes: l
     state = counts.state
     if counts.qmap_users:
         # Each layer-wise inner optimizer builds its own maps; one standard optimizer shares one set.
-        state += rule.qmaps * BNB_QMAP_BYTES * (counts.qmap_users if layerwise else 1)
+        state += rule.qmaps * units.BNB_QMAP_BYTES * (counts.qmap_users if layerwise else 1)
     if counts.bnb_fp32_tensors:
         notes.append(
             f"{rule.name}: {counts.bnb_fp32_tensors} tensor(s) keep 32-bit state (embeddings, and tensors under "
-            f"{BNB_MIN_8BIT_SIZE} elements)."
+            f"{units.BNB_MIN_8BIT_SIZE} elements)."
         )
     if not rule.exact:
         notes.append(f"{rule.name}: its state size follows the package's source, not checked here (not installed).")
@@ -432,7 +420,7 @@ class _Options:
     def check(cls, frozen_dtype: str | None = None, sharding: str | None = None, **kwargs: Any) -> _Options:
         kwargs["dtype"] = normalize_dtype(kwargs.get("dtype", cls.dtype))
         kwargs["adapter_dtype"] = normalize_dtype(kwargs.get("adapter_dtype", cls.adapter_dtype))
-        frozen_dtype = kwargs["dtype"] if frozen_dtype is None else normalize_dtype(frozen_dtype, FROZEN_DTYPES)
+        frozen_dtype = kwargs["dtype"] if frozen_dtype is None else normalize_dtype(frozen_dtype, units.FROZEN_DTYPES)
         world_size = kwargs.get("world_size", 1)
         sharding = sharding or ("none" if world_size == 1 else "ddp")
         opts = cls(frozen_dtype=frozen_dtype, sharding=sharding, **kwargs)
@@ -508,10 +496,7 @@ def estimate(
             Number of devices.
         sharding (`str`, *optional*):
             `"none"` (one device), `"ddp"` or `"fsdp2"`; defaults to `"none"` for one device, `"ddp"` otherwise.
-            FSDP2 divides everything by `world_size` (layer-wise, the gradient term is the largest FSDP2 unit). DDP
-            replicates everything; standard DDP's bucket buffers hold all gradients for the whole run, while the
-            layer-wise route (no DDP wrapper) holds only the buckets in flight (`buckets.ddp_in_flight_bound`;
-            every gradient with gradient accumulation).
+            See `layerwise_hf.estimate.buckets` for the DDP gradient terms.
         gradient_as_bucket_view (`bool`, *optional*, defaults to `False`):
             Standard DDP's option making `.grad` a view of its buckets (one copy of the gradients instead of two).
         bucket_cap_mb (`float`, *optional*):
@@ -529,19 +514,8 @@ def estimate(
     """
     spec = load_model_spec(model)
     base, suffix_layerwise = parse_optimizer(optimizer)
-    opts = _Options.check(
-        dtype=dtype,
-        trainable_fraction=trainable_fraction,
-        lora_rank=lora_rank,
-        lora_target_modules=lora_target_modules,
-        adapter_dtype=adapter_dtype,
-        frozen_dtype=frozen_dtype,
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        world_size=world_size,
-        sharding=sharding,
-        gradient_as_bucket_view=gradient_as_bucket_view,
-        bucket_cap_mb=bucket_cap_mb,
-    )
+    # Every keyword argument but the model and the optimizer is an option, checked by _Options under its name.
+    opts = _Options.check(**{k: v for k, v in locals().items() if k in _Options.__dataclass_fields__})
     return _steps(spec, OPTIMIZER_RULES[base], suffix_layerwise if layerwise is None else bool(layerwise), opts)
 
 
