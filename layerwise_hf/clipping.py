@@ -54,7 +54,22 @@ CLIP_MODES = tuple(m.value for m in ClipMode)
 
 
 def grad_norm_kernel(grad: torch.Tensor) -> torch.Tensor:
-    """The L2 norm of one gradient with the kernel `clip_grad_norm_` picks for its device."""
+    """
+    The L2 norm of one gradient with the kernel `clip_grad_norm_` picks for its device.
+
+    Args:
+        grad (`torch.Tensor`):
+            One parameter's gradient.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.clipping import grad_norm_kernel
+    >>> grad_norm_kernel(torch.tensor([3.0, 4.0]))
+    tensor(5.)
+    ```
+    """
     from torch.utils._foreach_utils import _device_has_foreach_support
 
     if _device_has_foreach_support(grad.device):
@@ -66,6 +81,20 @@ def total_norm(norms: Sequence[tuple[torch.device, torch.dtype, torch.Tensor]]) 
     """
     The global L2 norm from per-tensor norms `(device, gradient dtype, norm)` in parameter order, stacked exactly as
     `clip_grad_norm_` stacks them: in torch's own (device, dtype) grouping order, on the first gradient's device.
+
+    Args:
+        norms (`Sequence[tuple[torch.device, torch.dtype, torch.Tensor]]`):
+            One `(device, gradient dtype, norm)` per gradient, in parameter order; none at all gives `None`.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.clipping import total_norm
+    >>> cpu = torch.device("cpu")
+    >>> total_norm([(cpu, torch.float32, torch.tensor(3.0)), (cpu, torch.bfloat16, torch.tensor(4.0))])
+    tensor(5.)
+    ```
     """
     if not norms:
         return None
@@ -81,6 +110,24 @@ def total_norm(norms: Sequence[tuple[torch.device, torch.dtype, torch.Tensor]]) 
 
 
 def clip_coef(max_grad_norm: float, norm: torch.Tensor) -> torch.Tensor:
+    """
+    The factor that brings a gradient of norm `norm` down to `max_grad_norm` (at most 1: never scaled up).
+
+    Args:
+        max_grad_norm (`float`):
+            The largest norm allowed.
+        norm (`torch.Tensor`):
+            The norm measured (one gradient's, or the step's global norm).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.clipping import clip_coef
+    >>> clip_coef(1.0, torch.tensor(4.0)), clip_coef(1.0, torch.tensor(0.5))
+    (tensor(0.2500), tensor(1.))
+    ```
+    """
     # NOTE: the expression of torch's `_clip_grads_with_norm_`, so exact clipping is bit-identical.
     return torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
 
@@ -89,6 +136,10 @@ class Clipper:
     """
     One clipping mode, stateless: what it computes for a step lives in the `StepWindow` it is given, so closing the
     window forgets it. A mode that `needs_global_norm` is given the step's total first (`start_step`).
+
+    Args:
+        max_grad_norm (`float`, *optional*, defaults to `0.0`):
+            The norm to clip to; build one with `make_clipper`, which turns `<= 0` into no clipping.
 
     Example:
 
@@ -159,7 +210,25 @@ _CLIPPERS = {c.mode: c for c in (_NoClip, _ExactClip, _PerParamClip, _PreviousCl
 
 
 def make_clipper(max_grad_norm: float | None, mode: str | ClipMode = ClipMode.EXACT) -> Clipper:
-    """The clipper for `mode`; `max_grad_norm <= 0` or `None` clips nothing whatever the mode."""
+    """
+    The clipper for `mode`; `max_grad_norm <= 0` or `None` clips nothing whatever the mode.
+
+    Args:
+        max_grad_norm (`float`, *optional*):
+            Trainer's `max_grad_norm`; `None` or `<= 0`: no clipping.
+        mode (`str` or `ClipMode`, *optional*, defaults to `"exact"`):
+            One of `"exact"`, `"previous"`, `"per_param"`, `"off"`.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.clipping import make_clipper
+    >>> make_clipper(1.0, "per_param").mode.value
+    'per_param'
+    >>> make_clipper(None, "exact").mode.value  # nothing to clip to
+    'off'
+    ```
+    """
     mode = ClipMode.parse(mode)
     max_grad_norm = float(max_grad_norm or 0.0)
     resolved = mode if max_grad_norm > 0 else ClipMode.OFF

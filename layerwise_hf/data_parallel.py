@@ -136,6 +136,24 @@ def build_buckets(params: list[torch.Tensor], limits: list[int], ready_order: li
     except that a tensor at least as large as the cap is a bucket of its own. (torch's rule closes a bucket once it
     reaches the limit, so an embedding would otherwise be copied into a bucket with the layer before it: a copy of
     the largest tensor, and that layer's gradients held until the embedding's is ready.)
+
+    Args:
+        params (`list[torch.Tensor]`):
+            The parameters, indexed as the optimizer indexes them.
+        limits (`list[int]`):
+            Bucket sizes in bytes (`DataParallelConfig.bucket_size_limits`): the first bucket's, then the cap.
+        ready_order (`list[int]`):
+            Parameter indices in the order their gradients become ready.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.data_parallel import build_buckets
+    >>> params = [torch.zeros(256), torch.zeros(256), torch.zeros(4096)]  # 1 KiB, 1 KiB, 16 KiB
+    >>> [bucket.indices for bucket in build_buckets(params, [4096], ready_order=[2, 1, 0])]
+    [[2], [1, 0]]
+    ```
     """
     cap = limits[-1]
     assignment: list[list[int]] = []

@@ -20,7 +20,22 @@ if TYPE_CHECKING:
 
 
 def find_ddp(model):
-    """The `DistributedDataParallel` in `model`'s `.module` chain, or `None`."""
+    """
+    The `DistributedDataParallel` in `model`'s `.module` chain, or `None`.
+
+    Args:
+        model (`torch.nn.Module`):
+            The model as prepared (possibly wrapped, e.g. by DDP or `torch.compile`).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.ddp import find_ddp
+    >>> find_ddp(torch.nn.Linear(2, 2)) is None  # not wrapped in DDP
+    True
+    ```
+    """
     seen = 0
     while model is not None and seen < 8:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -47,6 +62,10 @@ class _CommState:
 class DDPCommHook(GradientRoute):
     """
     The route of a DDP-wrapped model.
+
+    Args:
+        ddp_model (`torch.nn.parallel.DistributedDataParallel`):
+            The DDP wrapper whose comm hook all-reduces the buckets (see `find_ddp`).
 
     Example:
 

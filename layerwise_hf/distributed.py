@@ -22,6 +22,22 @@ if TYPE_CHECKING:
 
 
 def is_sharded(params) -> bool:
+    """
+    Whether any of `params` is a DTensor (FSDP2's `fully_shard` made it one).
+
+    Args:
+        params (`Iterable[torch.Tensor]`):
+            The parameters to look at.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.distributed import is_sharded
+    >>> is_sharded(torch.nn.Linear(2, 2).parameters())
+    False
+    ```
+    """
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in params)
@@ -33,6 +49,23 @@ def choose_route(
     """
     The route for `model` as Accelerate prepared it: DDP-wrapped (DDP's comm hook), FSDP2-sharded, replicated
     without DDP under a data-parallel `accelerator` (the bucketed reducer), or plain (local hooks).
+
+    Args:
+        optimizer (`LayerwiseOptimizer`):
+            The optimizer the route will feed.
+        model (`torch.nn.Module`, *optional*):
+            The model `accelerator.prepare` returned.
+        accelerator (`accelerate.Accelerator`, *optional*):
+            Its DDP settings build the data-parallel route for a replicated model not wrapped in DDP.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.distributed import choose_route
+    >>> route = choose_route(layerwise_optimizer, model, accelerator)  # one process, no DDP or FSDP2
+    >>> type(route).__name__
+    'LocalHooks'
+    ```
     """
     ddp = find_ddp(model)
     if ddp is not None:
@@ -50,6 +83,12 @@ def connect(optimizer: LayerwiseOptimizer, model: torch.nn.Module | None = None)
     Route gradients of `model` (as prepared: plain, DDP-wrapped or FSDP2-sharded) to `optimizer`'s per-parameter
     optimizers. Returns the route taken: `"local"`, `"ddp"` or `"fsdp2"`.
 
+    Args:
+        optimizer (`LayerwiseOptimizer`):
+            The optimizer to connect.
+        model (`torch.nn.Module`, *optional*):
+            The model as prepared.
+
     Example:
 
     ```python
@@ -62,7 +101,25 @@ def connect(optimizer: LayerwiseOptimizer, model: torch.nn.Module | None = None)
 
 
 def check_fsdp2_supported(optimizer: LayerwiseOptimizer) -> None:
-    """Refuse inner optimizers whose update of a shard differs from the update of the whole tensor."""
+    """
+    Refuse inner optimizers whose update of a shard differs from the update of the whole tensor.
+
+    Args:
+        optimizer (`LayerwiseOptimizer`):
+            The optimizer whose inner optimizers would step FSDP2 shards.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer
+    >>> from layerwise_hf.distributed import check_fsdp2_supported
+    >>> args = LayerwiseTrainingArguments("out", optim="adafactor_layerwise")
+    >>> check_fsdp2_supported(build_layerwise_optimizer(model, args))
+    Traceback (most recent call last):
+        ...
+    ValueError: adafactor_layerwise (Adafactor) cannot step FSDP2 shards: its update is not elementwise ...
+    ```
+    """
     check_fsdp2_optimizers(optimizer.optimizer_name, optimizer.inner)
 
 
@@ -77,6 +134,15 @@ def force_fsdp_on_cpu() -> None:
     `AcceleratorState.__init__` only keeps an FSDP plugin for accelerator device types. Call before the first
     `Accelerator` / `Trainer` of the process, or set `LAYERWISE_HF_FORCE_FSDP_CPU=1` (applied on import).
     Meant for CPU tests of the FSDP2 path; GPUs need none of this.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf import force_fsdp_on_cpu
+    >>> force_fsdp_on_cpu()  # before the first Accelerator / Trainer of the process
+    >>> # launched with `accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml train.py`, the
+    >>> # Accelerator's distributed_type is now DistributedType.FSDP instead of MULTI_CPU
+    ```
     """
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType

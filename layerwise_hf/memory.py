@@ -12,6 +12,10 @@ def tensor_bytes(obj: Any) -> int:
     Bytes of every tensor in `obj` (a tensor, or dicts, lists and objects holding tensors), counting only the local
     shard of a DTensor.
 
+    Args:
+        obj (`Any`):
+            A tensor, or a dict, list, tuple or object holding tensors (e.g. an optimizer's `state`).
+
     Example:
 
     ```python

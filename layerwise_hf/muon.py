@@ -45,13 +45,38 @@ def _parse_options(optim_args: str | None) -> dict[str, Any]:
 
 
 def uses_muon(param: torch.Tensor, excluded: set[int]) -> bool:
-    """A hidden layer's matrix: 2-D, and neither an embedding nor the output head."""
+    """
+    A hidden layer's matrix: 2-D, and neither an embedding nor the output head.
+
+    Args:
+        param (`torch.Tensor`):
+            The parameter to place.
+        excluded (`set[int]`):
+            `id()`s of the embeddings' and the output head's weights.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.muon import uses_muon
+    >>> embedding = torch.nn.Embedding(16, 4)
+    >>> excluded = {id(embedding.weight)}
+    >>> uses_muon(torch.nn.Linear(4, 4).weight, excluded), uses_muon(embedding.weight, excluded)
+    (True, False)
+    ```
+    """
     return param.ndim == 2 and id(param) not in excluded
 
 
 def muon_factory(args: Any, model: nn.Module | None) -> LayerwiseFactory:
     """
     The per-parameter factory of `muon_layerwise` for `model`.
+
+    Args:
+        args (`TrainingArguments`):
+            Supplies `learning_rate`, the AdamW settings and `optim_args` (Muon's settings).
+        model (`torch.nn.Module`):
+            Its embeddings and output head get AdamW; required.
 
     Example:
 

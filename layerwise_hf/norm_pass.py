@@ -29,6 +29,30 @@ def backward_with_norm_pass(
     over the same graph, kept with `retain_graph=True`: one forward, two backwards. Only for a single process and
     an uncompiled model: DDP and FSDP2 run their collectives once per forward, and a torch.compile'd backward
     refuses `retain_graph`, so use `run_with_norm_pass` there.
+
+    Args:
+        optimizer (`LayerwiseOptimizer`):
+            The attached layer-wise optimizer.
+        loss (`torch.Tensor`):
+            The micro-batch's loss.
+        backward (`Callable[..., Any]`, *optional*):
+            Runs the backward, e.g. `accelerator.backward`; defaults to `loss.backward`.
+        **kwargs:
+            Passed to `backward`.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
+    >>> from layerwise_hf.norm_pass import backward_with_norm_pass
+    >>> w = torch.nn.Parameter(torch.ones(4))
+    >>> optimizer = LayerwiseOptimizer([LayerwiseParam("w", w, 0.0)], lambda lp, _: torch.optim.SGD([lp.param], lr=1))
+    >>> optimizer.configure_clipping(1.0, "exact"); optimizer.attach()
+    >>> backward_with_norm_pass(optimizer, (2 * w).sum())  # measures the norm (4), then clips and steps
+    >>> w.data
+    tensor([0.5000, 0.5000, 0.5000, 0.5000])
+    ```
     """
     backward = backward or (lambda tensor, **kw: tensor.backward(**kw))
     # First: a window GradScaler skipped must be closed before this one notes its accumulation.
@@ -50,6 +74,25 @@ def run_with_norm_pass(optimizer: LayerwiseOptimizer, forward_backward: Callable
     Run `forward_backward` (forward + backward of one micro-batch) twice when exact clipping or fp16 needs every
     gradient before any layer steps: first to measure, then to clip and step. The RNG state is replayed so
     dropout draws the same masks. Otherwise run it once.
+
+    Args:
+        optimizer (`LayerwiseOptimizer`):
+            The connected layer-wise optimizer.
+        forward_backward (`Callable[[], T]`):
+            Runs forward and backward of one micro-batch; what it returns (e.g. the loss) is returned.
+
+    Example:
+
+    ```python
+    >>> # a plain Accelerate loop under DDP or FSDP2 with exact clipping
+    >>> from layerwise_hf.norm_pass import run_with_norm_pass
+    >>> def forward_backward():
+    ...     loss = model(**batch).loss
+    ...     accelerator.backward(loss)
+    ...     return loss
+    >>> loss = run_with_norm_pass(unwrap_layerwise_optimizer(optimizer), forward_backward)
+    >>> optimizer.step(); optimizer.zero_grad()
+    ```
     """
     # First: a window GradScaler skipped must be closed before this one notes its accumulation (under DDP's
     # no_sync no hook fires that would close it).

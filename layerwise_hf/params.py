@@ -52,6 +52,20 @@ def isolate_bnb_overrides(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
     Give a bitsandbytes optimizer a private override manager. bitsandbytes consults a process-wide
     GlobalOptimManager keyed by (group, index), which is (0, 0) for every per-parameter optimizer, so another
     run's overrides (Trainer registers one per embedding) would leak into all of them.
+
+    Args:
+        optimizer (`torch.optim.Optimizer`):
+            One parameter's optimizer; returned as it is unless it is a bitsandbytes one.
+
+    Example:
+
+    ```python
+    >>> import bitsandbytes as bnb, torch
+    >>> from layerwise_hf.params import isolate_bnb_overrides
+    >>> optimizer = isolate_bnb_overrides(bnb.optim.AdamW8bit([torch.nn.Parameter(torch.zeros(64))]))
+    >>> optimizer.mng is bnb.optim.GlobalOptimManager.get_instance()
+    False
+    ```
     """
     if hasattr(optimizer, "mng"):
         from bitsandbytes.optim import GlobalOptimManager

@@ -68,7 +68,18 @@ class GradientRoute:
 
 
 class LocalHooks(GradientRoute):
-    """Post-accumulate-grad hooks on every trainable parameter, each owned by one optimizer at a time."""
+    """
+    Post-accumulate-grad hooks on every trainable parameter, each owned by one optimizer at a time.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.routes import LocalHooks
+    >>> optimizer.set_route(LocalHooks())  # `optimizer`: a LayerwiseOptimizer on one process (= optimizer.attach())
+    >>> optimizer.route, optimizer.attached
+    ('local', True)
+    ```
+    """
 
     name = "local"
 
@@ -127,7 +138,18 @@ class _Hook:
 
 
 class FSDP2Hooks(LocalHooks):
-    """Local hooks on FSDP2's sharded parameters: FSDP2 calls them after the reduce-scatter."""
+    """
+    Local hooks on FSDP2's sharded parameters: FSDP2 calls them after the reduce-scatter.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.routes import FSDP2Hooks
+    >>> route = FSDP2Hooks()  # what `connect(model)` picks once `fully_shard` made the parameters DTensors
+    >>> route.name, route.collective_per_forward
+    ('fsdp2', True)
+    ```
+    """
 
     name = "fsdp2"
     collective_per_forward = True

@@ -57,18 +57,62 @@ ONE_PASS_CLIP_MODES = ("previous", "per_param")
 
 
 def qualname(obj_or_cls: Any) -> str:
-    """`module.QualName` of a class or of an object's class."""
+    """
+    `module.QualName` of a class or of an object's class.
+
+    Args:
+        obj_or_cls (`Any`):
+            A class, or an object whose class is named.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.support import qualname
+    >>> qualname(torch.optim.AdamW), qualname(torch.nn.Linear(2, 2))
+    ('torch.optim.adamw.AdamW', 'torch.nn.modules.linear.Linear')
+    ```
+    """
     cls = obj_or_cls if isinstance(obj_or_cls, type) else type(obj_or_cls)
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def fsdp2_supports_base(base: str) -> bool:
-    """Whether `<base>_layerwise` can step FSDP2 shards (read by the estimator)."""
+    """
+    Whether `<base>_layerwise` can step FSDP2 shards (read by the estimator).
+
+    Args:
+        base (`str`):
+            The Trainer `optim` name without `_layerwise`.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.support import fsdp2_supports_base
+    >>> [base for base in ("sgd", "adamw_8bit", "rmsprop") if fsdp2_supports_base(base)]
+    ['sgd', 'rmsprop']
+    ```
+    """
     return base in FSDP2_ELEMENTWISE
 
 
 def fsdp2_supports_optimizer(optimizer: Any) -> bool:
-    """Whether this inner optimizer's update of a shard equals its update of the whole tensor."""
+    """
+    Whether this inner optimizer's update of a shard equals its update of the whole tensor.
+
+    Args:
+        optimizer (`torch.optim.Optimizer`):
+            One parameter's inner optimizer (or its class).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.support import fsdp2_supports_optimizer
+    >>> fsdp2_supports_optimizer(torch.optim.Adam), fsdp2_supports_optimizer(torch.optim.Adafactor)
+    (True, False)
+    ```
+    """
     return qualname(optimizer) in _FSDP2_CLASSES
 
 
@@ -76,10 +120,50 @@ def fsdp2_supports_optimizer(optimizer: Any) -> bool:
 
 
 def refused_base_error(name: str, base: str, choices: Iterable[str]) -> ValueError:
+    """
+    The error for a layer-wise name whose base is in `REFUSED_BASES`.
+
+    Args:
+        name (`str`):
+            The name asked for, e.g. `"lomo_layerwise"`.
+        base (`str`):
+            Its base, a key of `REFUSED_BASES`.
+        choices (`Iterable[str]`):
+            The layer-wise names to suggest instead.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.support import refused_base_error
+    >>> raise refused_base_error("lomo_layerwise", "lomo", ["adamw_torch_layerwise"])
+    Traceback (most recent call last):
+        ...
+    ValueError: 'lomo_layerwise' is not supported: LOMO fuses the update into backward over the whole model; ...
+    ```
+    """
     return ValueError(f"{name!r} is not supported: {REFUSED_BASES[base]}. Per-tensor choices: {', '.join(choices)}.")
 
 
 def not_per_tensor_error(name: str, base: str, choices: Iterable[str]) -> ValueError:
+    """
+    The error for a layer-wise name whose base Trainer builds from the whole model.
+
+    Args:
+        name (`str`):
+            The name asked for.
+        base (`str`):
+            Its base.
+        choices (`Iterable[str]`):
+            The layer-wise names to suggest instead.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.support import not_per_tensor_error
+    >>> print(not_per_tensor_error("x_layerwise", "x", ["sgd_layerwise"]))
+    'x_layerwise': Trainer builds 'x' from the whole model, so it has no per-tensor form. Choose one of: sgd_layerwise.
+    ```
+    """
     return ValueError(
         f"{name!r}: Trainer builds {base!r} from the whole model, so it has no per-tensor form. "
         f"Choose one of: {', '.join(choices)}."
@@ -87,7 +171,25 @@ def not_per_tensor_error(name: str, base: str, choices: Iterable[str]) -> ValueE
 
 
 def check_deepspeed(name: str, deepspeed_enabled: Any) -> None:
-    """DeepSpeed owns the optimizer step: refuse a layer-wise name under it."""
+    """
+    DeepSpeed owns the optimizer step: refuse a layer-wise name under it.
+
+    Args:
+        name (`str`):
+            The layer-wise `optim` name.
+        deepspeed_enabled (`Any`):
+            Truthy when DeepSpeed runs (e.g. `accelerator.state.deepspeed_plugin`).
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.support import check_deepspeed
+    >>> check_deepspeed("adamw_torch_layerwise", deepspeed_enabled=True)
+    Traceback (most recent call last):
+        ...
+    ValueError: optim='adamw_torch_layerwise' cannot run under DeepSpeed, which owns the optimizer step. ...
+    ```
+    """
     if deepspeed_enabled:
         raise ValueError(
             f"optim={name!r} cannot run under DeepSpeed, which owns the optimizer step. Use the standard "
@@ -97,7 +199,26 @@ def check_deepspeed(name: str, deepspeed_enabled: Any) -> None:
 
 
 def check_fsdp_version(name: str, fsdp_version: int) -> None:
-    """FSDP1 flattens parameters: there is no per-parameter gradient to step."""
+    """
+    FSDP1 flattens parameters: there is no per-parameter gradient to step.
+
+    Args:
+        name (`str`):
+            The layer-wise `optim` name.
+        fsdp_version (`int`):
+            The FSDP plugin's version; only `2` passes.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.support import check_fsdp_version
+    >>> check_fsdp_version("sgd_layerwise", 2)  # FSDP2: nothing to refuse
+    >>> check_fsdp_version("sgd_layerwise", 1)
+    Traceback (most recent call last):
+        ...
+    ValueError: optim='sgd_layerwise' needs FSDP2 (fsdp_version: 2) or DDP: FSDP1 flattens parameters, ...
+    ```
+    """
     if fsdp_version != 2:
         raise ValueError(
             f"optim={name!r} needs FSDP2 (fsdp_version: 2) or DDP: FSDP1 flattens parameters, so there is no "
@@ -106,7 +227,28 @@ def check_fsdp_version(name: str, fsdp_version: int) -> None:
 
 
 def check_fp16_clip_mode(clip_mode: str, fp16: bool, max_grad_norm: float | None) -> None:
-    """One-pass clipping steps layers before later gradients are checked for inf/nan."""
+    """
+    One-pass clipping steps layers before later gradients are checked for inf/nan.
+
+    Args:
+        clip_mode (`str`):
+            The `layerwise_clip` mode.
+        fp16 (`bool`):
+            Whether fp16 loss scaling is on.
+        max_grad_norm (`float`, *optional*):
+            Trainer's `max_grad_norm`; `None` or `<= 0` clips nothing, so any mode passes.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.support import check_fp16_clip_mode
+    >>> check_fp16_clip_mode("exact", fp16=True, max_grad_norm=1.0)  # a norm pass checks every gradient first
+    >>> check_fp16_clip_mode("previous", fp16=True, max_grad_norm=1.0)
+    Traceback (most recent call last):
+        ...
+    ValueError: fp16=True and layerwise_clip='previous' do not go together: ...
+    ```
+    """
     if fp16 and clip_mode in ONE_PASS_CLIP_MODES and max_grad_norm and max_grad_norm > 0:
         raise ValueError(
             f"fp16=True and layerwise_clip={clip_mode!r} do not go together: one-pass clipping cannot run with fp16 "
@@ -117,7 +259,24 @@ def check_fp16_clip_mode(clip_mode: str, fp16: bool, max_grad_norm: float | None
 
 
 def check_fp16_weights(named_params: Iterable[tuple[str, Any]]) -> None:
-    """GradScaler refuses to unscale fp16 gradients: trainable weights must be fp32 under fp16 loss scaling."""
+    """
+    GradScaler refuses to unscale fp16 gradients: trainable weights must be fp32 under fp16 loss scaling.
+
+    Args:
+        named_params (`Iterable[tuple[str, torch.Tensor]]`):
+            The trainable parameters with their names.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.support import check_fp16_weights
+    >>> check_fp16_weights(torch.nn.Linear(2, 2).half().named_parameters())
+    Traceback (most recent call last):
+        ...
+    ValueError: fp16 loss scaling needs fp32 trainable weights (...); 2 parameter(s) are float16, e.g. weight. ...
+    ```
+    """
     import torch
 
     fp16 = [n for n, p in named_params if p.dtype == torch.float16]
@@ -133,6 +292,25 @@ def check_trainable_unchanged(names: Sequence[str], model: Any) -> None:
     """
     The parameters a layer-wise optimizer was built for must be the ones that train: a parameter frozen since would
     get a hook it cannot take, and one unfrozen since would silently never step.
+
+    Args:
+        names (`Sequence[str]`):
+            The parameter names the optimizer was built for (`LayerwiseOptimizer.names`).
+        model (`torch.nn.Module`):
+            The model about to train.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.support import check_trainable_unchanged
+    >>> model = torch.nn.Linear(2, 2)
+    >>> model.bias.requires_grad = False  # frozen after the optimizer was built
+    >>> check_trainable_unchanged(["weight", "bias"], model)
+    Traceback (most recent call last):
+        ...
+    ValueError: The trainable parameters changed since the layer-wise optimizer was built (frozen since: ['bias']; ...
+    ```
     """
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     built = set(names)
@@ -148,7 +326,24 @@ def check_trainable_unchanged(names: Sequence[str], model: Any) -> None:
 
 
 def check_fsdp2_optimizers(name: str | None, optimizers: Sequence[Any]) -> None:
-    """Refuse inner optimizers whose update of a shard differs from the update of the whole tensor."""
+    """
+    Refuse inner optimizers whose update of a shard differs from the update of the whole tensor.
+
+    Args:
+        name (`str`, *optional*):
+            The layer-wise `optim` name, for the message.
+        optimizers (`Sequence[torch.optim.Optimizer]`):
+            The inner optimizers, one per parameter.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.support import check_fsdp2_optimizers
+    >>> weight = torch.nn.Parameter(torch.zeros(2, 2))
+    >>> check_fsdp2_optimizers("sgd_layerwise", [torch.optim.SGD([weight], lr=0.1)])  # elementwise: passes
+    ```
+    """
     bad = sorted({type(inner).__name__ for inner in optimizers if not fsdp2_supports_optimizer(inner)})
     if bad:
         good = ", ".join(f"{b}{SUFFIX}" for b in sorted(set(FSDP2_ELEMENTWISE) - {"adamw_torch_fused"}))

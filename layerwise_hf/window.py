@@ -12,7 +12,17 @@ from .clipping import grad_norm_kernel, total_norm
 
 
 class Action(enum.Enum):
-    """What a parameter's hook does with the gradient it was handed (see `StepWindow.action`)."""
+    """
+    What a parameter's hook does with the gradient it was handed (see `StepWindow.action`).
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.window import Action
+    >>> [action.value for action in Action]
+    ['accumulate', 'measure', 'hold', 'step', 'repeated']
+    ```
+    """
 
     ACCUMULATE = "accumulate"
     MEASURE = "measure"
@@ -36,6 +46,10 @@ class StepWindow:
     | (exact clipping or fp16, no norm pass ran) |              |                                                  |
     | last, otherwise                            | `STEP`       | (unscale,) clip, step this parameter, free it     |
     | the same parameter twice in one backward   | `REPEATED`   | refuse: it would be stepped twice                 |
+
+    Args:
+        num_params (`int`):
+            How many parameters the optimizer steps.
 
     Example:
 
