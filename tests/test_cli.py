@@ -185,3 +185,29 @@ def test_wheel_ships_the_estimator_data(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "layerwise_hf/estimate/optimizer_rules.txt" in names and "layerwise_hf/estimate.py" not in names
     assert {f"layerwise_hf/estimate/presets/{p}.json" for p in list_presets()} <= names
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--world-size", "0"], "world_size=0: the number of devices, a whole number >= 1"),
+        (["--world-size", "-2", "--sharding", "fsdp2"], "world_size=-2: the number of devices"),
+    ],
+)
+def test_estimate_memory_refuses_device_counts_below_one(capsys, argv, message):
+    from layerwise_hf.cli import main
+
+    assert main(["estimate-memory", "llama-3-8b", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_estimate_memory_refuses_negative_sizes_in_a_config(tmp_path, capsys):
+    import json
+
+    from layerwise_hf.cli import main
+
+    config = {"model_type": "llama", "vocab_size": -32000, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["estimate-memory", str(tmp_path / "config.json")]) == 2
+    assert "vocab_size=-32000 must be a whole number >= 1" in capsys.readouterr().err

@@ -430,9 +430,11 @@ class _Options:
     def _validate(self) -> None:
         if self.sharding not in SHARDINGS:
             raise EstimateError(f"Unknown sharding {self.sharding!r}; choose one of {', '.join(SHARDINGS)}.")
-        if self.world_size < 1 or (self.sharding == "none" and self.world_size != 1):
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise EstimateError(f"world_size={self.world_size}: the number of devices, a whole number >= 1.")
+        if self.sharding == "none" and self.world_size != 1:
             raise EstimateError(
-                f"world_size={self.world_size} with sharding={self.sharding!r}: use ddp or fsdp2 for several devices."
+                f"world_size={self.world_size} with sharding='none': use ddp or fsdp2 for several devices."
             )
         if self.gradient_accumulation_steps < 1:
             raise EstimateError("gradient_accumulation_steps must be at least 1.")

@@ -385,6 +385,12 @@ def _preset_key(name: str) -> str | None:
     return None
 
 
+def _is_size_field(key: str) -> bool:
+    return key in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads") or (
+        key.startswith("num_") and key.endswith("_layers")
+    )
+
+
 def _config_from_dict(values: dict[str, Any], name: str) -> Any:
     values = {k: v for k, v in values.items() if k != "source"}
     model_type = values.get("model_type")
@@ -392,6 +398,14 @@ def _config_from_dict(values: dict[str, Any], name: str) -> Any:
         raise EstimateError(f"{name}: no `model_type` in the config.")
     if "text_config" in values and "vocab_size" not in values:
         raise EstimateError(f"{name}: a multimodal config (text_config); pass the text model's config.json.")
+    # A size that is not a positive whole number would build tensors of negative or zero size: say which one.
+    for key, value in values.items():
+        if (
+            value is not None
+            and _is_size_field(key)
+            and (isinstance(value, bool) or not isinstance(value, int) or value < 1)
+        ):
+            raise EstimateError(f"{name}: {key}={value!r} must be a whole number >= 1.")
     from transformers import AutoConfig
 
     try:
