@@ -271,7 +271,8 @@ def load_optimizer_file(path: str) -> dict[str, Any]:
     ```
     """
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        # NOTE: memory-mapped: every rank checks the file before resuming, and a 7B AdamW state is tens of GB.
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # torch raises several types for truncated or foreign files
         raise ValueError(f"{path} cannot be read as an optimizer state (truncated or corrupt?): {err}") from err
 

@@ -185,6 +185,20 @@ def _make_bucket(params: list[torch.Tensor], indices: list[int]) -> _Bucket:
     return _Bucket(indices, [params[i].numel() for i in indices], first.dtype, first.device)
 
 
+class _QueueFinishInBackward(torch.autograd.Function):
+    """Identity whose backward queues the reducer's end-of-backward work on the backward it runs in."""
+
+    @staticmethod
+    def forward(ctx, reducer, tensor):
+        ctx.reducer = reducer
+        return tensor.clone()  # not a view: Trainer scales the loss in place
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.reducer._queue_finish()
+        return None, grad
+
+
 class DataParallelReducer(LocalHooks):
     """
     The route of a model replicated on every rank and not wrapped in DDP: bucketed all-reduce of each gradient as
@@ -218,6 +232,7 @@ class DataParallelReducer(LocalHooks):
         self.world_size = dist.get_world_size(process_group)
         self._buffer_hook: Any = None
         self._plan_hooks: list[Any] = []
+        self._output_hook: Any = None
 
     # ---- attach / detach ----
 
@@ -231,6 +246,7 @@ class DataParallelReducer(LocalHooks):
         self._set_buckets(build_buckets(self.params, self.config.bucket_size_limits, self._reversed_order()))
         self._ready_order: list[int] | None = []
         self._plan_hooks: list[Any] = []
+        self._output_hook: Any = None
         self._next = 0  # the next bucket to launch, in the same order on every rank
         self._in_flight: collections.deque[_Bucket] = collections.deque()
         self._in_backward = False
@@ -239,6 +255,7 @@ class DataParallelReducer(LocalHooks):
             self._buffer_hook = self.model.register_forward_pre_hook(self._broadcast_buffers)
         if self.model is not None:
             self._plan_from_first_forward()
+            self._output_hook = self.model.register_forward_hook(self._mark_output)
         super().attach(optimizer)
 
     def _plan_from_first_forward(self) -> None:
@@ -291,6 +308,9 @@ class DataParallelReducer(LocalHooks):
 
     def detach(self) -> None:
         self._remove_plan_hooks()
+        if self._output_hook is not None:
+            self._output_hook.remove()
+            self._output_hook = None
         if self._buffer_hook is not None:
             self._buffer_hook.remove()
             self._buffer_hook = None
@@ -304,9 +324,8 @@ class DataParallelReducer(LocalHooks):
     @torch.no_grad()
     def _sync_module_states(self) -> None:
         # NOTE: what DDP does when it wraps a model: every replica starts from rank 0's parameters and buffers.
-        tensors = list(self.params)
-        if self.model is not None:
-            tensors += list(self.model.buffers())
+        # Frozen parameters too (a LoRA base), as DDP broadcasts every parameter.
+        tensors = list(self.params) if self.model is None else [*self.model.parameters(), *self.model.buffers()]
         for t in tensors:
             dist.broadcast(t.data, src=0, group=self.process_group)
 
@@ -325,10 +344,7 @@ class DataParallelReducer(LocalHooks):
         if not (optimizer.sync_gradients() or self.config.sync_each_batch):
             optimizer.grad_ready(i)  # accumulating locally, as under no_sync: the gradient stays in .grad
             return
-        if not self._in_backward:
-            self._in_backward = True
-            # NOTE: runs once the whole backward is done: buckets with parameters this rank did not use.
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._queue_finish()  # normally done already, by the output's backward (see _mark_output)
         if self._ready_order is not None:
             self._ready_order.append(i)
         bucket = self.buckets[self.bucket_of[i]]
@@ -339,20 +355,41 @@ class DataParallelReducer(LocalHooks):
                 "checkpointing with a parameter in two segments?): use activation_checkpointing_kwargs="
                 "{'use_reentrant': False}."
             )
-        p = self.params[i]
-        with torch.no_grad():
-            if len(bucket.indices) == 1 and p.grad.is_contiguous():
-                # A tensor larger than the cap is reduced in place: the same product DDP writes, without a copy.
-                bucket.buffer = p.grad.mul_(1.0 / self.world_size).view(-1)
-            else:
-                if bucket.buffer is None:
-                    bucket.buffer = torch.empty(sum(bucket.numels), dtype=bucket.dtype, device=bucket.device)
-                # NOTE: DDP's `mul_out(bucket_view, grad, 1 / world_size)`, so the reduced bits are DDP's.
-                torch.mul(p.grad, 1.0 / self.world_size, out=bucket.view(k, p.shape))
+        self._put(bucket, k, self.params[i])
+        self._launch_complete()
+
+    @torch.no_grad()
+    def _put(self, bucket: _Bucket, k: int, p: torch.Tensor) -> None:
+        if len(bucket.indices) == 1 and p.grad.is_contiguous():
+            # A tensor larger than the cap is reduced in place: the same product DDP writes, without a copy.
+            bucket.buffer = p.grad.mul_(1.0 / self.world_size).view(-1)
+        else:
+            if bucket.buffer is None:
+                bucket.buffer = torch.empty(sum(bucket.numels), dtype=bucket.dtype, device=bucket.device)
+            # NOTE: DDP's `mul_out(bucket_view, grad, 1 / world_size)`, so the reduced bits are DDP's.
+            torch.mul(p.grad, 1.0 / self.world_size, out=bucket.view(k, p.shape))
         p.grad = None
         bucket.ready[k] = True
         bucket.count += 1
-        self._launch_complete()
+
+    def _queue_finish(self) -> None:
+        if not self._in_backward and (self.optimizer.sync_gradients() or self.config.sync_each_batch):
+            self._in_backward = True
+            # NOTE: runs once the whole backward is done: buckets with parameters this rank did not use.
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _mark_output(self, module, args, output):
+        # The end-of-backward callback must belong to the outermost backward: queued from a parameter's hook inside
+        # a reentrant checkpoint's nested backward, it would run when that segment ends. The backward of this
+        # identity on the model's output runs first in the outer backward, and queues it there.
+        if not (module.training and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+            return output
+        # Only a loss computed by the model (a scalar: the identity copies it); without one (a loss computed outside
+        # from the logits), the first parameter hook queues the work.
+        loss = output.get("loss") if isinstance(output, dict) else None
+        if isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1:
+            output["loss"] = _QueueFinishInBackward.apply(self, loss)
+        return output
 
     def _launch_complete(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].complete:
@@ -361,6 +398,11 @@ class DataParallelReducer(LocalHooks):
             self._step_bucket(self._in_flight.popleft())
 
     def _launch(self, bucket: _Bucket) -> None:
+        for k, i in enumerate(bucket.indices):
+            if not bucket.ready[k] and self.params[i].grad is not None:
+                # Used in an earlier micro-batch of the window but not in this one: its accumulated gradient is
+                # reduced too (DDP copies any defined .grad into its bucket).
+                self._put(bucket, k, self.params[i])
         if bucket.buffer is None:
             bucket.buffer = torch.zeros(sum(bucket.numels), dtype=bucket.dtype, device=bucket.device)
         elif not bucket.complete:

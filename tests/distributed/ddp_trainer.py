@@ -35,11 +35,16 @@ def run(
     bucket_cap_mb=None,
     unused=False,
     perturb_buffers=False,
+    frozen=(),
     **extra_args,
 ):
     model = tiny_llama(**(model_kwargs or {}))
-    if unused:
+    if unused == "first_micro_batch":
+        add_parameter_used_in_first_micro_batches(model)
+    elif unused:
         add_unused_parameters(model)
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
     args = training_args(
         out,
         optim,
@@ -96,6 +101,22 @@ def add_unused_parameters(model):
     model.register_forward_hook(add_rank0_term)
 
 
+def add_parameter_used_in_first_micro_batches(model):
+    """A parameter used in every micro-batch of a window but the last (the one that reduces): its accumulated
+    gradient must be reduced all the same, as DDP reduces any defined .grad."""
+    model.early_only = torch.nn.Parameter(torch.ones(4, 4))
+    calls = [0]
+
+    def add_term(module, args, output):
+        if module.training and torch.is_grad_enabled():
+            calls[0] += 1
+            if calls[0] % 2 == 1:  # GA 2: the first micro-batch of each window
+                output.loss = output.loss + 1e-2 * module.early_only.square().sum()
+        return output
+
+    model.register_forward_hook(add_term)
+
+
 def compare(name, standard, layerwise):
     return {
         "case": name,
@@ -133,6 +154,23 @@ def main(report_path, quick=False):
             {"activation_checkpointing": True, "bucket_cap_mb": 0.01, "max_grad_norm": 0.5},
         ),
         ("adamw_torch ga1 torch_compile", "adamw_torch", {"torch_compile": True, "max_grad_norm": 0.5}),
+        (
+            "adamw_torch ga2 parameter unused in the last micro-batch",
+            "adamw_torch",
+            {"ga": 2, "unused": "first_micro_batch"},
+        ),
+        # The first gradients ready come from inside a reentrant checkpoint's nested backward (head and final norm
+        # frozen): the route's end-of-backward work must still wait for the whole backward.
+        (
+            "adamw_torch ga1 reentrant checkpointing, head frozen",
+            "adamw_torch",
+            {
+                "activation_checkpointing": True,
+                "activation_checkpointing_kwargs": {"use_reentrant": True},
+                "frozen": ("lm_head.weight", "model.norm.weight"),
+                "bucket_cap_mb": 0.01,
+            },
+        ),
     ]
     if quick:  # the fast tier: one optimizer, the mechanisms (accumulation, clipping, buckets, unused parameters)
         cases = [c for c in cases if c[1] == "adamw_torch" and c[0] in QUICK]
@@ -146,7 +184,7 @@ def main(report_path, quick=False):
                 # buffer: the scale of that rounding is standard DDP against itself with another bucket cap.
                 other = run(base, d, **{**kwargs, "bucket_cap_mb": 0.0 if kwargs.get("bucket_cap_mb") else 0.01})
                 result["standard_vs_other_bucket_cap"] = max_diff(standard["params"], other["params"])
-        if kwargs.get("unused"):
+        if kwargs.get("unused") is True:
             result["unused_everywhere_unchanged"] = bool(
                 torch.equal(layerwise["params"]["unused_everywhere"], torch.ones(4, 4))
             )
