@@ -61,7 +61,9 @@ def main():
     if opts.resume:
         from layerwise_hf.checkpoint import latest_complete_checkpoint
 
-        print("resuming from", latest_complete_checkpoint(opts.output_dir), flush=True)
+        # One rank, one write: two ranks printing at once interleave on the shared stdout.
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"resuming from {latest_complete_checkpoint(opts.output_dir)}", flush=True)
     trainer.train(resume_from_checkpoint=True if opts.resume else None)
     # Full parameters on every engine (FSDP2 shards are gathered; every rank takes part, rank 0 writes).
     final = {
