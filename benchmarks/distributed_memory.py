@@ -59,6 +59,18 @@ FULL = h.LLAMA_58M | dict(seq_len=128, batch_size=1)
 SMALL = h.LLAMA_TINY | dict(seq_len=32, batch_size=1)
 
 
+def write_gathered_and_finish(path: str, result: dict) -> None:
+    """Every rank's result in one JSON (written by rank 0), then the process group ends on every rank."""
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if dist.get_rank() == 0:
+        Path(path).write_text(json.dumps(gathered, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = h.benchmark_parser(__doc__.splitlines()[0], FULL, SMALL)
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per memory run (GA 1)")
@@ -506,7 +518,6 @@ def check_ddp_mode(accelerator) -> None:
 def trainer_worker(opts: argparse.Namespace) -> None:
     """One DDP memory run: (a), (b) or (c) for one optimizer, `opts.steps` Trainer steps."""
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as out:
@@ -526,12 +537,7 @@ def trainer_worker(opts: argparse.Namespace) -> None:
         trainer.accelerator.free_memory()
         del trainer
         gc.collect()
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, result)
-        if dist.get_rank() == 0:
-            Path(opts.result).write_text(json.dumps(gathered, indent=1))
-        dist.barrier()
-        dist.destroy_process_group()
+        write_gathered_and_finish(opts.result, result)
 
 
 def trainer_result(opts, trainer, model, meter: TrainMeter) -> dict:
@@ -627,12 +633,7 @@ def time_worker(opts: argparse.Namespace) -> None:
             if prof is not None:
                 profiles[f"{kind}:{optim}"] = profile_summary(prof, steps=opts.warmup_steps + 3)
     result = {"rank": dist.get_rank(), "times": times, "profiles": profiles}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, result)
-    if dist.get_rank() == 0:
-        Path(opts.result).write_text(json.dumps(gathered, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_gathered_and_finish(opts.result, result)
 
 
 RUN_BACKWARD = "<method 'run_backward' of 'torch._C._EngineBase' objects>"
