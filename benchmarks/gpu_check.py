@@ -170,6 +170,21 @@ def make_trainer(model, args, dataset, callbacks=(), device="cuda"):
     return trainer
 
 
+def train_pair(optim, base_model, dataset, device, make_callback=None, **overrides) -> dict:
+    """`{"standard": (trainer, callback), "layerwise": (...)}`: `optim` and `optim_layerwise` trained from copies of
+    `base_model` with the same arguments (`make_callback(model)` builds a callback per run, or none)."""
+    runs = {}
+    for kind, name in (("standard", optim), ("layerwise", f"{optim}_layerwise")):
+        with tempfile.TemporaryDirectory() as out:
+            model = copy.deepcopy(base_model)
+            callback = make_callback(model) if make_callback else None
+            args = training_args(out, name, device, **overrides)
+            trainer = make_trainer(model, args, dataset, [callback] if callback else (), device=device)
+            trainer.train()
+        runs[kind] = (trainer, callback)
+    return runs
+
+
 def logged(trainer, key: str) -> list[float]:
     return [e[key] for e in trainer.state.log_history if key in e and "train_runtime" not in e]
 
@@ -266,21 +281,11 @@ def check_parity(opts, sizes, device, record) -> dict:
             try:
                 t0 = time.perf_counter()
                 dataset = TokenDataset(batch * ga * steps, sizes["small_seq"], config.vocab_size)
-                trainers = {}
-                for kind, name in (("standard", optim), ("layerwise", f"{optim}_layerwise")):
-                    with tempfile.TemporaryDirectory() as out:
-                        args = training_args(
-                            out,
-                            name,
-                            device,
-                            max_steps=steps,
-                            per_device_train_batch_size=batch,
-                            gradient_accumulation_steps=ga,
-                        )
-                        trainer = make_trainer(copy.deepcopy(base_model), args, dataset, device=device)
-                        trainer.train()
-                    trainers[kind] = trainer
-                std, lw = trainers["standard"], trainers["layerwise"]
+                runs = train_pair(
+                    optim, base_model, dataset, device, max_steps=steps, per_device_train_batch_size=batch,
+                    gradient_accumulation_steps=ga,
+                )  # fmt: skip
+                std, lw = runs["standard"][0], runs["layerwise"][0]
                 diff, exact = param_diff(std.model, lw.model)
                 norms_std, norms_lw = logged(std, "grad_norm"), logged(lw, "grad_norm")
                 norm_diff = list_diff(norms_std, norms_lw)
@@ -300,7 +305,7 @@ def check_parity(opts, sizes, device, record) -> dict:
                     and norm_diff is not None
                     and norm_diff <= max(opts.parity_atol, 1e-6) * max(1.0, max(norms_std))
                 )
-                del trainers, std, lw
+                del runs, std, lw
             except Exception:
                 case.update(passed=False, error=traceback.format_exc())
             finally:
@@ -369,24 +374,10 @@ def check_fp16(opts, sizes, device, record) -> dict:
         try:
             t0 = time.perf_counter()
             dataset = TokenDataset(batch * ga * steps, sizes["small_seq"], config.vocab_size)
-            runs = {}
-            for kind, name in (("standard", optim), ("layerwise", f"{optim}_layerwise")):
-                with tempfile.TemporaryDirectory() as out:
-                    args = training_args(
-                        out,
-                        name,
-                        device,
-                        fp16=True,
-                        learning_rate=1e-3,
-                        max_steps=steps,
-                        per_device_train_batch_size=batch,
-                        gradient_accumulation_steps=ga,
-                    )
-                    model = copy.deepcopy(base_model)
-                    overflow = Overflow(model, at)
-                    trainer = make_trainer(model, args, dataset, [overflow], device=device)
-                    trainer.train()
-                runs[kind] = (trainer, overflow)
+            runs = train_pair(
+                optim, base_model, dataset, device, lambda model: Overflow(model, at), fp16=True, learning_rate=1e-3,
+                max_steps=steps, per_device_train_batch_size=batch, gradient_accumulation_steps=ga,
+            )  # fmt: skip
             per_kind = {}
             for kind, (trainer, overflow) in runs.items():
                 norms = logged(trainer, "grad_norm")

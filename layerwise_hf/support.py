@@ -198,6 +198,15 @@ def check_deepspeed(name: str, deepspeed_enabled: Any) -> None:
         )
 
 
+def fsdp_version_of_args(args: Any) -> int:
+    """The FSDP version `TrainingArguments` ask for (`fsdp` with `fsdp_config["version"]`, 2 by default); 2 without
+    FSDP, so that only FSDP1 is refused."""
+    if not getattr(args, "fsdp", None):
+        return 2
+    config = args.fsdp_config if isinstance(args.fsdp_config, dict) else {}
+    return int(config.get("version", config.get("fsdp_version", 2)))
+
+
 def check_fsdp_version(name: str, fsdp_version: int) -> None:
     """
     FSDP1 flattens parameters: there is no per-parameter gradient to step.

@@ -28,7 +28,7 @@ from .checkpoint import (
 from .data_parallel import DataParallelConfig
 from .optimizer import build_layerwise_optimizer, unwrap_layerwise_optimizer
 from .registry import is_layerwise_name
-from .support import check_deepspeed, check_fsdp2_optimizers, check_fsdp_version
+from .support import check_deepspeed, check_fsdp2_optimizers, check_fsdp_version, fsdp_version_of_args
 
 logger = logging.getLogger(__name__)
 
@@ -228,9 +228,7 @@ def _fsdp_version(trainer) -> int:
     """2 without FSDP; else the FSDP version Accelerate's plugin, or the arguments, ask for."""
     if trainer.is_fsdp_enabled:
         return int(getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1))
-    if trainer.args.fsdp:
-        return int((trainer.args.fsdp_config or {}).get("version", 2))
-    return 2
+    return fsdp_version_of_args(trainer.args)
 
 
 def _replicate_without_ddp(accelerator, model) -> None:

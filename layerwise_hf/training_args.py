@@ -8,7 +8,7 @@ from transformers import TrainingArguments
 
 from .clipping import CLIP_MODES, ClipMode
 from .registry import list_layerwise_optimizers, parse_optim_name
-from .support import check_deepspeed, check_fp16_clip_mode, check_fsdp_version
+from .support import check_deepspeed, check_fp16_clip_mode, check_fsdp_version, fsdp_version_of_args
 
 
 @dataclass
@@ -89,9 +89,7 @@ class LayerwiseTrainingArguments(TrainingArguments):
     def _refuse_unsupported(self, name: str) -> None:
         check_fp16_clip_mode(self.layerwise_clip, self.fp16, self.max_grad_norm)
         check_deepspeed(name, self.deepspeed)
-        if self.fsdp:
-            config = self.fsdp_config if isinstance(self.fsdp_config, dict) else {}
-            check_fsdp_version(name, int(config.get("version", config.get("fsdp_version", 2))))
+        check_fsdp_version(name, fsdp_version_of_args(self))
 
     @property
     def is_layerwise(self) -> bool:

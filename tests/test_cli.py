@@ -4,10 +4,8 @@ errors on stderr without a traceback). Nothing is downloaded."""
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -167,24 +165,6 @@ def test_parser_registers_subcommands():
     assert args.func is estimate_module.run
     with pytest.raises(SystemExit):
         build_parser().parse_args([])
-
-
-@pytest.mark.slow
-def test_wheel_ships_the_estimator_data(tmp_path):
-    # NOTE: built from a clean copy: an in-tree build reuses build/lib, which keeps modules deleted since (such as the
-    # estimate.py this package replaced) and would ship them.
-    source = tmp_path / "src"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__"))
-    build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_path), str(source)],
-        capture_output=True,
-        text=True,
-    )
-    assert build.returncode == 0, build.stderr[-3000:]
-    (wheel,) = tmp_path.glob("layerwise_hf-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
-    assert "layerwise_hf/estimate/optimizer_rules.txt" in names and "layerwise_hf/estimate.py" not in names
-    assert {f"layerwise_hf/estimate/presets/{p}.json" for p in list_presets()} <= names
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,11 @@
 """The package builds a wheel that installs and imports in a fresh virtual environment."""
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -11,15 +13,24 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow
-def test_wheel_installs_and_imports(tmp_path):
+def build_wheel(tmp_path: Path) -> Path:
+    # NOTE: built from a clean copy: an in-tree build reuses build/lib, which keeps modules deleted since (such as the
+    # estimate.py the estimate package replaced) and would ship them.
+    source = tmp_path / "src"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__"))
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_path), str(source)],
         capture_output=True,
         text=True,
     )
     assert build.returncode == 0, build.stderr[-3000:]
     (wheel,) = tmp_path.glob("layerwise_hf-*.whl")
+    return wheel
+
+
+@pytest.mark.slow
+def test_wheel_installs_and_imports(tmp_path):
+    wheel = build_wheel(tmp_path)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
@@ -38,3 +49,13 @@ def test_wheel_installs_and_imports(tmp_path):
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
     cli = subprocess.run([str(venv / "bin" / "layerwise-hf"), "--help"], capture_output=True, text=True, env=env)
     assert cli.returncode == 0 and "estimate-memory" in cli.stdout and "convert-checkpoint" in cli.stdout
+
+
+@pytest.mark.slow
+def test_wheel_ships_the_estimator_data(tmp_path):
+    from layerwise_hf.estimate import list_presets
+
+    wheel = build_wheel(tmp_path)
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "layerwise_hf/estimate/optimizer_rules.txt" in names and "layerwise_hf/estimate.py" not in names
+    assert {f"layerwise_hf/estimate/presets/{p}.json" for p in list_presets()} <= names
