@@ -377,6 +377,8 @@ class LowRankFactory:
             The low-rank keys of a projected parameter's group (`rank`, `update_proj_gap`, `scale`, `proj_type`, ...).
         target_names (`list[str]`):
             The names of the projected parameters.
+        seeds (`dict[str, int]`, *optional*):
+            APOLLO's projector seed per parameter name (see `apollo_seeds`); `None` keeps the optimizer's own.
 
     Example:
 
@@ -403,11 +405,13 @@ class LowRankFactory:
         kwargs: dict[str, Any],
         group_kwargs: dict[str, Any],
         target_names: list[str],
+        seeds: dict[str, int] | None = None,
     ):
         self.optimizer_cls = optimizer_cls
         self.kwargs = kwargs
         self.group_kwargs = group_kwargs
         self.target_names = frozenset(target_names)
+        self.seeds = dict(seeds or {})
 
     def is_target(self, name: str) -> bool:
         """
@@ -432,13 +436,46 @@ class LowRankFactory:
         group: dict[str, Any] = {"params": [lp.param], "weight_decay": lp.weight_decay}
         if self.is_target(lp.name):
             group.update(self.group_kwargs)
-        return isolate_bnb_overrides(self.optimizer_cls([group], **self.kwargs))
+        optimizer = self.optimizer_cls([group], **self.kwargs)
+        if lp.name in self.seeds:
+            # NOTE: APOLLOAdamW seeds a projector with the parameter's position in the optimizer, 1 for every
+            # per-parameter optimizer; the projector is made at the first step, from this value.
+            optimizer.state[lp.param]["seed"] = self.seeds[lp.name]
+        return isolate_bnb_overrides(optimizer)
 
     def __repr__(self) -> str:
         return (
             f"{self.optimizer_cls.__module__}.{self.optimizer_cls.__qualname__}({self.kwargs}, "
             f"projected={sorted(self.target_names)}, {self.group_kwargs})"
         )
+
+
+def apollo_seeds(model: nn.Module, target_names: list[str]) -> dict[str, int]:
+    """
+    The projector seed APOLLOAdamW gives each trainable parameter when Trainer builds it for the whole model:
+    its 1-based position in the param groups `[non-projected, projected]` (every parameter of
+    `model.named_parameters()` counts, frozen ones too, as in transformers' `_setup_low_rank_optimizer`).
+
+    Args:
+        model (`nn.Module`):
+            The model Trainer builds the optimizer for.
+        target_names (`list[str]`):
+            The projected parameters (`target_parameter_names`).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.galore import apollo_seeds
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    >>> apollo_seeds(model, ["0.weight"])
+    {'0.bias': 1, '1.weight': 2, '1.bias': 3, '0.weight': 4}
+    ```
+    """
+    targets = set(target_names)
+    named = list(model.named_parameters())
+    order = [(n, p) for n, p in named if n not in targets] + [(n, p) for n, p in named if n in targets]
+    return {n: i for i, (n, p) in enumerate(order, start=1) if p.requires_grad}
 
 
 def low_rank_factory(name: str, base: str, args: Any, model: nn.Module | None) -> LowRankFactory:
@@ -477,4 +514,5 @@ def low_rank_factory(name: str, base: str, args: Any, model: nn.Module | None) -
     optimizer_cls = optimizer_class(base)  # first, like transformers: a missing package is the first error
     targets = target_parameter_names(name, args, model)
     kwargs, group_kwargs = _optim_kwargs(base, args)
-    return LowRankFactory(optimizer_cls, kwargs, group_kwargs, targets)
+    seeds = apollo_seeds(model, targets) if base == "apollo_adamw" else None
+    return LowRankFactory(optimizer_cls, kwargs, group_kwargs, targets, seeds)

@@ -28,6 +28,13 @@ REFUSED_BASES: dict[str, str] = {
     "schedule_free_adamw": "schedule-free optimizers swap weights in optimizer.train()/eval() for the whole model",
     "schedule_free_radam": "schedule-free optimizers swap weights in optimizer.train()/eval() for the whole model",
     "schedule_free_sgd": "schedule-free optimizers swap weights in optimizer.train()/eval() for the whole model",
+    "grokadamw": (
+        "GrokAdamW scales each parameter's momentum by the parameter's position in its param group "
+        "(beta1 * (1 - gamma) ** i over the parameters that have a gradient), so one optimizer per parameter would "
+        "give every parameter i = 0 and train another model; and it keeps its state in param_groups[k]['state'] "
+        "instead of optimizer.state, so a checkpoint would hold none of it. Use grokadamw (standard) for GrokAdamW's "
+        "results, or adamw_torch_layerwise for a layer-wise AdamW"
+    ),
 }
 
 # Low-rank projection optimizers (GaLore, APOLLO): base -> (module, class name, pip package). The model chooses which
@@ -38,6 +45,24 @@ LOW_RANK_BASES: dict[str, tuple[str, str, str]] = {
     "galore_adamw_8bit": ("galore_torch", "GaLoreAdamW8bit", "galore-torch"),
     "galore_adafactor": ("galore_torch", "GaLoreAdafactor", "galore-torch"),
     "apollo_adamw": ("apollo_torch", "APOLLOAdamW", "apollo-torch"),
+}
+
+# Served bases that this project cannot run, so their parity with the standard optimizer is not tested.
+NOT_INSTALLABLE_BASES: dict[str, str] = {
+    "adamw_anyprecision": "torchdistx publishes no wheel (pip finds no version)",
+    "adamw_torch_npu_fused": "torch_npu needs an Ascend NPU, and pip would replace torch with its own build",
+    "adamw_torch_xla": "torch_xla needs an XLA device, and its wheels are built for another torch",
+}
+BIT_EXACT = "bit-exact (tested)"
+# GaLore / APOLLO apply Trainer's decay / no-decay split; stock Trainer gives the standard forms no weight decay
+# (the class default applies).
+LOW_RANK_STATUS: dict[str, str] = {
+    "galore_adamw": f"{BIT_EXACT} at weight_decay=0; with weight decay, Trainer's split is applied",
+    "galore_adafactor": f"{BIT_EXACT} at weight_decay=0; with weight decay, Trainer's split is applied",
+    "apollo_adamw": f"{BIT_EXACT} at weight_decay=0 (each projector gets the whole-model optimizer's seed); with "
+    "weight decay, Trainer's split is applied",
+    "galore_adamw_8bit": f"{BIT_EXACT} against GaLoreAdamW8bit with Trainer's weight-decay split; stock Trainer "
+    "applies the class default weight_decay=0.01 to every parameter whatever weight_decay says",
 }
 
 # Bases whose update of an element depends only on that element's gradient and state, so stepping the local FSDP2
@@ -75,6 +100,33 @@ def qualname(obj_or_cls: Any) -> str:
     """
     cls = obj_or_cls if isinstance(obj_or_cls, type) else type(obj_or_cls)
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def base_status(base: str) -> str:
+    """
+    How `<base>_layerwise` compares with the standard `base` (the README's optimizer table says it per row):
+    `BIT_EXACT` for every base this project's parity tests run, `"refused: <why>"` or
+    `"not installable here: <why>"`.
+
+    Args:
+        base (`str`):
+            The Trainer `optim` name without `_layerwise`.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.support import base_status
+    >>> base_status("adamw_torch")
+    'bit-exact (tested)'
+    >>> base_status("lomo").startswith("refused: LOMO")
+    True
+    ```
+    """
+    if base in REFUSED_BASES:
+        return f"refused: {REFUSED_BASES[base]}"
+    if base in NOT_INSTALLABLE_BASES:
+        return f"not installable here: {NOT_INSTALLABLE_BASES[base]}"
+    return LOW_RANK_STATUS.get(base, BIT_EXACT)
 
 
 def fsdp2_supports_base(base: str) -> bool:

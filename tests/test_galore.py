@@ -7,13 +7,14 @@ import sys
 import pytest
 import torch
 from helpers import TokenDataset, assert_params_equal, clone, logged, tiny_llama, train, training_args
-from transformers import HfArgumentParser, Trainer, TrainingArguments
+from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
 
 from layerwise_hf import (
     LayerwiseTrainer,
     LayerwiseTrainingArguments,
     build_layerwise_optimizer,
     list_layerwise_optimizers,
+    unwrap_layerwise_optimizer,
 )
 from layerwise_hf.registry import (
     TRANSFORMERS_LAYERWISE_NAMES,
@@ -160,14 +161,23 @@ def test_matches_stock_galore_adamw(tmp_path, ga, max_grad_norm):
     assert len(recorder.projections) == 6 and len(distinct) == 3
 
 
+@pytest.mark.parametrize("ga", [1, 2])
 @pytest.mark.parametrize("optim", GALORE_NAMES)
-def test_matches_standard_galore_with_weight_decay_split(tmp_path, optim, standard_galore_8bit):
+def test_matches_standard_galore_with_weight_decay_split(tmp_path, optim, ga, standard_galore_8bit):
     model, dataset = model_for(optim)
     base = optim.removesuffix("_layerwise")
     standard = train(
-        clone(model), galore_args(tmp_path / "s", base), dataset=dataset, trainer_cls=GroupedGaLoreTrainer
+        clone(model),
+        galore_args(tmp_path / "s", base, gradient_accumulation_steps=ga),
+        dataset=dataset,
+        trainer_cls=GroupedGaLoreTrainer,
     )
-    layerwise = train(clone(model), galore_args(tmp_path / "l", optim), dataset=dataset, trainer_cls=RecordingTrainer)
+    layerwise = train(
+        clone(model),
+        galore_args(tmp_path / "l", optim, gradient_accumulation_steps=ga),
+        dataset=dataset,
+        trainer_cls=RecordingTrainer,
+    )
 
     assert_params_equal(standard.model, layerwise.model)
     assert logged(layerwise, "grad_norm") == logged(standard, "grad_norm")
@@ -190,26 +200,64 @@ def test_matches_standard_galore_with_weight_decay_split(tmp_path, optim, standa
         assert state["state1"].dtype == torch.uint8
 
 
-@pytest.mark.parametrize("optim", ["galore_adamw_layerwise", "galore_adafactor_layerwise"])
-def test_layerwise_forms_match_stock_trainer(tmp_path, optim):
-    # The stock standard forms as a user runs them (no weight decay), on both sides.
-    model = tiny_llama()
-    standard = train(
-        clone(model),
-        galore_args(tmp_path / "s", optim.removesuffix("_layerwise"), weight_decay=0.0),
-        trainer_cls=Trainer,
-    )
-    layerwise = train(clone(model), galore_args(tmp_path / "l", optim, weight_decay=0.0))
+# galore_adamw_8bit is not here: stock Trainer gives GaLoreAdamW8bit its class default weight_decay=1e-2 for every
+# parameter whatever `weight_decay` says; the weight-decay split test above compares it at GA 1 and 2.
+STOCK_LOW_RANK_NAMES = [
+    "galore_adamw_layerwise",
+    "galore_adafactor_layerwise",
+    pytest.param(
+        "apollo_adamw_layerwise",
+        marks=pytest.mark.skipif(importlib.util.find_spec("apollo_torch") is None, reason="needs apollo-torch"),
+    ),
+]
+
+
+@pytest.mark.parametrize("ga", [1, 2])
+@pytest.mark.parametrize("optim", STOCK_LOW_RANK_NAMES)
+def test_layerwise_forms_match_stock_trainer(tmp_path, optim, ga):
+    # The stock standard forms as a user runs them, on both sides: stock Trainer gives them no weight decay, so
+    # weight_decay=0 (with weight decay the layer-wise forms apply Trainer's split, see above).
+    model, dataset = model_for(optim)
+    common = dict(weight_decay=0.0, gradient_accumulation_steps=ga)
+    base = optim.removesuffix("_layerwise")
+    standard = train(clone(model), galore_args(tmp_path / "s", base, **common), dataset=dataset, trainer_cls=Trainer)
+    layerwise = train(clone(model), galore_args(tmp_path / "l", optim, **common), dataset=dataset)
     assert_params_equal(standard.model, layerwise.model)
+    moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), layerwise.model.parameters()))
+    assert moved > 1e-4
+    assert logged(layerwise, "grad_norm") == logged(standard, "grad_norm")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("apollo_torch") is None, reason="needs apollo-torch")
+def test_apollo_projectors_get_the_whole_model_seeds(tmp_path):
+    # apollo-torch seeds each random projector with the parameter's position in the optimizer: every per-parameter
+    # optimizer would get 1, and every projected tensor the same projection.
+    model = tiny_llama()
+    args = galore_args(tmp_path, "apollo_adamw")
+    optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    standard = optimizer_cls(kwargs.pop("params"), **kwargs)
+    expected = {n: standard.state[p]["seed"] for n, p in model.named_parameters()}
+    layerwise = build_layerwise_optimizer(model, galore_args(tmp_path, "apollo_adamw_layerwise"))
+    seeds = {n: inner.state[p]["seed"] for (n, p), inner in zip(layerwise.named_parameters(), layerwise.inner)}
+    assert seeds == expected
+    assert len(set(seeds.values())) == len(seeds)
 
 
 @pytest.mark.parametrize("mode", ["previous", "per_param", "off"])
 def test_other_clipping_modes_run(tmp_path, mode):
+    class Modes(TrainerCallback):
+        seen = set()
+
+        def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+            self.seen.add(unwrap_layerwise_optimizer(optimizer).clip_mode)
+
     trainer = train(
-        tiny_llama(), galore_args(tmp_path, "galore_adamw_layerwise", max_grad_norm=0.5, layerwise_clip=mode)
+        tiny_llama(),
+        galore_args(tmp_path, "galore_adamw_layerwise", max_grad_norm=0.5, layerwise_clip=mode),
+        callbacks=[Modes()],
     )
     assert min(logged(trainer, "grad_norm")) > 0
-    assert trainer.layerwise_optimizer.clip_mode == mode
+    assert Modes.seen == {mode}
 
 
 # ---- target selection ----
@@ -458,8 +506,15 @@ def test_targets_that_match_nothing_or_no_model(tmp_path):
         resolve_factory(galore_args(tmp_path, "galore_adamw_layerwise"))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("apollo_torch") is not None, reason="apollo-torch is installed")
-def test_apollo_without_its_package_names_it(tmp_path):
+def test_apollo_without_its_package_names_it(tmp_path, monkeypatch):
+    # Runs whether or not apollo-torch is installed (the test extras install it): the lookup is made to miss.
+    import layerwise_hf.galore as galore
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "apollo_torch" else find_spec(name, *a)
+    )
+    monkeypatch.setattr(galore, "_CLASSES", {k: v for k, v in galore._CLASSES.items() if k != "apollo_adamw"})
     args = galore_args(tmp_path, "apollo_adamw_layerwise")
     assert args.is_layerwise
     with pytest.raises(ImportError, match="pip install apollo-torch"):
