@@ -57,8 +57,27 @@ class LayerwiseCallback(TrainerCallback):
             self.optimizer.use_grad_scaler(getattr(accelerator, "scaler", None))
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.optimizer is not None:
-            self.optimizer.detach()
+        end_training(self.optimizer)
+
+
+def end_training(optimizer) -> None:
+    """
+    After `train()`, a `LayerwiseOptimizer` (or `None`) behaves as a torch optimizer in the user's own loop: no
+    hooks, and no clipping or fp16 unscaling of Trainer's (`step()` never clips); the next `train()` sets them again.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.callback import end_training
+    >>> end_training(trainer.layerwise_optimizer)
+    >>> trainer.layerwise_optimizer.clip_mode, trainer.layerwise_optimizer.attached
+    ('off', False)
+    ```
+    """
+    if optimizer is not None:
+        optimizer.detach()
+        optimizer.use_grad_scaler(None)
+        optimizer.configure_clipping(None)
 
 
 def memory_logs(optimizer) -> dict[str, float]:

@@ -277,6 +277,26 @@ def load_optimizer_file(path: str) -> dict[str, Any]:
         raise ValueError(f"{path} cannot be read as an optimizer state (truncated or corrupt?): {err}") from err
 
 
+def is_transformers_dummy_state(state_dict: dict[str, Any]) -> bool:
+    """
+    Whether an optimizer state was saved by transformers' own `galore_*_layerwise` / `apollo_adamw_layerwise`: their
+    Trainer optimizer is a `LayerWiseDummyOptimizer`, one group over one placeholder tensor and no state, so such a
+    checkpoint holds no optimizer state at all.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from transformers.trainer_pt_utils import LayerWiseDummyOptimizer
+    >>> from layerwise_hf.checkpoint import is_transformers_dummy_state
+    >>> is_transformers_dummy_state(LayerWiseDummyOptimizer(lr=1e-3).state_dict())
+    True
+    ```
+    """
+    groups = state_dict.get("param_groups", [])
+    return len(groups) == 1 and len(groups[0]["params"]) == 1 and "name" not in groups[0] and not state_dict["state"]
+
+
 # ---- offline conversion ----
 
 

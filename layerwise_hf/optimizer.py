@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -108,6 +108,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._params = [lp.param for lp in params]
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._sync_gradients = sync_gradients or _accelerate_sync_gradients
+        self._extra_backward = False
         self._route: GradientRoute | None = None  # the last route connected (kept after detach: `route` names it)
         self._gate = GradientGate(self.names, self._params, self.inner, self.sync_gradients, track_grad_norm)
         self.steps_taken = 0
@@ -158,7 +159,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             # Loading replaces the inner optimizers' group dicts; keep sharing them by reference.
             self.param_groups[:] = [inner.param_groups[0] for inner in self.inner]
         if last_grad_norm is not None:
-            self.last_grad_norm = last_grad_norm.to(self._params[0].device)
+            self._gate.last_grad_norm = last_grad_norm.to(self._params[0].device)
 
     # ---- parameters and routes ----
 
@@ -166,9 +167,6 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def params(self) -> tuple[torch.Tensor, ...]:
         """The trainable parameters, in order (after `rebind`, the ones Accelerate's prepare put in the groups)."""
         return tuple(self._params)
-
-    def parameters(self) -> Iterable[torch.Tensor]:
-        return iter(self._params)
 
     def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
         return zip(self.names, self._params)
@@ -180,7 +178,17 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def sync_gradients(self) -> bool:
         """Whether the current backward ends a gradient-accumulation window."""
-        return self._sync_gradients()
+        return not self._extra_backward and self._sync_gradients()
+
+    @contextlib.contextmanager
+    def extra_backward(self, active: bool = True) -> Iterator[None]:
+        """Backward passes within only accumulate into `.grad`, as a micro-batch that does not end the window (an
+        auxiliary loss's own backward in `compute_loss`); `active=False` lifts that for the step's real backward."""
+        previous, self._extra_backward = self._extra_backward, active
+        try:
+            yield
+        finally:
+            self._extra_backward = previous
 
     def rebind(self) -> None:
         """Follow parameters replaced in the groups (Accelerate's FSDP2 `prepare` swaps in DTensors): route, state."""
@@ -315,20 +323,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def last_grad_norm(self) -> torch.Tensor | None:
         return self._gate.last_grad_norm
 
-    @last_grad_norm.setter
-    def last_grad_norm(self, value: torch.Tensor | None) -> None:
-        self._gate.last_grad_norm = value
-
     # ---- memory ----
 
     @property
     def peak_grad_bytes(self) -> int:
         """The most gradient bytes this optimizer held at once (accumulating, held, or about to step)."""
         return self._gate.meter.peak_bytes
-
-    @peak_grad_bytes.setter
-    def peak_grad_bytes(self, value: int) -> None:
-        self._gate.meter.peak_bytes = value
 
     def state_bytes(self) -> int:
         """Bytes held by every inner optimizer's state."""

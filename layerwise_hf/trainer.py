@@ -11,13 +11,14 @@ import warnings
 
 from transformers import Trainer
 
-from .callback import LayerwiseCallback, learning_rate_logs, memory_logs
+from .callback import LayerwiseCallback, end_training, learning_rate_logs, memory_logs
 from .checkpoint import (
     OPTIMIZER_NAME,
     check_checkpoint,
     convert_scheduler_state,
     first_members,
     is_layerwise_state_dict,
+    is_transformers_dummy_state,
     latest_complete_checkpoint,
     layerwise_to_standard,
     load_optimizer_file,
@@ -122,17 +123,26 @@ class LayerwiseTrainerMixin:
         if optimizer is None:
             return super().training_step(model, inputs, num_items_in_batch)
         route = optimizer.gradient_route
-        if (route is not None and route.collective_per_forward) or self._layerwise_compiled(model):
-            # Collectives run once per forward, and a compiled backward cannot run over a retained graph: measure
-            # with a whole second forward+backward.
-            return optimizer.run_with_norm_pass(
-                lambda: super(LayerwiseTrainerMixin, self).training_step(model, inputs, num_items_in_batch)
-            )
-        # One process: one forward, and a measuring backward over the retained graph before the real one.
+        # Collectives run once per forward, and a compiled backward cannot run over a retained graph: there a norm
+        # pass is a whole second forward+backward; on one process, a measuring backward over the retained graph.
+        whole_pass = (route is not None and route.collective_per_forward) or self._layerwise_compiled(model)
         backward = self.accelerator.backward
-        self.accelerator.backward = lambda loss, **kw: optimizer.backward_with_norm_pass(loss, backward, **kw)
+
+        def trainer_backward(loss, **kwargs):
+            with optimizer.extra_backward(False):
+                if whole_pass:
+                    return backward(loss, **kwargs)
+                return optimizer.backward_with_norm_pass(loss, backward, **kwargs)
+
+        def forward_backward():
+            # A backward compute_loss runs itself (an auxiliary loss, retain_graph=True) only accumulates, as the
+            # standard optimizer does: stepping there would change weights that Trainer's backward still needs.
+            with optimizer.extra_backward():
+                return super(LayerwiseTrainerMixin, self).training_step(model, inputs, num_items_in_batch)
+
+        self.accelerator.backward = trainer_backward
         try:
-            return super().training_step(model, inputs, num_items_in_batch)
+            return optimizer.run_with_norm_pass(forward_backward) if whole_pass else forward_backward()
         finally:
             del self.accelerator.backward
 
@@ -157,10 +167,8 @@ class LayerwiseTrainerMixin:
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
-            # on_train_end detaches on success; this covers a train() that raised.
-            optimizer = self.layerwise_optimizer
-            if optimizer is not None:
-                optimizer.detach()
+            # on_train_end does this on success; this covers a train() that raised.
+            end_training(self.layerwise_optimizer)
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
@@ -189,6 +197,14 @@ class LayerwiseTrainerMixin:
             source_group = [saved.get(n, 0) for n in layerwise.names]
         elif not saved_layerwise and layerwise is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
+        elif is_transformers_dummy_state(state_dict):
+            logger.warning(
+                "%s was saved by transformers' own layer-wise optimizer, which saves no optimizer state: the "
+                "optimizer starts afresh (as when transformers resumes it); the schedule resumes where it was.",
+                checkpoint,
+            )
+            converted = layerwise.state_dict()
+            source_group = [0] * len(layerwise.names)
         elif layerwise is not None:
             groups_names = layerwise.standard_groups_names()
             converted = standard_to_layerwise(state_dict, groups_names)

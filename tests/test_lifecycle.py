@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import TokenDataset, assert_params_equal, clone, logged, tiny_llama, training_args
+from helpers import TokenDataset, assert_params_equal, clone, logged, tiny_llama, train, training_args
 from transformers import Trainer, TrainerCallback
 
 from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments
@@ -217,3 +217,70 @@ def test_missing_optimizer_or_scheduler_state_is_warned_about(checkpoint, tmp_pa
     with caplog.at_level("WARNING", logger="layerwise_hf.checkpoint"):
         trainer.train(resume_from_checkpoint=str(partial))
     assert any(name in r.getMessage() and "fresh" in r.getMessage() for r in caplog.records)
+
+
+def test_optimizer_step_after_train_does_not_clip_like_torch(tmp_path):
+    # A user's own loop after train(): torch's step() never clips, so Trainer's max_grad_norm must not follow.
+    model = tiny_llama()
+    batch = TokenDataset()[0]
+    inputs = {k: v[None] for k, v in batch.items()}
+    runs = {}
+    for optim in ("sgd", "sgd_layerwise"):
+        args = training_args(tmp_path / optim, optim, max_steps=2, max_grad_norm=0.01, lr_scheduler_type="constant")
+        trainer = train(clone(model), args)
+        trainer.model(**inputs).loss.backward()
+        trainer.optimizer.step()
+        runs[optim] = trainer
+    assert_params_equal(runs["sgd"].model, runs["sgd_layerwise"].model)
+    optimizer = runs["sgd_layerwise"].layerwise_optimizer
+    assert (optimizer.clip_mode, optimizer.attached) == ("off", False)
+
+
+class AuxiliaryBackward:
+    """compute_loss runs the backward of an auxiliary loss itself (retain_graph=True), before Trainer's backward."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs)
+        (outputs.logits.float().pow(2).mean() * 1e-2).backward(retain_graph=True)
+        return outputs.loss
+
+
+class AuxStock(AuxiliaryBackward, Trainer):
+    pass
+
+
+class AuxLayerwise(AuxiliaryBackward, LayerwiseTrainer):
+    pass
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
+@pytest.mark.parametrize("ga", [1, 2])
+def test_second_backward_in_compute_loss_accumulates_like_the_standard_optimizer(tmp_path, ga, max_grad_norm):
+    model = tiny_llama()
+    kwargs = dict(max_steps=3, gradient_accumulation_steps=ga, max_grad_norm=max_grad_norm)
+    standard = train(clone(model), training_args(tmp_path / "s", "adamw_torch", **kwargs), trainer_cls=AuxStock)
+    layerwise = train(
+        clone(model), training_args(tmp_path / "l", "adamw_torch_layerwise", **kwargs), trainer_cls=AuxLayerwise
+    )
+    assert_params_equal(standard.model, layerwise.model)
+    assert logged(standard, "grad_norm") == logged(layerwise, "grad_norm")
+
+
+def test_checkpoint_of_transformers_own_galore_resumes_with_a_fresh_optimizer(tmp_path, caplog):
+    pytest.importorskip("galore_torch")
+    galore = dict(optim_target_modules=["q_proj", "v_proj"], weight_decay=0.0, max_steps=4)
+    args = training_args(tmp_path / "stock", "galore_adamw_layerwise", save_strategy="steps", save_steps=2, **galore)
+    train(tiny_llama(), args, trainer_cls=Trainer)  # transformers' own layer-wise GaLore: a dummy optimizer state
+    uninterrupted = train(tiny_llama(), training_args(tmp_path / "whole", "galore_adamw_layerwise", **galore))
+    model = tiny_llama()
+    before = params(model)
+    with caplog.at_level("WARNING", logger="layerwise_hf.trainer"):
+        resumed = train(
+            model,
+            training_args(tmp_path / "resumed", "galore_adamw_layerwise", **galore),
+            resume_from_checkpoint=str(tmp_path / "stock" / "checkpoint-2"),
+        )
+    assert any("saves no optimizer state" in r.getMessage() for r in caplog.records)
+    # The schedule goes on from step 2, as in an uninterrupted run; the weights trained on from the checkpoint.
+    assert logged(resumed, "learning_rate")[-2:] == logged(uninterrupted, "learning_rate")[-2:]
+    assert all(not torch.equal(before[n], p) for n, p in model.named_parameters() if "proj" in n)
