@@ -15,14 +15,21 @@ torch.compile only) and reduces gradients itself with torch's own collectives:
 - a complete bucket is all-reduced asynchronously, buckets are launched in the same order on every rank, and at
   most two are in flight; once a bucket is reduced its parameters step (the optimizer's `grad_ready`) and the
   bucket is freed;
+- a bucket of one tensor at least as large as the cap, followed by smaller buckets (an untied `lm_head`, first in
+  backward), is held once reduced and steps only right before the next such tensor's gradient is computed (the
+  smaller buckets drained first), or at the end of backward. A step allocates temporaries of about twice its tensor
+  (AdamW's `sqrt` and division; bitsandbytes dequantizes its states on CPU): early in backward they would add to
+  the activations still alive, later they come when few are left, as after DDP's backward (58M Llama, 2 ranks: the
+  training peak 715 -> 659 MiB with AdamW, 664 -> 608 MiB with 8-bit). Holding it costs its gradient while the
+  smaller buckets reduce, not the temporaries;
 - at the end of backward the buckets holding parameters this rank did not use are zero-filled and reduced, with a
   used-flag all-reduce (`find_unused_parameters`) so a parameter no rank used keeps `.grad = None`, as DDP does;
 - inside a gradient-accumulation window nothing is reduced (as with `no_sync`) unless `sync_each_batch`;
 - parameters and buffers are broadcast from rank 0 when the route attaches, and buffers before each training
   forward (`broadcast_buffers`), as DDP does.
 
-Gradient memory is then bounded by what is in flight (about two buckets, or the largest tensor) instead of by the
-model.
+Gradient memory is then bounded by what is in flight (about two buckets, or two of the largest tensors, plus a held
+large one) instead of by the model: `layerwise_hf.estimate.buckets.ddp_in_flight_bound` computes it.
 """
 
 from __future__ import annotations
@@ -105,8 +112,12 @@ class DataParallelConfig:
 class _Bucket:
     """Parameters reduced by one all-reduce, in launch order, and the buffer while it is alive."""
 
-    def __init__(self, indices: list[int], numels: list[int], dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, indices: list[int], numels: list[int], dtype: torch.dtype, device: torch.device, alone: bool = False
+    ):
         self.indices = indices
+        self.alone = alone  # a tensor at least as large as the cap: its step may be held (see _retire)
+        self.position = 0  # in launch order, set by the reducer
         self.numels = numels
         self.offsets = [sum(numels[:k]) for k in range(len(numels))]
         self.slot = {i: k for k, i in enumerate(indices)}
@@ -170,19 +181,51 @@ def build_buckets(params: list[torch.Tensor], limits: list[int], ready_order: li
             assignment.extend(list(b) for b in indices)
             run.clear()
 
+    alone: set[int] = set()
     for i in ready_order:
         if params[i].numel() * params[i].element_size() >= cap:
             flush()
+            alone.add(len(assignment))
             assignment.append([i])
         else:
             run.append(i)
     flush()
-    return [_make_bucket(params, indices) for indices in assignment]
+    return [_make_bucket(params, indices, b in alone) for b, indices in enumerate(assignment)]
 
 
-def _make_bucket(params: list[torch.Tensor], indices: list[int]) -> _Bucket:
+def _make_bucket(params: list[torch.Tensor], indices: list[int], alone: bool) -> _Bucket:
     first = params[indices[0]]
-    return _Bucket(indices, [params[i].numel() for i in indices], first.dtype, first.device)
+    return _Bucket(indices, [params[i].numel() for i in indices], first.dtype, first.device, alone)
+
+
+def watch_first_forward(model: torch.nn.Module, params: list[torch.Tensor], planned) -> list[Any]:
+    """
+    Forward hooks that call `planned(used)` once, at the end of the first training forward with grad, with the
+    indices of `params` in the order the forward first used them; the caller removes the returned handles.
+    """
+    index = {id(p): i for i, p in enumerate(params)}
+    used: list[int] = []
+    done = []
+
+    def note(module, args):
+        if module.training and torch.is_grad_enabled() and not done:
+            for p in module.parameters(recurse=False):
+                i = index.get(id(p))
+                if i is not None and i not in used:
+                    used.append(i)
+
+    def plan(module, args, output):
+        if module.training and torch.is_grad_enabled() and not done:
+            done.append(True)
+            planned(used)
+
+    handles = [
+        module.register_forward_pre_hook(note)
+        for module in model.modules()
+        if any(True for _ in module.parameters(recurse=False))
+    ]
+    handles.append(model.register_forward_hook(plan))
+    return handles
 
 
 class _QueueFinishInBackward(torch.autograd.Function):
@@ -249,6 +292,7 @@ class DataParallelReducer(LocalHooks):
         self._output_hook: Any = None
         self._next = 0  # the next bucket to launch, in the same order on every rank
         self._in_flight: collections.deque[_Bucket] = collections.deque()
+        self._held: list[_Bucket] = []  # reduced, their step waiting for fewer activations (see _retire)
         self._in_backward = False
         self._sync_module_states()
         if self.model is not None and self.config.broadcast_buffers and any(True for _ in self.model.buffers()):
@@ -259,33 +303,17 @@ class DataParallelReducer(LocalHooks):
         super().attach(optimizer)
 
     def _plan_from_first_forward(self) -> None:
-        """
-        Gradients become ready in about the reverse of the order the forward first uses their parameters (a layer's
-        input norm last, not first as in parameter order). Bucketing in that order from the first step keeps a
-        bucket's early gradients from waiting for a late member; after the first backward the buckets are rebuilt
-        in the order actually observed, as DDP does.
-        """
-        index = {id(p): i for i, p in enumerate(self.params)}
-        used: list[int] = []
+        # Gradients become ready in about the reverse of the order the forward first uses their parameters (a
+        # layer's input norm last, not first as in parameter order). Bucketing in that order from the first step
+        # keeps a bucket's early gradients from waiting for a late member; after the first backward the buckets are
+        # rebuilt in the order actually observed, as DDP does.
+        def planned(used: list[int]) -> None:
+            self._remove_plan_hooks()
+            seen = set(used)
+            order = used[::-1] + [i for i in self._reversed_order() if i not in seen]
+            self._set_buckets(build_buckets(self.params, self.config.bucket_size_limits, self._agree(order)))
 
-        def note(module, args):
-            if module.training and torch.is_grad_enabled() and self._plan_hooks:
-                for p in module.parameters(recurse=False):
-                    i = index.get(id(p))
-                    if i is not None and i not in used:
-                        used.append(i)
-
-        def plan(module, args, output):
-            if module.training and torch.is_grad_enabled() and self._plan_hooks:
-                self._remove_plan_hooks()
-                seen = set(used)
-                order = used[::-1] + [i for i in self._reversed_order() if i not in seen]
-                self._set_buckets(build_buckets(self.params, self.config.bucket_size_limits, self._agree(order)))
-
-        for module in self.model.modules():
-            if any(True for _ in module.parameters(recurse=False)):
-                self._plan_hooks.append(module.register_forward_pre_hook(note))
-        self._plan_hooks.append(self.model.register_forward_hook(plan))
+        self._plan_hooks = watch_first_forward(self.model, self.params, planned)
 
     def _remove_plan_hooks(self) -> None:
         for handle in self._plan_hooks:
@@ -305,6 +333,8 @@ class DataParallelReducer(LocalHooks):
     def _set_buckets(self, buckets: list[_Bucket]) -> None:
         self.buckets = buckets
         self.bucket_of = {i: b for b, bucket in enumerate(buckets) for i in bucket.indices}
+        for b, bucket in enumerate(buckets):
+            bucket.position = b
 
     def detach(self) -> None:
         self._remove_plan_hooks()
@@ -317,6 +347,7 @@ class DataParallelReducer(LocalHooks):
         for bucket in getattr(self, "buckets", []):
             bucket.reset()
         self._in_flight = collections.deque()
+        self._held = []
         self._next = 0
         self._in_backward = False
         super().detach()
@@ -395,7 +426,7 @@ class DataParallelReducer(LocalHooks):
         while self._next < len(self.buckets) and self.buckets[self._next].complete:
             self._launch(self.buckets[self._next])
         while self._in_flight and self._in_flight[0].work.is_completed():
-            self._step_bucket(self._in_flight.popleft())
+            self._retire(self._in_flight.popleft())
 
     def _launch(self, bucket: _Bucket) -> None:
         for k, i in enumerate(bucket.indices):
@@ -416,7 +447,26 @@ class DataParallelReducer(LocalHooks):
         self._in_flight.append(bucket)
         self._next += 1
         while len(self._in_flight) > MAX_IN_FLIGHT:
+            self._retire(self._in_flight.popleft())
+        if self._held and self._next < len(self.buckets) and self.buckets[self._next].alone:
+            # The next gradient is a large one, not computed yet, and few activations are left: drain the smaller
+            # buckets, then step the held ones (their temporaries and that gradient never coexist).
+            self._drain()
+
+    def _retire(self, bucket: _Bucket) -> None:
+        # A large tensor's step early in backward would put its temporaries on top of the activations still alive
+        # (see the module docstring): hold it while the buckets after it are smaller.
+        after = bucket.position + 1
+        if bucket.alone and after < len(self.buckets) and not self.buckets[after].alone:
+            self._held.append(bucket)
+        else:
+            self._step_bucket(bucket)
+
+    def _drain(self) -> None:
+        while self._in_flight:
             self._step_bucket(self._in_flight.popleft())
+        while self._held:
+            self._step_bucket(self._held.pop(0))
 
     def _step_bucket(self, bucket: _Bucket) -> None:
         bucket.work.wait()
@@ -437,8 +487,7 @@ class DataParallelReducer(LocalHooks):
         self._in_backward = False
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
-        while self._in_flight:
-            self._step_bucket(self._in_flight.popleft())
+        self._drain()
         self._next = 0
         if self._ready_order is not None:
             # Parameters no gradient reached this time go last, in reverse order.
