@@ -230,8 +230,8 @@ def test_ddp_layerwise_holds_only_the_buckets_in_flight():
     assert ddp.gradient_bytes == ddp.ddp_in_flight_bytes
     assert view.gradient_bytes - ddp.gradient_bytes > 0.9 * ddp.all_gradient_bytes  # the saving is no longer 0
     # Llama-2-7b, bf16, buckets in the reverse of forward's order of use: a tensor above the cap is a bucket of its
-    # own, reduced in place, so the most alive is embed_tokens (250 MiB) with the small bucket before it (the first
-    # layer's input_layernorm), as lm_head with model.norm at the start.
+    # own, reduced in place, so the most alive is lm_head (250 MiB) reducing while model.norm's bucket fills (then
+    # both step before the last layer's down_proj; embed_tokens arrives alone at the end).
     norm, embed = 4096 * 2, 32000 * 4096 * 2
     assert ddp.gradient_bytes == norm + embed
     assert any("no persistent buckets" in n for n in ddp.notes)
@@ -285,11 +285,13 @@ def test_ddp_buckets_are_the_routes_buckets():
             route = build_buckets(tensors, limits, list(range(len(tensors))))
             ours = assign_buckets([4 * n for n in numels], limits)
             assert [b.sizes for b in ours] == [tuple(4 * n for n in b.numels) for b in route]
+            assert [b.alone for b in ours] == [b.alone for b in route]  # the buckets whose step may be held
 
 
 def test_ddp_layerwise_bound_on_the_58m_benchmark_model():
     # benchmarks/distributed_memory.py's model, bucketed as the route does in the reverse of forward's order of use:
-    # embed_tokens (62.5 MiB) is a bucket of its own, reduced in place while the bucket before it finishes.
+    # lm_head and embed_tokens (62.5 MiB each) are buckets of their own, reduced in place; lm_head's step is held
+    # while the decoder layers' buckets reduce, two at a time, and comes before embed_tokens' gradient exists.
     import torch.distributed as dist
 
     from layerwise_hf.estimate.buckets import DEFAULT_FIRST_BUCKET_BYTES
@@ -310,9 +312,27 @@ def test_ddp_layerwise_bound_on_the_58m_benchmark_model():
     ]
     sizes = [sum(ready[i].numel() * 4 for i in b) for b in assignment]
     copies = [max(ready[i].numel() * 4 for i in b) if len(b) > 1 else 0 for b in assignment]
-    bound = max((sizes[k - 1] if k else 0) + sizes[k] + copies[k] for k in range(len(sizes)))
-    assert est.gradient_bytes == bound
-    assert round(bound / 2**20, 1) == 92.0 and round(est.all_gradient_bytes / 2**20, 1) == 221.5
+    assert len(assignment) == 6 and len(assignment[0]) == len(assignment[-1]) == 1  # lm_head, 4 buckets, embed_tokens
+    held = sizes[0]
+    bound = held + max(sizes[k - 1] + sizes[k] + copies[k] for k in range(2, len(sizes) - 1))
+    assert est.gradient_bytes == bound == est.ddp_in_flight_bytes
+    # What benchmarks/distributed_memory.py counted on each rank (grads live, results/distributed_memory.json).
+    assert round(bound / 2**20, 1) == 118.8 and round(est.all_gradient_bytes / 2**20, 1) == 221.5
+    assert any("62.50 MiB + 26.82 MiB + 26.82 MiB + 2.69 MiB" in n for n in est.notes)
+
+
+def test_ddp_in_flight_bound_replays_the_routes_holds():
+    from layerwise_hf.estimate.buckets import Bucket, ddp_in_flight_bound
+
+    large, small = Bucket((100,), alone=True), Bucket((10, 20))
+    # Without a held bucket: the one reducing, the one filling, the gradient copied in.
+    assert ddp_in_flight_bound([small, small, small]) == (30 + 30 + 20, 1, 0)
+    # A large bucket followed by smaller ones is held while they reduce; it steps (with the one in flight) before the
+    # next large gradient exists, so that one arrives alone.
+    assert ddp_in_flight_bound([large, small, small, small, large]) == (100 + 30 + 30 + 20, 2, 100)
+    # Large buckets in a row are never held: each steps when the next one is launched, as before.
+    assert ddp_in_flight_bound([large, large, large]) == (200, 1, 0)
+    assert ddp_in_flight_bound([large, small]) == (100 + 30 + 20, 1, 0)
 
 
 # ---- optimizer state against the real optimizers ----

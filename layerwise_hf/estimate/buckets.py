@@ -14,12 +14,17 @@ The route's policy (`DataParallelReducer`):
 - a bucket of one tensor is all-reduced in place in that tensor's `.grad`; a bucket of several is one buffer of their
   sum, allocated at its first gradient, into which each gradient is copied (its `.grad` is freed after the copy);
 - at most one bucket is reducing while the next fills: when a bucket is launched, the one before it (if still
-  reducing) is waited for, stepped and freed.
+  reducing) is waited for, stepped and freed;
+- except a bucket of one tensor at least as large as the cap whose next bucket is smaller (an untied `lm_head`):
+  once reduced it is held, unstepped, until the bucket before the next such tensor is launched; then the bucket in
+  flight and the held one step (so its step's temporaries come when few activations are left, not early in
+  backward).
 
-So the gradient bytes alive at once are at most, over consecutive buckets `k - 1`, `k`:
-`size(k - 1) + size(k) + (largest tensor of k, when k holds several: its .grad during the copy)`. That is
-`ddp_in_flight_bound`. It assumes every parameter is used in forward and that `.grad` is freed by each step (no
-gradient accumulation, no clipping that holds gradients).
+So the gradient bytes alive at once are at most, over the buckets `k` in launch order:
+`held + size(k - 1) + size(k) + (largest tensor of k, when k holds several: its .grad during the copy)`, where
+`held` is the large bucket waiting for its step, and `k - 1` is not counted right after the held one stepped (the
+bucket in flight stepped with it). That is `ddp_in_flight_bound`. It assumes every parameter is used in forward and
+that `.grad` is freed by each step (no gradient accumulation, no clipping that holds gradients).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class Bucket:
     """One all-reduce: the bytes of its gradients, in the order they were added."""
 
     sizes: tuple[int, ...]
+    alone: bool = False  # one tensor at least as large as the cap (the route may hold its step)
 
     @property
     def nbytes(self) -> int:
@@ -73,7 +79,7 @@ def assign_buckets(
     tensor to the open bucket and close it once it reaches the current limit (then move to the next limit); open
     buckets are closed at the end. Buckets come in the order they close, the order they are launched. With
     `large_alone` (the route's layout), a tensor at least as large as the last limit closes the open buckets and is
-    a bucket of its own.
+    a bucket of its own (`alone`).
 
     Example:
 
@@ -93,7 +99,7 @@ def assign_buckets(
     for size, key in zip(sizes, keys):
         if large_alone and size >= limits[-1]:
             out += [Bucket(tuple(b)) for b in open_buckets.values() if b]
-            out.append(Bucket((size,)))
+            out.append(Bucket((size,), alone=True))
             open_buckets, limit_index, started = {}, {}, True
             continue
         bucket = open_buckets.setdefault(key, [])
@@ -108,23 +114,33 @@ def assign_buckets(
     return out
 
 
-def ddp_in_flight_bound(buckets: Sequence[Bucket]) -> tuple[int, int]:
+def ddp_in_flight_bound(buckets: Sequence[Bucket]) -> tuple[int, int, int]:
     """
-    The most gradient bytes alive at once on the layer-wise data-parallel route, and the index of the bucket where it
-    is reached: `max over k of size(k - 1) + size(k) + copy(k)` (see the module docstring).
+    The most gradient bytes alive at once on the layer-wise data-parallel route, the index of the bucket filling
+    when it is reached, and the bytes of the held large bucket in that sum: `max over k of held + size(k - 1) +
+    size(k) + copy(k)` (see the module docstring), replaying the route's launches, steps and holds.
 
     Example:
 
     ```python
     >>> from layerwise_hf.estimate.buckets import Bucket, ddp_in_flight_bound
-    >>> ddp_in_flight_bound([Bucket((8,)), Bucket((2, 3)), Bucket((1,))])  # 8 reducing, (2, 3) filling, 3 copied
-    (16, 1)
+    >>> ddp_in_flight_bound([Bucket((2,)), Bucket((2, 3)), Bucket((1,))])  # 2 reducing, (2, 3) filling, 3 copied
+    (10, 1, 0)
+    >>> # 8 held (its successor is smaller) while (2, 3) reduces and (4,) fills; both step before (9,) fills
+    >>> ddp_in_flight_bound([Bucket((8,), True), Bucket((2, 3)), Bucket((4,)), Bucket((9,), True)])
+    (17, 2, 8)
     ```
     """
-    best, where, previous = 0, 0, 0
+    best, where, best_held = 0, 0, 0
+    flying, held = 0, 0
     for k, bucket in enumerate(buckets):
-        alive = previous + bucket.nbytes + bucket.copy_bytes
+        alive = held + flying + bucket.nbytes + bucket.copy_bytes
         if alive > best:
-            best, where = alive, k
-        previous = bucket.nbytes
-    return best, where
+            best, where, best_held = alive, k, held
+        # Launching k retires the bucket in flight: held when it is a large one followed by a smaller one.
+        if k and buckets[k - 1].alone and not bucket.alone and flying:
+            held += flying
+        flying = bucket.nbytes
+        if held and k + 1 < len(buckets) and buckets[k + 1].alone:
+            flying, held = 0, 0  # drained: the bucket in flight, then the held one, step before the next fills
+    return best, where, best_held

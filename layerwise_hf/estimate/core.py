@@ -332,19 +332,18 @@ def _ddp_in_flight(
     """The layer-wise data-parallel route's gradient term (no gradient accumulation): see `buckets`."""
     sizes, keys = _ready_order(entries, spec_use_order)
     buckets = assign_buckets(sizes, bucket_size_limits(opts.bucket_cap_mb), keys)
-    bound, k = ddp_in_flight_bound(buckets)
+    bound, k, held = ddp_in_flight_bound(buckets)
     cap = "25 MiB after a first bucket of 1 MiB" if opts.bucket_cap_mb is None else f"{opts.bucket_cap_mb:g} MiB"
-    where = " + ".join(
-        format_bytes(x)
-        for x in ([buckets[k - 1].nbytes] if k else []) + [buckets[k].nbytes, buckets[k].copy_bytes]
-        if x
-    )
+    flying = bound - held - buckets[k].nbytes - buckets[k].copy_bytes
+    where = " + ".join(format_bytes(x) for x in (held, flying, buckets[k].nbytes, buckets[k].copy_bytes) if x)
     notes.append(
         f"DDP layer-wise: no DDP wrapper and no persistent buckets; the route all-reduces gradients in buckets formed "
         f"in the order they become ready (bucket_cap_mb: {cap}; a tensor larger than the cap is a bucket of its own, "
-        "reduced in place), one bucket reducing while the next fills, each stepped and freed. The gradient term is "
-        f"the most alive at once: two consecutive buckets plus the gradient being copied into the second ({where}, "
-        f"bucket {k + 1} of {len(buckets)}), instead of DDP's buckets of all gradients."
+        "reduced in place), one bucket reducing while the next fills, each stepped and freed; a large bucket followed "
+        "by smaller ones (an untied lm_head) is held until they are reduced, so its step comes when few activations "
+        "are left. The gradient term is the most alive at once: the held bucket, the one reducing, the one filling "
+        f"and the gradient being copied into it ({where}, bucket {k + 1} of {len(buckets)}), instead of DDP's buckets "
+        "of all gradients."
     )
     if counts.tied[0]:
         notes.append(
