@@ -39,3 +39,28 @@ def test_refusals_have_one_message_each():
     support.check_fp16_clip_mode("previous", True, 0.0)  # no clipping: nothing steps early
     with pytest.raises(ValueError, match="fp32 trainable weights"):
         support.check_fp16_weights([("w", torch.zeros(2, dtype=torch.float16))])
+
+
+def test_grokadamw_is_refused_with_why_and_what_instead(tmp_path):
+    with pytest.raises(ValueError, match=r"'grokadamw_layerwise' is not supported: GrokAdamW scales") as err:
+        training_args(tmp_path, "grokadamw_layerwise")
+    assert "Use grokadamw (standard)" in str(err.value) and "adamw_torch_layerwise" in str(err.value)
+    assert support.base_status("grokadamw").startswith("refused: GrokAdamW")
+
+
+def test_grokadamw_really_is_not_per_tensor():
+    # What the refusal says, checked against the package: a parameter's update depends on its position in the group,
+    # and the state is not in optimizer.state (so optimizer.pt would hold none of it).
+    grokadamw = pytest.importorskip("grokadamw")
+    torch.manual_seed(0)
+    first, second = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4, 4))
+    alone = torch.nn.Parameter(second.detach().clone())
+    for p in (first, second, alone):
+        p.grad = torch.ones_like(p)
+    together = grokadamw.GrokAdamW([first, second], lr=0.1)
+    per_parameter = grokadamw.GrokAdamW([alone], lr=0.1)
+    for _ in range(2):
+        together.step()
+        per_parameter.step()
+    assert not torch.equal(second, alone)
+    assert not together.state and together.param_groups[0]["state"]
