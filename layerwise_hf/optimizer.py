@@ -387,6 +387,7 @@ def build_layerwise_optimizer(
     factory: LayerwiseFactory | None = None,
     sync_gradients: Callable[[], bool] | None = None,
     track_grad_norm: bool = False,
+    local_shards: bool = False,
 ) -> LayerwiseOptimizer:
     """
     Build the layer-wise optimizer for `model` from `args.optim` (e.g. `"adamw_8bit_layerwise"`).
@@ -404,6 +405,9 @@ def build_layerwise_optimizer(
             See `LayerwiseOptimizer`.
         track_grad_norm (`bool`, *optional*, defaults to `False`):
             See `LayerwiseOptimizer`; turn it on to read `grad_norm()` without clipping.
+        local_shards (`bool`, *optional*, defaults to `False`):
+            The model will be FSDP2-sharded: bitsandbytes optimizers step each rank's local shard
+            (`layerwise_hf.local_shard`).
 
     Example:
 
@@ -440,6 +444,10 @@ def build_layerwise_optimizer(
     ]
     if factory is None:
         factory = resolve_factory(args, model)
+    if local_shards:
+        from .local_shard import wrap_local_shards
+
+        factory = wrap_local_shards(factory)
     return LayerwiseOptimizer(
         params,
         factory,

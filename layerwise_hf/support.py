@@ -75,8 +75,27 @@ FSDP2_ELEMENTWISE: dict[str, str] = {
     "adagrad": "torch.optim.adagrad.Adagrad",
     "rmsprop": "torch.optim.rmsprop.RMSprop",
 }
+# Bases Trainer builds from bitsandbytes, whose kernels take plain tensors: under FSDP2 they step each rank's local
+# shard (`layerwise_hf.local_shard`). The 8-bit ones quantize in blocks of the shard, not of the whole tensor.
+FSDP2_LOCAL_SHARD: frozenset[str] = frozenset(
+    {
+        "adamw_bnb_8bit",
+        "adamw_8bit",
+        "paged_adamw_8bit",
+        "paged_adamw_32bit",
+        "lion_8bit",
+        "lion_32bit",
+        "paged_lion_8bit",
+        "paged_lion_32bit",
+        "rmsprop_bnb",
+        "rmsprop_bnb_8bit",
+        "rmsprop_bnb_32bit",
+    }
+)
 # torch.optim.Adam is elementwise too; third-party registrations may build it.
-_FSDP2_CLASSES = frozenset({*FSDP2_ELEMENTWISE.values(), "torch.optim.adam.Adam"})
+_FSDP2_CLASSES = frozenset(
+    {*FSDP2_ELEMENTWISE.values(), "torch.optim.adam.Adam", "layerwise_hf.local_shard.LocalShardOptimizer"}
+)
 
 ONE_PASS_CLIP_MODES = ("previous", "per_param")
 
@@ -145,7 +164,7 @@ def fsdp2_supports_base(base: str) -> bool:
     ['sgd', 'rmsprop']
     ```
     """
-    return base in FSDP2_ELEMENTWISE
+    return base in FSDP2_ELEMENTWISE or base in FSDP2_LOCAL_SHARD
 
 
 def fsdp2_supports_optimizer(optimizer: Any) -> bool:
@@ -410,6 +429,6 @@ def check_fsdp2_optimizers(name: str | None, optimizers: Sequence[Any]) -> None:
         good = ", ".join(f"{b}{SUFFIX}" for b in sorted(set(FSDP2_ELEMENTWISE) - {"adamw_torch_fused"}))
         raise ValueError(
             f"{name or '/'.join(bad)} ({', '.join(bad)}) cannot step FSDP2 shards: its update is not elementwise "
-            f"(factored or blockwise state would be computed per shard). Under FSDP2 use {good}, or run this "
-            "optimizer under DDP / on one process."
+            f"(factored or blockwise state would be computed per shard). Under FSDP2 use {good}, or bitsandbytes' "
+            "adamw_8bit_layerwise (blocks of the local shard), or run this optimizer under DDP / on one process."
         )

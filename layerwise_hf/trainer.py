@@ -106,6 +106,7 @@ class LayerwiseTrainerMixin:
             self.args,
             decay_parameter_names=self.get_decay_parameter_names(opt_model),
             track_grad_norm=True,
+            local_shards=self.is_fsdp_enabled,
         )
         if self.is_fsdp_enabled:
             check_fsdp2_optimizers(self.optimizer.optimizer_name, self.optimizer.inner)  # before any step

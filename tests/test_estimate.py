@@ -209,8 +209,10 @@ def test_fsdp2_divides_weights_gradients_and_state():
         estimate("llama-2-70b", optimizer="sgd_layerwise", world_size=8, sharding="fsdp2").gradient_bytes
         == (2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192) * 2
     )  # Llama-2's 32000-token vocabulary: a decoder layer is the largest unit
-    refused = estimate("llama-3-70b", optimizer="adamw_8bit_layerwise", world_size=8, sharding="fsdp2")
+    refused = estimate("llama-3-70b", optimizer="adafactor_layerwise", world_size=8, sharding="fsdp2")
     assert any("refused under FSDP2" in n for n in refused.notes)
+    eight_bit = estimate("llama-3-70b", optimizer="adamw_8bit_layerwise", world_size=8, sharding="fsdp2")
+    assert not any("refused" in n for n in eight_bit.notes)  # bitsandbytes steps the local shards
 
 
 def test_ddp_standard_keeps_bucket_buffers():
@@ -459,7 +461,10 @@ def test_presets_are_config_json_files():
 
 def test_optimizer_rules_are_data_and_fsdp2_comes_from_support():
     assert load_rules(RULES_FILE) == OPTIMIZER_RULES
-    assert {n for n, r in OPTIMIZER_RULES.items() if r.fsdp2} == set(support.FSDP2_ELEMENTWISE)
+    assert {n for n, r in OPTIMIZER_RULES.items() if r.fsdp2} == {
+        *support.FSDP2_ELEMENTWISE,
+        *support.FSDP2_LOCAL_SHARD,
+    }
     assert all(r.name == n for n, r in OPTIMIZER_RULES.items())
 
 

@@ -1,0 +1,127 @@
+"""bitsandbytes' 8-bit AdamW layer-wise under FSDP2 (2 ranks): each rank's local shard equals the same optimizer run by
+hand on that shard and its gradients, save -> resume equals uninterrupted, and the loss curve of a longer run.
+
+Under the DDP config the script only writes the loss curves of the unsharded layer-wise runs (8-bit and 32-bit AdamW),
+which the test compares with the FSDP2 one.
+
+    LAYERWISE_HF_FORCE_FSDP_CPU=1 ACCELERATE_USE_CPU=true accelerate launch \
+        --config_file configs/accelerate/cpu_fsdp2.yaml tests/distributed/fsdp2_8bit.py REPORT.json
+"""
+
+import os
+import sys
+import tempfile
+
+import torch
+from common import finish_ranks, max_diff, summary, tiny_llama, training_args, write_report
+from helpers import TokenDataset
+from transformers import TrainerCallback
+
+from layerwise_hf import LayerwiseTrainer, unwrap_layerwise_optimizer  # applies LAYERWISE_HF_FORCE_FSDP_CPU
+from layerwise_hf.local_shard import LocalShardOptimizer
+
+torch.set_num_threads(1)
+VOCAB = 256  # large enough that most local shards reach bitsandbytes' min_8bit_size (4096 elements)
+CURVE_STEPS = 50
+
+
+def model():
+    return tiny_llama(vocab=VOCAB, hidden=64)
+
+
+def trainer_for(optim, out, **overrides):
+    args = training_args(out, optim, **overrides)
+    # A learnable pattern (helpers.TokenDataset), so that the loss curves move.
+    return LayerwiseTrainer(model=model(), args=args, train_dataset=TokenDataset(n=512, vocab=VOCAB))
+
+
+class HandRun(TrainerCallback):
+    """Records each inner step's local shard, gradient and hyperparameters; replays them on a hand-built copy."""
+
+    def __init__(self):
+        self.records = {}
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        optimizer = unwrap_layerwise_optimizer(optimizer)
+        for name, inner in zip(optimizer.names, optimizer.inner):
+            inner.register_step_pre_hook(self._pre(name))
+
+    def _pre(self, name):
+        def hook(inner, args, kwargs):
+            param = inner.param_groups[0]["params"][0]
+            record = self.records.setdefault(name, {"start": param.to_local().detach().clone(), "steps": []})
+            group = {k: v for k, v in inner.param_groups[0].items() if k not in ("params", "name")}
+            record["steps"].append((param.grad.to_local().detach().clone(), group))
+            record["inner"] = inner
+
+        return hook
+
+    def max_diff(self) -> float:
+        worst = 0.0
+        for record in self.records.values():
+            inner = record["inner"]
+            base = inner.base
+            local = torch.nn.Parameter(record["start"].clone())
+            by_hand = type(base)(
+                [local],
+                optim_bits=base.args.optim_bits,
+                min_8bit_size=base.args.min_8bit_size,
+                **{k: v for k, v in record["steps"][0][1].items() if k in ("lr", "betas", "eps", "weight_decay")},
+            )
+            for grad, group in record["steps"]:
+                by_hand.param_groups[0].update(group)
+                local.grad = grad
+                by_hand.step()
+            final = inner.param_groups[0]["params"][0].to_local()
+            worst = max(worst, float((final - local.detach()).abs().max()) if final.numel() else 0.0)
+        return worst
+
+
+def losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+
+
+def fsdp2(report_path):
+    results = {}
+    with tempfile.TemporaryDirectory() as d:
+        trainer = trainer_for("adamw_8bit_layerwise", d, max_steps=4)
+        hand = HandRun()
+        trainer.add_callback(hand)
+        trainer.train()
+        optimizer = trainer.layerwise_optimizer
+        results["wrapped"] = all(isinstance(inner, LocalShardOptimizer) for inner in optimizer.inner)
+        states = [inner.base.state[inner.local] for inner in optimizer.inner]
+        results["eight_bit_states"] = sum(s["state1"].dtype == torch.uint8 for s in states)
+        results["states"] = len(states)
+        results["hand_max_diff"] = hand.max_diff()
+
+    out = os.path.join(os.path.dirname(report_path), "fsdp2_8bit_resume")
+    whole = trainer_for("adamw_8bit_layerwise", out, max_steps=4, save_steps=2)
+    whole.train()
+    resumed = trainer_for("adamw_8bit_layerwise", out + "_b", max_steps=4)
+    resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
+    a, b = summary(whole, whole.model_wrapped), summary(resumed, resumed.model_wrapped)
+    results["resume_max_diff"] = max_diff(a["params"], b["params"])
+    results["resume_grad_norm_equal"] = a["grad_norm"][2:] == b["grad_norm"][-2:]
+
+    with tempfile.TemporaryDirectory() as d:
+        curve = trainer_for("adamw_8bit_layerwise", d, max_steps=CURVE_STEPS, warmup_steps=5)
+        curve.train()
+        results["curve"] = losses(curve)
+    write_report(report_path, results)
+
+
+def unsharded(report_path):
+    curves = {}
+    for optim in ("adamw_8bit_layerwise", "adamw_torch_layerwise"):
+        with tempfile.TemporaryDirectory() as d:
+            curve = trainer_for(optim, d, max_steps=CURVE_STEPS, warmup_steps=5)
+            curve.train()
+            curves[optim] = losses(curve)
+    write_report(report_path, {"curves": curves})
+
+
+if __name__ == "__main__":
+    dist_type = os.environ.get("ACCELERATE_USE_FSDP", "false")
+    (fsdp2 if dist_type.lower() == "true" else unsharded)(sys.argv[1])
+    finish_ranks()
