@@ -7,7 +7,8 @@ projected; that choice is made here the way transformers makes it (`_setup_low_r
 `nn.Linear` modules that `optim_target_modules` selects get a group with the low-rank keys, every other trainable
 parameter a plain group of the same optimizer class, with transformers' `optim_args` keys and defaults. Unlike
 transformers' own layer-wise path, each group also gets Trainer's weight decay split, the scheduler drives its lr,
-and the checkpoint holds every state.
+and the checkpoint holds every state. APOLLO seeds each tensor's random projector with the tensor's position in the
+optimizer, so each per-parameter optimizer is given the seed the whole-model optimizer would give (`apollo_seeds`).
 
 GaLore keeps a `GaLoreProjector` object in each projected tensor's state, which `torch.load(weights_only=True)` (how
 Trainer loads `optimizer.pt`) refuses. The optimizer classes here are thin subclasses whose `state_dict()` writes such
