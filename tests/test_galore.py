@@ -31,6 +31,12 @@ TARGETS = ["attn", "mlp"]
 GALORE = dict(optim_target_modules=TARGETS, optim_args="rank=4,update_proj_gap=2,scale=0.5")
 
 
+APOLLO = pytest.param(
+    "apollo_adamw_layerwise",
+    marks=pytest.mark.skipif(importlib.util.find_spec("apollo_torch") is None, reason="needs apollo-torch"),
+)
+
+
 def galore_args(tmp_path, optim, **overrides):
     return training_args(tmp_path, optim, **{**GALORE, **overrides})
 
@@ -202,14 +208,7 @@ def test_matches_standard_galore_with_weight_decay_split(tmp_path, optim, ga, st
 
 # galore_adamw_8bit is not here: stock Trainer gives GaLoreAdamW8bit its class default weight_decay=1e-2 for every
 # parameter whatever `weight_decay` says; the weight-decay split test above compares it at GA 1 and 2.
-STOCK_LOW_RANK_NAMES = [
-    "galore_adamw_layerwise",
-    "galore_adafactor_layerwise",
-    pytest.param(
-        "apollo_adamw_layerwise",
-        marks=pytest.mark.skipif(importlib.util.find_spec("apollo_torch") is None, reason="needs apollo-torch"),
-    ),
-]
+STOCK_LOW_RANK_NAMES = ["galore_adamw_layerwise", "galore_adafactor_layerwise", APOLLO]
 
 
 @pytest.mark.parametrize("ga", [1, 2])
@@ -306,7 +305,7 @@ def test_frozen_parameters_get_no_optimizer(tmp_path):
 # ---- checkpoints ----
 
 
-@pytest.mark.parametrize("optim", GALORE_NAMES)
+@pytest.mark.parametrize("optim", [*GALORE_NAMES, APOLLO])
 def test_resume_equals_uninterrupted(tmp_path, optim):
     model, dataset = model_for(optim)
     # Saved after step 3: the projection computed at step 3 is still in use at step 4, so it must come back exactly.
