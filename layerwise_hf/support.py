@@ -92,9 +92,18 @@ FSDP2_LOCAL_SHARD: frozenset[str] = frozenset(
         "rmsprop_bnb_32bit",
     }
 )
+# torchao's 8-bit AdamW steps a DTensor itself (its states are DTensors laid out like the parameter, quantized per
+# local shard), so the layer-wise step of a shard is standard FSDP2's step of it. Not AdamW4bit: standard FSDP2 with
+# it fails inside torchao (torchao 0.18, torch 2.13, CPU), so there is no reference to be equal to.
+FSDP2_DTENSOR_NATIVE: dict[str, str] = {"adamw_torch_8bit": "torchao.optim.adam.AdamW8bit"}
 # torch.optim.Adam is elementwise too; third-party registrations may build it.
 _FSDP2_CLASSES = frozenset(
-    {*FSDP2_ELEMENTWISE.values(), "torch.optim.adam.Adam", "layerwise_hf.local_shard.LocalShardOptimizer"}
+    {
+        *FSDP2_ELEMENTWISE.values(),
+        *FSDP2_DTENSOR_NATIVE.values(),
+        "torch.optim.adam.Adam",
+        "layerwise_hf.local_shard.LocalShardOptimizer",
+    }
 )
 
 ONE_PASS_CLIP_MODES = ("previous", "per_param")
@@ -164,7 +173,7 @@ def fsdp2_supports_base(base: str) -> bool:
     ['sgd', 'rmsprop']
     ```
     """
-    return base in FSDP2_ELEMENTWISE or base in FSDP2_LOCAL_SHARD
+    return base in FSDP2_ELEMENTWISE or base in FSDP2_DTENSOR_NATIVE or base in FSDP2_LOCAL_SHARD
 
 
 def fsdp2_supports_optimizer(optimizer: Any) -> bool:

@@ -5,6 +5,7 @@ model really is fully_shard'ed, save -> resume (DCP) equals uninterrupted, and n
         --config_file configs/accelerate/cpu_fsdp2.yaml tests/distributed/fsdp2_trainer.py REPORT.json
 """
 
+import importlib.util
 import os
 import sys
 import tempfile
@@ -19,10 +20,10 @@ from layerwise_hf import LayerwiseTrainer  # applies LAYERWISE_HF_FORCE_FSDP_CPU
 torch.set_num_threads(1)
 
 
-def run(optim, out, *, ga=1, max_grad_norm=0.0, max_steps=4, save_steps=None, resume=None):
-    model = tiny_llama()
+def run(optim, out, *, ga=1, max_grad_norm=0.0, max_steps=4, save_steps=None, resume=None, vocab=64, hidden=32):
+    model = tiny_llama(vocab=vocab, hidden=hidden)
     args = training_args(out, optim, ga=ga, max_grad_norm=max_grad_norm, max_steps=max_steps, save_steps=save_steps)
-    trainer = LayerwiseTrainer(model=model, args=args, train_dataset=dataset())
+    trainer = LayerwiseTrainer(model=model, args=args, train_dataset=dataset(vocab=vocab))
     trainer.train(resume_from_checkpoint=resume)
     wrapped = trainer.model_wrapped
     return {
@@ -58,6 +59,18 @@ def main(report_path):
     full_run = run("adamw_torch_layerwise", out, save_steps=2)
     resumed = run("adamw_torch_layerwise", out + "_b", resume=os.path.join(out, "checkpoint-2"))
     results.append(compare("resume", full_run, resumed))
+
+    if importlib.util.find_spec("torchao") is not None:
+        # torchao quantizes tensors of 4096 elements and more: a model with such tensors.
+        larger = {"vocab": 256, "hidden": 64}
+        with tempfile.TemporaryDirectory() as d:
+            standard = run("adamw_torch_8bit", d, max_grad_norm=0.5, **larger)
+            layerwise = run("adamw_torch_8bit_layerwise", d, max_grad_norm=0.5, **larger)
+        results.append(compare("torchao adamw_torch_8bit exact clip", standard, layerwise))
+        out = os.path.join(os.path.dirname(report_path), "fsdp2_torchao_resume")
+        full_run = run("adamw_torch_8bit_layerwise", out, save_steps=2, **larger)
+        resumed = run("adamw_torch_8bit_layerwise", out + "_b", resume=os.path.join(out, "checkpoint-2"), **larger)
+        results.append(compare("torchao adamw_torch_8bit resume", full_run, resumed))
 
     try:
         with tempfile.TemporaryDirectory() as d:
