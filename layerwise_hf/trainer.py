@@ -9,7 +9,7 @@ import os
 import tempfile
 import warnings
 
-from transformers import Trainer
+from transformers import Trainer, TrainingArguments
 
 from .callback import LayerwiseCallback, end_training, learning_rate_logs, memory_logs
 from .checkpoint import (
@@ -44,7 +44,7 @@ class LayerwiseTrainerMixin:
     Example:
 
     ```python
-    >>> from transformers import Trainer
+    >>> from transformers import Trainer, TrainingArguments
     >>> from layerwise_hf import LayerwiseTrainerMixin
     >>> class MyTrainer(LayerwiseTrainerMixin, Trainer):  # or TRL's SFTTrainer, DPOTrainer, ...
     ...     pass
@@ -52,7 +52,8 @@ class LayerwiseTrainerMixin:
     """
 
     def __init__(self, *args, **kwargs):
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        # NOTE: by type, not position: DPOTrainer's second positional argument is ref_model.
+        training_args = kwargs.get("args") or next((a for a in args if isinstance(a, TrainingArguments)), None)
         if training_args is not None and training_args.save_strategy != "no":
             # Trainer creates output_dir in __init__; say clearly why that fails instead of an OSError.
             _check_writable(training_args.output_dir)
