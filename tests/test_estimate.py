@@ -463,6 +463,7 @@ def test_optimizer_rules_are_data_and_fsdp2_comes_from_support():
     assert load_rules(RULES_FILE) == OPTIMIZER_RULES
     assert {n for n, r in OPTIMIZER_RULES.items() if r.fsdp2} == {
         *support.FSDP2_ELEMENTWISE,
+        *support.FSDP2_DTENSOR_NATIVE,
         *support.FSDP2_LOCAL_SHARD,
     }
     assert all(r.name == n for n, r in OPTIMIZER_RULES.items())
@@ -498,3 +499,17 @@ def test_config_of_any_architecture_honours_dtype(tmp_path):
     fp32 = estimate(tmp_path, optimizer="adamw_torch", dtype="fp32")
     bf16 = estimate(tmp_path, optimizer="adamw_torch", dtype="bf16")
     assert bf16.dtype == "bfloat16" and 2 * bf16.weight_bytes == fp32.weight_bytes
+
+
+def test_forward_use_order_survives_use_cache_off():
+    # Trainer sets use_cache=False on the model's config; the meta forward must still give the order of use, or the
+    # DDP buckets (and the in-flight bound) would follow parameter order instead of the route's.
+    from layerwise_hf.estimate.models import forward_use_order
+
+    orders = []
+    for use_cache in (True, False):
+        config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                             num_attention_heads=2, use_cache=use_cache)  # fmt: skip
+        with torch.device("meta"):
+            orders.append(forward_use_order(LlamaForCausalLM(config)))
+    assert orders[0] == orders[1] and orders[0][1] == "model.layers.0.input_layernorm.weight"

@@ -283,8 +283,8 @@ def _estimates_table(spec: ModelSpec | ModuleSpec, estimates: list[MemoryEstimat
         every = format_bytes(lw.all_gradient_bytes, units)
         lines.append(
             f"Layer-wise gradients under DDP: at most {format_bytes(lw.ddp_in_flight_bytes, units)} in flight per "
-            f"device (two buckets and a copy) instead of standard DDP's {every} of buckets (plus {every} of .grad "
-            "without --gradient-as-bucket-view)."
+            f"device (the buckets reducing and filling, a held large one, a copy) instead of standard DDP's {every} "
+            f"of buckets (plus {every} of .grad without --gradient-as-bucket-view)."
         )
     notes = list(dict.fromkeys(note for e in estimates for note in e.notes))
     # The caveat that applies to every row reads best after the ones specific to this configuration.

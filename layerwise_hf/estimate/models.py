@@ -189,14 +189,20 @@ def forward_use_order(model: Any) -> tuple[str, ...]:
 
     handles = [m.register_forward_pre_hook(note) for m in model.modules() if any(True for _ in m.parameters(False))]
     try:
-        with torch.no_grad():
-            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device="meta"))
-    except Exception:  # noqa: BLE001  any architecture that will not run on meta keeps parameter order
+        # NOTE: a config with use_cache=False (Trainer sets it) takes transformers' mask path that calls .item(),
+        # which meta tensors refuse; with a cache the forward runs, and the order of use is the same.
+        for kwargs in ({"use_cache": True}, {}):
+            order.clear()
+            try:
+                with torch.no_grad():
+                    model(input_ids=torch.zeros(1, 2, dtype=torch.long, device="meta"), **kwargs)
+                return tuple(order)
+            except Exception:  # noqa: BLE001  any architecture that will not run on meta keeps parameter order
+                continue
         return ()
     finally:
         for handle in handles:
             handle.remove()
-    return tuple(order)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """2 ranks with the DDP config: the gradient and communication storages alive at once stay within the bucket cap plus
-twice the largest tensor under the data-parallel route, while standard DDP's persistent buckets (seen through the
-storages its gradients alias, `gradient_as_bucket_view=True`) hold every gradient. Writes a JSON report (rank 0).
+twice the largest tensor under the data-parallel route, and within the estimator's in-flight bound for it, while
+standard DDP's persistent buckets (seen through the storages its gradients alias, `gradient_as_bucket_view=True`)
+hold every gradient. Writes a JSON report (rank 0).
 
     ACCELERATE_USE_CPU=true accelerate launch --config_file configs/accelerate/cpu_ddp.yaml \
         tests/distributed/ddp_memory.py REPORT.json
@@ -15,6 +16,7 @@ from common import dataset, finish_ranks, tiny_llama, training_args, write_repor
 from transformers import Trainer, TrainerCallback
 
 from layerwise_hf import LayerwiseTrainer
+from layerwise_hf.estimate import estimate
 
 torch.set_num_threads(1)
 
@@ -24,7 +26,7 @@ MODEL = {"vocab": 256, "hidden": 64}
 
 class StorageMeter:
     """The bytes of the distinct storages behind every live gradient (a view into a bucket counts the whole bucket)
-    and any extra tensors given, measured whenever an optimizer is about to step."""
+    and any extra tensors given, measured whenever an optimizer is about to step and whenever a gradient arrives."""
 
     def __init__(self, params, extra=lambda: []):
         self.params = list(params)
@@ -50,19 +52,20 @@ def run(optim, out, bucket_view=False):
     trainer.accelerator.ddp_handler.bucket_cap_mb = CAP_MB
     trainer.accelerator.ddp_handler.gradient_as_bucket_view = bucket_view
     params = [p for p in model.parameters() if p.requires_grad]
-    meters = []
+    routes = []
+    meter = StorageMeter(params, lambda: [b.buffer for r in routes for b in r.buckets if b.buffer is not None])
+    # Registered before train(), so ahead of the route's hooks: each gradient is seen before it is copied and freed.
+    for p in params:
+        p.register_post_accumulate_grad_hook(meter.measure)
 
     def on_train_begin(*a, **k):
         optimizer = getattr(trainer, "layerwise_optimizer", None)
         if optimizer is not None:
-            route = optimizer.gradient_route
-            meter = StorageMeter(params, lambda: [b.buffer for b in route.buckets if b.buffer is not None])
+            routes.append(optimizer.gradient_route)
             for inner in optimizer.inner:
                 inner.register_step_pre_hook(meter.measure)
         else:
-            meter = StorageMeter(params)
             trainer.optimizer.optimizer.register_step_pre_hook(meter.measure)
-        meters.append(meter)
 
     callback = type("Meter", (TrainerCallback,), {"on_train_begin": lambda self, *a, **k: on_train_begin()})()
     trainer.add_callback(callback)
@@ -70,7 +73,16 @@ def run(optim, out, bucket_view=False):
     trainer.callback_handler.callbacks.sort(key=lambda cb: cb is callback)
     trainer.train()
     return {
-        "peak_storage_bytes": meters[0].peak,
+        "peak_storage_bytes": meter.peak,
+        "estimated_bytes": estimate(
+            model.config,
+            optimizer=optim,
+            dtype="float32",
+            world_size=2,
+            sharding="ddp",
+            bucket_cap_mb=CAP_MB,
+            gradient_as_bucket_view=bucket_view,
+        ).gradient_bytes,
         "ddp_wrappers_alive": ddp_wrappers_alive(),
         "all_grad_bytes": sum(p.numel() * p.element_size() for p in params),
         "largest_bytes": max(p.numel() * p.element_size() for p in params),
