@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from .optimizer import LayerwiseOptimizer
 
 T = TypeVar("T")
@@ -69,17 +71,22 @@ def backward_with_norm_pass(
     return backward(loss, **kwargs)
 
 
-def run_with_norm_pass(optimizer: LayerwiseOptimizer, forward_backward: Callable[[], T]) -> T:
+def run_with_norm_pass(
+    optimizer: LayerwiseOptimizer, forward_backward: Callable[[], T], model: nn.Module | None = None
+) -> T:
     """
     Run `forward_backward` (forward + backward of one micro-batch) twice when exact clipping or fp16 needs every
     gradient before any layer steps: first to measure, then to clip and step. The RNG state is replayed so
-    dropout draws the same masks. Otherwise run it once.
+    dropout draws the same masks, and `model`'s buffers are put back so that running statistics (BatchNorm) count
+    the micro-batch once. Otherwise run it once.
 
     Args:
         optimizer (`LayerwiseOptimizer`):
             The connected layer-wise optimizer.
         forward_backward (`Callable[[], T]`):
             Runs forward and backward of one micro-batch; what it returns (e.g. the loss) is returned.
+        model (`nn.Module`, *optional*):
+            The model `forward_backward` runs, whose buffers the measuring pass must leave as they were.
 
     Example:
 
@@ -90,7 +97,7 @@ def run_with_norm_pass(optimizer: LayerwiseOptimizer, forward_backward: Callable
     ...     loss = model(**batch).loss
     ...     accelerator.backward(loss)
     ...     return loss
-    >>> loss = run_with_norm_pass(unwrap_layerwise_optimizer(optimizer), forward_backward)
+    >>> loss = run_with_norm_pass(unwrap_layerwise_optimizer(optimizer), forward_backward, model)
     >>> optimizer.step(); optimizer.zero_grad()
     ```
     """
@@ -105,10 +112,15 @@ def run_with_norm_pass(optimizer: LayerwiseOptimizer, forward_backward: Callable
         return forward_backward()
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    buffers = list(model.buffers()) if model is not None else []
+    saved = [b.detach().clone() for b in buffers]
     with optimizer.norm_pass():
         result = forward_backward()
     if optimizer.step_will_be_skipped:
         return result  # every rank agrees (reduced gradients): no second pass anywhere
+    with torch.no_grad():
+        for buffer, value in zip(buffers, saved):
+            buffer.copy_(value)
     torch.set_rng_state(cpu_rng)
     if cuda_rng is not None:
         torch.cuda.set_rng_state_all(cuda_rng)

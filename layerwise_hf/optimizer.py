@@ -291,9 +291,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         """`backward(loss)` after a measuring backward when needed; see `norm_pass.backward_with_norm_pass`."""
         return norm_pass.backward_with_norm_pass(self, loss, backward, **kwargs)
 
-    def run_with_norm_pass(self, forward_backward: Callable[[], T]) -> T:
+    def run_with_norm_pass(self, forward_backward: Callable[[], T], model: nn.Module | None = None) -> T:
         """Forward+backward, run twice when a norm pass is needed; see `norm_pass.run_with_norm_pass`."""
-        return norm_pass.run_with_norm_pass(self, forward_backward)
+        return norm_pass.run_with_norm_pass(self, forward_backward, model)
 
     def note_accumulation(self) -> None:
         """A micro-batch that does not end the window ran backward (under DDP's no_sync no hook says so)."""

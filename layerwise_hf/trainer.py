@@ -144,7 +144,7 @@ class LayerwiseTrainerMixin:
 
         self.accelerator.backward = trainer_backward
         try:
-            return optimizer.run_with_norm_pass(forward_backward) if whole_pass else forward_backward()
+            return optimizer.run_with_norm_pass(forward_backward, model) if whole_pass else forward_backward()
         finally:
             del self.accelerator.backward
 

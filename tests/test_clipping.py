@@ -4,7 +4,13 @@ import pytest
 import torch
 from helpers import TokenDataset, assert_params_equal, clone, logged, tiny_llama, train, training_args
 
-from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments, build_layerwise_optimizer
+from layerwise_hf import (
+    LayerwiseOptimizer,
+    LayerwiseParam,
+    LayerwiseTrainer,
+    LayerwiseTrainingArguments,
+    build_layerwise_optimizer,
+)
 
 MAX_NORM = 0.5
 # lr and max_norm chosen so the pre-clip norm exceeds max_norm on every step: clipping really acts.
@@ -155,3 +161,27 @@ def test_pure_bf16_weights_match_standard(tmp_path, base):
 def test_unknown_clip_mode_lists_valid_ones(tmp_path):
     with pytest.raises(ValueError, match="exact, previous, per_param, off"):
         LayerwiseTrainingArguments(output_dir=str(tmp_path), optim="sgd_layerwise", layerwise_clip="global")
+
+
+def test_forward_twice_for_the_norm_pass_counts_running_statistics_once():
+    # Where the norm pass reruns forward (DDP, FSDP2, torch.compile), BatchNorm must see the micro-batch once.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1))
+    reference = clone(model)
+    params = [LayerwiseParam(n, p, weight_decay=0.0) for n, p in model.named_parameters()]
+    optimizer = LayerwiseOptimizer(params, lambda lp, _: torch.optim.SGD([lp.param], lr=0.1))
+    optimizer.configure_clipping(0.1, "exact")
+    optimizer.attach()
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(step))
+        optimizer.run_with_norm_pass(lambda x=x: model(x).pow(2).mean().backward(), model)
+        optimizer.step()
+        reference(x).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+        sgd.step()
+        sgd.zero_grad()
+    optimizer.detach()
+    assert_params_equal(model, reference)
+    for (name, ours), theirs in zip(model.named_buffers(), reference.buffers()):
+        assert torch.equal(ours, theirs), name
