@@ -86,6 +86,28 @@ def is_complete(checkpoint_dir: str) -> bool:
     return os.path.isfile(os.path.join(checkpoint_dir, COMPLETE_MARKER))
 
 
+def read_marker(checkpoint_dir: str) -> dict[str, Any]:
+    """
+    What `mark_complete` recorded in `checkpoint_dir` (`{}` without a marker, or an unreadable one).
+
+    Example:
+
+    ```python
+    >>> import tempfile
+    >>> from layerwise_hf.checkpoint import mark_complete, read_marker
+    >>> checkpoint_dir = tempfile.mkdtemp()
+    >>> mark_complete(checkpoint_dir, {"global_step": 10}); read_marker(checkpoint_dir)
+    {'global_step': 10}
+    ```
+    """
+    try:
+        with open(os.path.join(checkpoint_dir, COMPLETE_MARKER)) as f:
+            info = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
 def latest_complete_checkpoint(run_dir: str) -> str | None:
     """
     The newest `checkpoint-N` in `run_dir` that this plugin marked complete, or `None`; newer, interrupted ones are

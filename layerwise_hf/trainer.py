@@ -27,6 +27,7 @@ from .checkpoint import (
     warn_missing_optimizer_state,
 )
 from .data_parallel import DataParallelConfig
+from .local_shard import check_local_shards, local_shards_of
 from .optimizer import build_layerwise_optimizer, unwrap_layerwise_optimizer
 from .registry import is_layerwise_name
 from .support import check_deepspeed, check_fsdp2_optimizers, check_fsdp_version, fsdp_version_of_args
@@ -179,10 +180,14 @@ class LayerwiseTrainerMixin:
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             output_dir = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-            mark_complete(output_dir, {"global_step": self.state.global_step, "optim": str(self.args.optim)})
+            info = {"global_step": self.state.global_step, "optim": str(self.args.optim)}
+            shards = local_shards_of(self.layerwise_optimizer) if self.layerwise_optimizer is not None else None
+            mark_complete(output_dir, info if shards is None else {**info, "local_shards": shards})
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         # The user switched between X and X_layerwise: convert the optimizer and scheduler states on load.
+        if checkpoint and self.layerwise_optimizer is not None:
+            check_local_shards(checkpoint, self.layerwise_optimizer)
         path = os.path.join(checkpoint, OPTIMIZER_NAME) if checkpoint else None
         if path is None or not os.path.isfile(path) or self.is_fsdp_enabled or self.is_deepspeed_enabled:
             return super()._load_optimizer_and_scheduler(checkpoint)

@@ -23,6 +23,18 @@ def test_8bit_states_step_local_shards_like_by_hand_and_resume(tmp_path):
     assert report["hand_max_diff"] == 0.0
     assert report["resume_max_diff"] == 0.0 and report["resume_grad_norm_equal"]
 
+    # On 3 ranks the blocks no longer match: refused before any step, saying what works.
+    reshard = launch(
+        "configs/accelerate/cpu_fsdp2.yaml",
+        "tests/distributed/fsdp2_8bit.py",
+        tmp_path / "reshard.json",
+        {"LAYERWISE_HF_FORCE_FSDP_CPU": "1"},
+        launch_args=["--num_processes", "3"],
+        script_args=["reshard"],
+    )
+    assert reshard["steps"] == [], reshard
+    assert "saved on 2 FSDP2 shards; this run has 3" in reshard["refusal"] and "Resume with 2" in reshard["refusal"]
+
     unsharded = launch("configs/accelerate/cpu_ddp.yaml", "tests/distributed/fsdp2_8bit.py", tmp_path / "ddp.json")
     sharded, eight_bit, full = (
         report["curve"],

@@ -121,7 +121,29 @@ def unsharded(report_path):
     write_report(report_path, {"curves": curves})
 
 
+def reshard(report_path):
+    """Resume the 2-rank checkpoint of `fsdp2` on this launch's number of ranks: refused before anything loads."""
+    checkpoint = os.path.join(os.path.dirname(report_path), "fsdp2_8bit_resume", "checkpoint-2")
+    steps = []
+
+    class Steps(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            steps.append(state.global_step)
+
+    with tempfile.TemporaryDirectory() as d:
+        trainer = trainer_for("adamw_8bit_layerwise", d, max_steps=4)
+        trainer.add_callback(Steps())
+        try:
+            trainer.train(resume_from_checkpoint=checkpoint)
+            refusal = None
+        except ValueError as err:
+            refusal = str(err)
+    write_report(report_path, {"refusal": refusal, "steps": steps})
+
+
 if __name__ == "__main__":
-    dist_type = os.environ.get("ACCELERATE_USE_FSDP", "false")
-    (fsdp2 if dist_type.lower() == "true" else unsharded)(sys.argv[1])
+    mode, report = sys.argv[1:] if len(sys.argv) > 2 else (None, sys.argv[1])
+    if mode is None:
+        mode = "fsdp2" if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" else "unsharded"
+    {"fsdp2": fsdp2, "unsharded": unsharded, "reshard": reshard}[mode](report)
     finish_ranks()
