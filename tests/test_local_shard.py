@@ -7,13 +7,15 @@ from helpers import tiny_llama, training_args
 
 from layerwise_hf import build_layerwise_optimizer
 from layerwise_hf.local_shard import LocalShardOptimizer
+from layerwise_hf.params import isolate_bnb_overrides
 from layerwise_hf.support import check_fsdp2_optimizers
 
 bnb = pytest.importorskip("bitsandbytes")
 
 
 def adamw_8bit(param):
-    return bnb.optim.AdamW([param], lr=1e-2, weight_decay=0.1, optim_bits=8)
+    # A private override manager: the process-wide one holds the overrides earlier Trainer runs registered.
+    return isolate_bnb_overrides(bnb.optim.AdamW([param], lr=1e-2, weight_decay=0.1, optim_bits=8))
 
 
 def steps(optimizer, param, grads):
