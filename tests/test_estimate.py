@@ -198,13 +198,13 @@ def test_fsdp2_divides_weights_gradients_and_state():
     standard = estimate("llama-3-70b", optimizer="adamw_torch", world_size=8, sharding="fsdp2")
     assert standard.total_bytes == one.total_bytes
     assert standard.per_gpu_bytes == math.ceil(one.total_bytes / 8)
-    # Layer-wise, a whole FSDP2 unit's gradient shards arrive from one reduce-scatter: here the root unit
-    # (embeddings + lm_head + final norm), larger than a decoder layer.
+    # Layer-wise, a whole FSDP2 unit's gradient shards arrive from one reduce-scatter: here accelerate's tail unit
+    # (final norm + lm_head; the input embedding is a unit of its own), larger than a decoder layer.
     layerwise = estimate("llama-3-70b", optimizer="adamw_torch_layerwise", world_size=8, sharding="fsdp2")
-    root = (2 * 128256 * 8192 + 8192) * 2
+    tail = (128256 * 8192 + 8192) * 2
     layer = (2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192) * 2
-    assert layerwise.gradient_bytes == max(root, layer) == root
-    assert layerwise.per_gpu_bytes == math.ceil((one.weight_bytes + root + one.optimizer_state_bytes) / 8)
+    assert layerwise.gradient_bytes == max(tail, layer) == tail
+    assert layerwise.per_gpu_bytes == math.ceil((one.weight_bytes + tail + one.optimizer_state_bytes) / 8)
     assert (
         estimate("llama-2-70b", optimizer="sgd_layerwise", world_size=8, sharding="fsdp2").gradient_bytes
         == (2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192) * 2
@@ -513,3 +513,26 @@ def test_forward_use_order_survives_use_cache_off():
         with torch.device("meta"):
             orders.append(forward_use_order(LlamaForCausalLM(config)))
     assert orders[0] == orders[1] and orders[0][1] == "model.layers.0.input_layernorm.weight"
+
+
+def test_fsdp2_units_follow_accelerates_wrapping():
+    import dataclasses
+
+    # accelerate 1.15 shards an untied input embedding and the final norm + lm_head as units of their own, so on the
+    # 58M benchmark model the largest unit is one 62.5 MiB tensor: 31.3 MiB per rank on 2 ranks, what
+    # benchmarks/distributed_memory.py counted (results/distributed_memory_fsdp2.json, .grad storages).
+    from layerwise_hf.estimate.core import _fsdp2_unit
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)  # fmt: skip
+    est = estimate(config, optimizer="adamw_8bit_layerwise", dtype="float32", world_size=2, sharding="fsdp2")
+    per_rank = [round(x / 2 / 2**20, 1) for x in (est.gradient_bytes, est.optimizer_state_bytes)]
+    assert per_rank == [31.3, 103.0]
+    assert any("(12.07 MiB per decoder layer)" in n for n in est.notes)
+    embed = TensorSpec("model.embed_tokens.weight", (8, 4), module="embed_tokens", is_embedding=True)
+    assert _fsdp2_unit(embed) == "embed"
+    assert _fsdp2_unit(TensorSpec("lm_head.weight", (8, 4), module="lm_head")) == "tail"
+    assert _fsdp2_unit(TensorSpec("model.norm.weight", (4,), module="norm")) == "tail"
+    # A tied embedding goes with lm_head's use of it, into the tail.
+    assert _fsdp2_unit(dataclasses.replace(embed, tied=True)) == "tail"
+    assert _fsdp2_unit(TensorSpec("model.layers.*.mlp.up_proj.weight", (8, 4), module="up_proj")) != "root"

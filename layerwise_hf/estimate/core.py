@@ -160,10 +160,20 @@ _LAYER_NAME = re.compile(r"^(?P<stack>(?:.*\.)?layers)\.(?P<index>\d+)\.(?P<rest
 # ---- step 1: counting ----
 
 
-def _fsdp2_unit(name: str) -> str:
-    # accelerate's FSDP2 wrapping makes each decoder layer (`_no_split_modules`) a unit; everything else is the root.
-    match = re.search(r"(^|\.)layers\.(\d+|\*)\.", name)
-    return match.group(0) if match else "root"
+_FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
+_NOT_LAYERS = ("root", "tail", "embed")
+
+
+def _fsdp2_unit(tensor: TensorSpec) -> str:
+    # accelerate's FSDP2 wrapping (`fsdp2_prepare_model`, accelerate 1.15): each decoder layer (`_no_split_modules`)
+    # is a unit, an untied input embedding is one, the final norm with the lm_head (and a tied embedding) is the
+    # "tail", and what is left is the root.
+    match = re.search(r"(^|\.)layers\.(\d+|\*)\.", tensor.name)
+    if match:
+        return match.group(0)
+    if tensor.tied or tensor.module == "lm_head" or tensor.module in _FINAL_NORMS:
+        return "tail"
+    return "embed" if tensor.is_embedding else "root"
 
 
 @dataclass
@@ -180,7 +190,7 @@ class _Counts:
     largest: tuple[int, str] = (0, "")
     largest_untied: int = 0
     tied: tuple[int, str] = (0, "")
-    # Trainable gradient bytes (and all weight bytes) per FSDP2 unit: one decoder layer each, the rest the root.
+    # Trainable gradient bytes (and all weight bytes) per FSDP2 unit (`_fsdp2_unit`).
     unit_grads: dict[str, int] = field(default_factory=dict)
     unit_weights: dict[str, int] = field(default_factory=dict)
 
@@ -216,7 +226,7 @@ def _count(entries: Sequence[Entry], rule: OptimizerRule, opts: _Options) -> _Co
     counts = _Counts()
     for tensor, elem_bytes, trainable, fraction in entries:
         counts.total_params += tensor.numel * tensor.count
-        unit = _fsdp2_unit(tensor.name)
+        unit = _fsdp2_unit(tensor)
         if trainable:
             counts.add_trainable(tensor, elem_bytes, fraction, rule, unit)
         else:
@@ -277,7 +287,7 @@ def _gradient_term(counts: _Counts, layerwise: bool, opts: _Options, notes: list
         grads = max(grads, max(counts.unit_grads.values(), default=0))
         notes.append(
             "FSDP2 layer-wise: a unit's gradient shards arrive together from one reduce-scatter, so the gradient "
-            "term is the largest unit (a decoder layer, or the embeddings with lm_head)."
+            "term is the largest unit (a decoder layer, the input embedding, or the final norm with lm_head)."
         )
     return grads
 
@@ -384,7 +394,7 @@ def _shard(
     total = counts.weight_bytes + grads + state
     if opts.sharding != "fsdp2":
         return grads, total, total
-    layer_bytes = max((v for k, v in counts.unit_weights.items() if k != "root"), default=0)
+    layer_bytes = max((v for k, v in counts.unit_weights.items() if k not in _NOT_LAYERS), default=0)
     layer = f" ({format_bytes(layer_bytes)} per decoder layer)" if layer_bytes else ""
     notes.append(
         f"FSDP2: also not included, the unsharded weights of the unit being computed{layer}, all-gathered "
