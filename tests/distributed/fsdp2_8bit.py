@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 
 from layerwise_hf import LayerwiseTrainer, unwrap_layerwise_optimizer  # applies LAYERWISE_HF_FORCE_FSDP_CPU
 from layerwise_hf.local_shard import LocalShardOptimizer
+from layerwise_hf.params import isolate_bnb_overrides
 
 torch.set_num_threads(1)
 VOCAB = 256  # large enough that most local shards reach bitsandbytes' min_8bit_size (4096 elements)
@@ -62,11 +63,13 @@ class HandRun(TrainerCallback):
             inner = record["inner"]
             base = inner.base
             local = torch.nn.Parameter(record["start"].clone())
-            by_hand = type(base)(
-                [local],
-                optim_bits=base.args.optim_bits,
-                min_8bit_size=base.args.min_8bit_size,
-                **{k: v for k, v in record["steps"][0][1].items() if k in ("lr", "betas", "eps", "weight_decay")},
+            by_hand = isolate_bnb_overrides(
+                type(base)(
+                    [local],
+                    optim_bits=base.args.optim_bits,
+                    min_8bit_size=base.args.min_8bit_size,
+                    **{k: v for k, v in record["steps"][0][1].items() if k in ("lr", "betas", "eps", "weight_decay")},
+                )
             )
             for grad, group in record["steps"]:
                 by_hand.param_groups[0].update(group)
