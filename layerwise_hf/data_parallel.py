@@ -117,7 +117,7 @@ class _Bucket:
     ):
         self.indices = indices
         self.alone = alone  # a tensor at least as large as the cap: its step may be held (see _retire)
-        self.position = 0  # in launch order, set by the reducer
+        self.position = 0  # its index in launch order (_set_buckets): a hold depends on the bucket after it
         self.numels = numels
         self.offsets = [sum(numels[:k]) for k in range(len(numels))]
         self.slot = {i: k for k, i in enumerate(indices)}
