@@ -28,7 +28,7 @@ from .clipping import CLIP_MODES as CLIP_MODES
 from .gate import GradientGate
 from .grad_scaler import GradScalerBridge
 from .memory import tensor_bytes
-from .params import LayerwiseFactory, LayerwiseParam
+from .params import LayerwiseFactory, LayerwiseParam, canonical_name
 from .routes import GradientRoute, LocalHooks
 from .state import layerwise_state_dict, load_layerwise_state_dict, standard_groups_names
 
@@ -99,7 +99,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     ):
         params = list(params)
         _check_params(params)
-        self.names = [lp.name for lp in params]
+        self.names = [canonical_name(lp.name) for lp in params]
         self.optimizer_name = optimizer_name
         self.in_decay_group = (
             list(in_decay_group) if in_decay_group is not None else [lp.weight_decay != 0 for lp in params]
@@ -375,7 +375,7 @@ def _build_inner(factory: LayerwiseFactory, lp: LayerwiseParam, args: Any) -> to
             f"The factory for {lp.name} must return an optimizer with exactly one param group holding exactly "
             f"that parameter; got {type(inner).__name__} with {len(groups or [])} group(s)."
         )
-    groups[0]["name"] = lp.name
+    groups[0]["name"] = canonical_name(lp.name)
     return inner
 
 

@@ -3,6 +3,7 @@ nothing from the package, so every module can depend on it without an import cir
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,26 @@ class LayerwiseParam:
 
 # (parameter, TrainingArguments) -> the optimizer of that one parameter.
 LayerwiseFactory = Callable[[LayerwiseParam, Any], torch.optim.Optimizer]
+
+# Wrappers that insert themselves into parameter names without changing the parameter: activation checkpointing
+# (accelerate's `fsdp_activation_checkpointing`, torch's `checkpoint_wrapper`), torch.compile, FSDP1.
+_WRAPPER_PREFIXES = re.compile(r"(?:^|(?<=\.))(?:_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
+
+
+def canonical_name(name: str) -> str:
+    """
+    A parameter's name without the wrappers' segments, as torch's distributed checkpoint names it: the name the
+    layer-wise optimizer keys states and checks by, whether the model was wrapped before or after it was built.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.params import canonical_name
+    >>> canonical_name("model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight")
+    'model.layers.0.mlp.up_proj.weight'
+    ```
+    """
+    return _WRAPPER_PREFIXES.sub("", name)
 
 
 def isolate_bnb_overrides(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from .params import canonical_name
+
 SUFFIX = "_layerwise"
 
 # Trainer bases whose math is not one independent update per tensor: splitting them per parameter would change
@@ -401,8 +403,8 @@ def check_trainable_unchanged(names: Sequence[str], model: Any) -> None:
     ValueError: The trainable parameters changed since the layer-wise optimizer was built (frozen since: ['bias']; ...
     ```
     """
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    built = set(names)
+    trainable = {canonical_name(n) for n, p in model.named_parameters() if p.requires_grad}
+    built = {canonical_name(n) for n in names}
     frozen = sorted(built - trainable)
     new = sorted(trainable - built)
     if frozen or new:

@@ -29,6 +29,7 @@ from .checkpoint import (
 from .data_parallel import DataParallelConfig
 from .local_shard import check_local_shards, local_shards_of
 from .optimizer import build_layerwise_optimizer, unwrap_layerwise_optimizer
+from .params import canonical_name
 from .registry import is_layerwise_name
 from .support import check_deepspeed, check_fsdp2_optimizers, check_fsdp_version, fsdp_version_of_args
 
@@ -218,7 +219,7 @@ class LayerwiseTrainerMixin:
             # Per parameter, the saved group it belonged to (Trainer's decay group 0, no-decay group 1).
             source_group = [0 if d else 1 for d in layerwise.in_decay_group]
         else:
-            names = {id(p): n for n, p in self.model.named_parameters()}
+            names = {id(p): canonical_name(n) for n, p in self.model.named_parameters()}
             groups_names = [[names[id(p)] for p in group["params"]] for group in self.optimizer.param_groups]
             converted = layerwise_to_standard(state_dict, groups_names)
             source_group = first_members(state_dict, groups_names)

@@ -131,6 +131,23 @@ def test_fsdp2_matches_standard_fsdp2_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
+def test_fsdp2_with_accelerates_activation_checkpointing(tmp_path):
+    # Its wrapper renames the decoder layers' parameters after the optimizer was built: names are compared unwrapped.
+    config = tmp_path / "fsdp2_checkpointing.yaml"
+    base = (ROOT / "configs/accelerate/cpu_fsdp2.yaml").read_text()
+    config.write_text(base.replace("fsdp_config:\n", "fsdp_config:\n  fsdp_activation_checkpointing: true\n"))
+    report = launch(
+        str(config),
+        "tests/distributed/fsdp2_activation_checkpointing.py",
+        tmp_path / "r.json",
+        {"LAYERWISE_HF_FORCE_FSDP_CPU": "1"},
+    )
+    assert report["wrapped"], report
+    assert report["max_diff"] == 0.0 and report["grad_norm_equal"], report
+    assert report["resume_max_diff"] == 0.0, report
+
+
+@pytest.mark.slow
 def test_fsdp2_checkpoint_resumes_on_another_number_of_ranks(tmp_path):
     def fsdp2(ranks, mode, report):
         return launch(

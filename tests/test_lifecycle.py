@@ -9,6 +9,7 @@ from helpers import TokenDataset, assert_params_equal, clone, logged, tiny_llama
 from transformers import Trainer, TrainerCallback
 
 from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments
+from layerwise_hf.params import canonical_name
 
 
 def params(model) -> dict[str, torch.Tensor]:
@@ -284,3 +285,44 @@ def test_checkpoint_of_transformers_own_galore_resumes_with_a_fresh_optimizer(tm
     # The schedule goes on from step 2, as in an uninterrupted run; the weights trained on from the checkpoint.
     assert logged(resumed, "learning_rate")[-2:] == logged(uninterrupted, "learning_rate")[-2:]
     assert all(not torch.equal(before[n], p) for n, p in model.named_parameters() if "proj" in n)
+
+
+def checkpoint_wrap_layers(model):
+    # What accelerate's fsdp_activation_checkpointing does to each decoder layer: a wrapper renaming its parameters.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, LlamaDecoderLayer))
+    assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
+
+
+def test_activation_checkpoint_wrapper_applied_after_the_optimizer_trains_like_stock(tmp_path):
+    model = tiny_llama()
+    standard = clone(model)
+    checkpoint_wrap_layers(standard)
+    standard = train(standard, training_args(tmp_path / "s", "adamw_torch", max_steps=3), trainer_cls=Trainer)
+    layerwise = LayerwiseTrainer(
+        model=clone(model),
+        args=training_args(tmp_path / "l", "adamw_torch_layerwise", max_steps=3),
+        train_dataset=TokenDataset(),
+    )
+    layerwise.create_optimizer()
+    checkpoint_wrap_layers(layerwise.model)  # after the optimizer was built, as a wrapping engine would
+    layerwise.train()
+    assert_params_equal(standard.model, layerwise.model)
+    assert "model.layers.0.mlp.up_proj.weight" in layerwise.layerwise_optimizer.names
+
+
+def test_checkpoint_saved_unwrapped_resumes_into_a_checkpoint_wrapped_model(tmp_path):
+    args = dict(max_steps=4, save_strategy="steps", save_steps=2)
+    whole = train(tiny_llama(), training_args(tmp_path / "whole", "adamw_torch_layerwise", **args))
+    model = tiny_llama()
+    checkpoint_wrap_layers(model)
+    resumed = train(
+        model,
+        training_args(tmp_path / "resumed", "adamw_torch_layerwise", max_steps=4),
+        resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"),
+    )
+    unwrapped = {canonical_name(n): p for n, p in resumed.model.named_parameters()}
+    for name, p in whole.model.named_parameters():
+        assert torch.equal(p, unwrapped[name]), name
