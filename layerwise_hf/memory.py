@@ -28,6 +28,11 @@ def tensor_bytes(obj: Any) -> int:
     if isinstance(obj, torch.Tensor):
         # A DTensor's numel() is the global size; this rank holds only its local shard.
         local = obj.to_local() if hasattr(obj, "to_local") else obj
+        if type(local) is not torch.Tensor and hasattr(local, "__tensor_flatten__"):
+            # A tensor subclass (torchao's quantized optimizer states): its own numel and dtype describe the
+            # dequantized tensor; what it holds is its inner tensors (codes, scales).
+            names, _ = local.__tensor_flatten__()
+            return sum(tensor_bytes(getattr(local, name)) for name in names)
         return local.numel() * local.element_size()
     if isinstance(obj, dict):
         return sum(tensor_bytes(v) for v in obj.values())

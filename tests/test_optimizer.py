@@ -202,3 +202,17 @@ def test_follows_parameters_replaced_in_its_groups():
     assert all(hook_count(p) == 1 for p in replacement.parameters())
     assert all(hook_count(p) == 0 for p in model.parameters())
     optimizer.detach()
+
+
+def test_state_bytes_count_what_quantized_state_tensors_hold():
+    # torchao's 8-bit states are tensor subclasses whose numel/dtype describe the fp32 tensor they stand for.
+    torchao_optim = pytest.importorskip("torchao.optim")
+    from layerwise_hf.memory import tensor_bytes
+
+    param = torch.nn.Parameter(torch.randn(256, 256))
+    optimizer = torchao_optim.AdamW8bit([param], lr=1e-3)
+    param.grad = torch.randn_like(param)
+    optimizer.step()
+    state = optimizer.state[param]
+    codes = param.numel()  # one byte per element
+    assert codes < tensor_bytes(state["exp_avg"]) < codes * 1.1  # plus block scales and the code map
