@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .routes import LocalHooks
+from .support import check_ddp_comm_hook
 
 if TYPE_CHECKING:
     from .optimizer import LayerwiseOptimizer
@@ -99,6 +100,7 @@ class DataParallelConfig:
         if str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)) not in DDP_TYPES:
             return None
         handler = getattr(accelerator, "ddp_handler", None)
+        check_ddp_comm_hook(getattr(handler, "comm_hook", None))
         kwargs = handler.to_kwargs() if handler is not None else {}
         plugin = getattr(accelerator.gradient_state, "plugin_kwargs", {}) or {}
         return cls(

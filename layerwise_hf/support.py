@@ -379,6 +379,29 @@ def check_fp16_weights(named_params: Iterable[tuple[str, Any]]) -> None:
         )
 
 
+def check_ddp_comm_hook(comm_hook: Any) -> None:
+    """
+    Refuse a DDP communication hook (Accelerate's `DistributedDataParallelKwargs(comm_hook=...)`: fp16/bf16
+    compression, PowerSGD) under the DDP config: the layer-wise route reduces the gradients itself and would
+    silently not apply it.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.support import check_ddp_comm_hook
+    >>> check_ddp_comm_hook("no")  # none configured: nothing to refuse
+    ```
+    """
+    value = str(getattr(comm_hook, "value", comm_hook) or "no").lower()
+    if value != "no":
+        raise ValueError(
+            f"DistributedDataParallelKwargs(comm_hook={value!r}) cannot apply to layer-wise optimizers under the DDP "
+            "config: the model is not wrapped in DDP, and the layer-wise data-parallel route all-reduces each "
+            "gradient in its own dtype. Remove the comm hook (the result then equals standard DDP without one), or "
+            "use a standard optimizer to keep it."
+        )
+
+
 def check_trainable_unchanged(names: Sequence[str], model: Any) -> None:
     """
     The parameters a layer-wise optimizer was built for must be the ones that train: a parameter frozen since would

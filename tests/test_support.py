@@ -64,3 +64,24 @@ def test_grokadamw_really_is_not_per_tensor():
         per_parameter.step()
     assert not torch.equal(second, alone)
     assert not together.state and together.param_groups[0]["state"]
+
+
+@pytest.mark.parametrize("hook", ["fp16", "power_sgd"])
+def test_ddp_comm_hook_is_refused_under_the_data_parallel_route(hook):
+    # The route reduces gradients itself: a compression hook the user configured would silently not apply.
+    from types import SimpleNamespace
+
+    from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+
+    from layerwise_hf.data_parallel import DataParallelConfig
+
+    def accelerator(comm_hook):
+        return SimpleNamespace(
+            distributed_type="MULTI_CPU",
+            ddp_handler=DistributedDataParallelKwargs(comm_hook=comm_hook),
+            gradient_state=SimpleNamespace(plugin_kwargs={}),
+        )
+
+    with pytest.raises(ValueError, match=f"comm_hook='{hook}'.*Remove the comm hook"):
+        DataParallelConfig.from_accelerator(accelerator(DDPCommunicationHookType(hook)))
+    assert DataParallelConfig.from_accelerator(accelerator(DDPCommunicationHookType.NO)) is not None
