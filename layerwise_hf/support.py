@@ -171,8 +171,8 @@ def fsdp2_supports_base(base: str) -> bool:
 
     ```python
     >>> from layerwise_hf.support import fsdp2_supports_base
-    >>> [base for base in ("sgd", "adamw_8bit", "rmsprop") if fsdp2_supports_base(base)]
-    ['sgd', 'rmsprop']
+    >>> [base for base in ("sgd", "adafactor", "adamw_8bit") if fsdp2_supports_base(base)]
+    ['sgd', 'adamw_8bit']
     ```
     """
     return base in FSDP2_ELEMENTWISE or base in FSDP2_DTENSOR_NATIVE or base in FSDP2_LOCAL_SHARD

@@ -100,6 +100,24 @@ def run(trainer_cls, config_cls, tmp_path, optim, model, tokenizer, dataset, **k
     return trainer
 
 
+PAIRS = {
+    "sft": (SFTTrainer, SFTConfig, LayerwiseSFTTrainer, LayerwiseSFTConfig),
+    "dpo": (DPOTrainer, DPOConfig, LayerwiseDPOTrainer, LayerwiseDPOConfig),
+}
+
+
+def run_pair(kind, tmp_path, model, tokenizer, dataset, **kwargs):
+    """The same run with TRL's trainer + adamw_torch and with the layer-wise trainer + adamw_torch_layerwise."""
+    trl_trainer, trl_config, ours, our_config = PAIRS[kind]
+    standard = run(
+        trl_trainer, trl_config, tmp_path, "adamw_torch", copy.deepcopy(model), tokenizer, dataset, **kwargs
+    )
+    layerwise = run(
+        ours, our_config, tmp_path, "adamw_torch_layerwise", copy.deepcopy(model), tokenizer, dataset, **kwargs
+    )
+    return standard, layerwise
+
+
 def assert_same_training(model, standard, layerwise):
     assert_params_equal(standard.model, layerwise.model)
     moved = max(
@@ -117,20 +135,7 @@ def assert_same_training(model, standard, layerwise):
 def test_sft_with_trl_defaults_matches_standard(tmp_path, ga):
     tokenizer = tiny_tokenizer()
     model = tiny_model(tokenizer)
-    common = dict(gradient_accumulation_steps=ga)
-    standard = run(
-        SFTTrainer, SFTConfig, tmp_path, "adamw_torch", copy.deepcopy(model), tokenizer, sft_dataset(), **common
-    )
-    layerwise = run(
-        LayerwiseSFTTrainer,
-        LayerwiseSFTConfig,
-        tmp_path,
-        "adamw_torch_layerwise",
-        copy.deepcopy(model),
-        tokenizer,
-        sft_dataset(),
-        **common,
-    )
+    standard, layerwise = run_pair("sft", tmp_path, model, tokenizer, sft_dataset(), gradient_accumulation_steps=ga)
     args = layerwise.args
     assert args.bf16 and args.gradient_checkpointing and args.max_grad_norm == 1.0 and args.learning_rate == 2e-5
     assert layerwise.layerwise_optimizer is not None and standard.model.is_gradient_checkpointing
@@ -144,19 +149,7 @@ def test_sft_with_peft_lora_matches_standard(tmp_path):
     tokenizer = tiny_tokenizer()
     model = tiny_model(tokenizer)
     lora = dict(peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), learning_rate=1e-3)
-    standard = run(
-        SFTTrainer, SFTConfig, tmp_path, "adamw_torch", copy.deepcopy(model), tokenizer, sft_dataset(), **lora
-    )
-    layerwise = run(
-        LayerwiseSFTTrainer,
-        LayerwiseSFTConfig,
-        tmp_path,
-        "adamw_torch_layerwise",
-        copy.deepcopy(model),
-        tokenizer,
-        sft_dataset(),
-        **lora,
-    )
+    standard, layerwise = run_pair("sft", tmp_path, model, tokenizer, sft_dataset(), **lora)
     names = layerwise.layerwise_optimizer.names
     assert names and all("lora_" in n for n in names)
     assert_params_equal(standard.model, layerwise.model)
@@ -169,19 +162,7 @@ def test_dpo_matches_standard(tmp_path):
     # DPO's default lr 1e-6 barely moves a 3-step run. The reference model is passed in: TRL would load it from
     # the hub by the policy's name otherwise.
     common = dict(learning_rate=1e-4, ref_model=copy.deepcopy(model).requires_grad_(False))
-    standard = run(
-        DPOTrainer, DPOConfig, tmp_path, "adamw_torch", copy.deepcopy(model), tokenizer, dpo_dataset(), **common
-    )
-    layerwise = run(
-        LayerwiseDPOTrainer,
-        LayerwiseDPOConfig,
-        tmp_path,
-        "adamw_torch_layerwise",
-        copy.deepcopy(model),
-        tokenizer,
-        dpo_dataset(),
-        **common,
-    )
+    standard, layerwise = run_pair("dpo", tmp_path, model, tokenizer, dpo_dataset(), **common)
     # The reference model gets no optimizer: only the policy's parameters are stepped.
     assert set(layerwise.layerwise_optimizer.names) == {
         n for n, p in layerwise.model.named_parameters() if p.requires_grad
