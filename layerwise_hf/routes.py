@@ -1,6 +1,8 @@
 """How reduced gradients reach a layer-wise optimizer: one small interface, one class per route.
 
-- `LocalHooks` (one process): each parameter's post-accumulate-grad hook hands its gradient to the optimizer.
+- `LocalHooks` (one process): each parameter's post-accumulate-grad hook hands its gradient to the optimizer; the
+  step of a large gradient followed by smaller ones (an untied `lm_head`, first in backward) is held until right
+  before the next large gradient is computed, or the end of backward (`_StepHold`).
 - `FSDP2Hooks`: FSDP2 calls the sharded parameters' post-accumulate-grad hooks itself after the reduce-scatter, with
   the reduced local shard, so the local hooks are right as they are; only elementwise optimizers are allowed.
 - `DDPCommHook` (`layerwise_hf.ddp`): DDP's post-accumulate-grad hooks fire BEFORE the all-reduce, so a comm hook
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .memory import tensor_bytes
 from .support import check_fsdp2_optimizers
 
 if TYPE_CHECKING:
@@ -30,6 +33,11 @@ logger = logging.getLogger(__name__)
 # (a second Trainer on the same model, or one whose train() died before detaching) takes the hooks over, so a
 # parameter can never be stepped twice per backward. Kept off the Parameter itself so models still pickle.
 _OWNERS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+# A gradient at least this fraction of the largest trainable one is "large" for `_StepHold`: holding it costs its
+# bytes through the smaller gradients' steps, which only pays when its own step temporaries (about twice it) are
+# larger than those.
+LARGE_FRACTION = 0.5
 
 
 class GradientRoute:
@@ -82,11 +90,13 @@ class LocalHooks(GradientRoute):
     """
 
     name = "local"
+    hold_large_steps = True  # see `_StepHold`; FSDP2's hooks are called per unit after its reduce-scatter
 
     def __init__(self) -> None:
         super().__init__()
         self._handles: list[Any] = []
         self._params: list[torch.Tensor] = []
+        self._hold: _StepHold | None = None
 
     def attach(self, optimizer: LayerwiseOptimizer) -> None:
         taken_from = set()
@@ -111,12 +121,23 @@ class LocalHooks(GradientRoute):
 
     def _entry(self, optimizer: LayerwiseOptimizer) -> Callable[[int], None]:
         # What each parameter's hook calls with its index.
-        return optimizer.grad_ready
+        if not self.hold_large_steps:
+            return optimizer.grad_ready
+        self._hold = _StepHold(optimizer)
+        return self._hold.grad_ready
+
+    @property
+    def held(self) -> tuple[int, ...]:
+        """Indices whose gradient is ready but whose step the route holds (empty outside backward)."""
+        return tuple(self._hold.held) if self._hold is not None else ()
 
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._hold is not None:
+            self._hold.forget()
+            self._hold = None
         owner = self._owner() if self.attached else None
         for p in self._params:
             if owner is not None and _OWNERS.get(id(p)) is owner:
@@ -137,6 +158,105 @@ class _Hook:
         self.ready(self.index)
 
 
+class _StepHold:
+    """
+    Holds the step of a large gradient followed by smaller ones on one process.
+
+    An untied `lm_head`'s gradient is ready first in backward, while almost every activation is still alive; its
+    inner step allocates temporaries of about twice the tensor (AdamW's `sqrt` and division; bitsandbytes
+    dequantizes its states on CPU), which then set the training peak. Stepped right before the next large gradient is
+    computed (for a decoder: the input embedding's, at the end of backward), they meet few activations, and the held
+    gradient costs only its own bytes while the smaller ones step (58M Llama, 256 tokens: see
+    benchmarks/README.md). Inner optimizers are independent, so the order they step in changes no result.
+
+    The gradients expected between a large one and the next come from the previous backward's ready order (the
+    reverse of the parameter order before the first); the held step is released once they have all stepped, when
+    another large gradient arrives, and at the latest by an autograd-engine callback at the end of the backward. Only
+    a gradient the optimizer would step at once is held: while accumulating, or when the step needs every gradient
+    first (a norm pass measures and frees, or the gradients wait for `step()`), the hook hands it over at once.
+    """
+
+    def __init__(self, optimizer: LayerwiseOptimizer):
+        self.optimizer = optimizer
+        sizes = [tensor_bytes(p) for p in optimizer.params]
+        self.large = [s >= LARGE_FRACTION * max(sizes) for s in sizes]
+        self.plan = self._plan(list(reversed(range(len(sizes)))))
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop what the current backward noted: after it ends, or one cut short by an exception."""
+        self.held: list[int] = []
+        self.waiting: set[int] = set()
+        self.order: list[int] = []
+        self.seen: set[int] = set()
+        self.queued = False
+
+    def _plan(self, order: list[int]) -> dict[int, frozenset[int]]:
+        # Per large gradient followed by smaller ones: the gradients before the next large one.
+        plan: dict[int, frozenset[int]] = {}
+        current: int | None = None
+        between: list[int] = []
+        for i in [*order, None]:
+            if i is None or self.large[i]:
+                if current is not None and between:
+                    plan[current] = frozenset(between)
+                current, between = i, []
+            else:
+                between.append(i)
+        return plan
+
+    def grad_ready(self, i: int) -> None:
+        optimizer = self.optimizer
+        steps_now = optimizer.sync_gradients() and not optimizer.needs_norm_pass()
+        if i in self.seen or (self.queued and not steps_now):
+            # A backward noted here ended without its end callback: cut short by an exception. What it held is
+            # still in `.grad`, as a gradient no hook consumed (`step()` steps it, `zero_grad()` frees it).
+            self.forget()
+        if not steps_now or not self._queue_finish():
+            optimizer.grad_ready(i)
+            return
+        self.seen.add(i)
+        self.order.append(i)
+        if self.large[i]:
+            self.release()  # arrived before the gradients planned ahead of it (the order changed)
+            between = self.plan.get(i)
+            if between:
+                self.held.append(i)
+                self.waiting = set(between)
+                return
+        optimizer.grad_ready(i)
+        if self.held:
+            self.waiting.discard(i)
+            if not self.waiting:
+                self.release()  # the next gradient is a large one, not computed yet
+
+    def release(self) -> None:
+        """Step every held gradient (the optimizer's `grad_ready`), in the order they arrived."""
+        while self.held:
+            self.optimizer.grad_ready(self.held.pop(0))
+        self.waiting = set()
+
+    def _queue_finish(self) -> bool:
+        if not self.queued:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            except RuntimeError:
+                return False  # not inside the autograd engine (a hook called by hand): nothing can be held
+            self.queued = True
+        return True
+
+    def _finish(self) -> None:
+        # End of backward: step what is still held (a gradient planned ahead of it never came), then plan the next
+        # backward from this one's order.
+        order = self.order
+        try:
+            self.release()
+        finally:
+            self.forget()
+        if order:
+            self.plan = self._plan(order)
+
+
 class FSDP2Hooks(LocalHooks):
     """
     Local hooks on FSDP2's sharded parameters: FSDP2 calls them after the reduce-scatter.
@@ -153,6 +273,7 @@ class FSDP2Hooks(LocalHooks):
 
     name = "fsdp2"
     collective_per_forward = True
+    hold_large_steps = False
 
     def attach(self, optimizer: LayerwiseOptimizer) -> None:
         check_fsdp2_optimizers(optimizer.optimizer_name, optimizer.inner)
