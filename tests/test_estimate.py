@@ -178,6 +178,41 @@ def test_layerwise_gradient_term_is_the_largest_parameter():
     assert standard.total_bytes - layerwise.total_bytes == standard.gradient_bytes - embed
 
 
+def test_held_lm_head_step_follows_the_one_process_route(tmp_path):
+    from layerwise_hf.estimate.buckets import LARGE_FRACTION, held_step_bound
+    from layerwise_hf.routes import LARGE_FRACTION as ROUTE_FRACTION
+
+    assert LARGE_FRACTION == ROUTE_FRACTION
+    config = tiny_config(vocab_size=512)  # lm_head and embedding 512 x 64: four times any layer tensor
+    exact = estimate(config, optimizer="adamw_torch_layerwise", dtype="fp32")
+    held = estimate(config, optimizer="adamw_torch_layerwise", dtype="fp32", exact_clipping=False)
+    lm_head, layer = 512 * 64 * 4, 128 * 64 * 4
+    assert exact.gradient_bytes == lm_head  # a norm pass: each gradient alone
+    assert held.gradient_bytes == lm_head + layer and any("held" in n for n in held.notes)
+    assert held_step_bound([8, 1, 3, 2, 8]) == (11, 8)
+    # Neither GA nor other routes change: every gradient, the buckets, the FSDP2 units.
+    for kwargs in (dict(gradient_accumulation_steps=2), dict(world_size=2), dict(world_size=2, sharding="fsdp2")):
+        assert estimate(config, exact_clipping=False, **kwargs) == estimate(config, **kwargs)
+    # What the route holds, counted at every gradient hook of a plain loop without clipping.
+    model = LlamaForCausalLM(config)
+    params = list(model.parameters())
+    alive = []
+    for p in params:
+        p.register_post_accumulate_grad_hook(
+            lambda _: alive.append(sum(q.grad.numel() * 4 for q in params if q.grad is not None))
+        )
+    args = LayerwiseTrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise", use_cpu=True)
+    optimizer = build_layerwise_optimizer(model, args)
+    optimizer.attach(sync_gradients=lambda: True)
+    for _ in range(2):  # planned from parameter order, then from the order observed
+        ids = torch.randint(0, config.vocab_size, (2, 8))
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        assert max(alive) == held.gradient_bytes
+        alive.clear()
+    optimizer.detach()
+
+
 def test_tied_embedding_gradient_is_held_through_backward():
     layerwise = estimate("llama-3.2-1b", optimizer="sgd_layerwise", dtype="bf16")
     embed = 128256 * 2048 * 2
@@ -209,10 +244,11 @@ def test_fsdp2_divides_weights_gradients_and_state():
         estimate("llama-2-70b", optimizer="sgd_layerwise", world_size=8, sharding="fsdp2").gradient_bytes
         == (2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192) * 2
     )  # Llama-2's 32000-token vocabulary: a decoder layer is the largest unit
-    refused = estimate("llama-3-70b", optimizer="adafactor_layerwise", world_size=8, sharding="fsdp2")
+    refused = estimate("llama-3-70b", optimizer="adamw_torch_4bit_layerwise", world_size=8, sharding="fsdp2")
     assert any("refused under FSDP2" in n for n in refused.notes)
-    eight_bit = estimate("llama-3-70b", optimizer="adamw_8bit_layerwise", world_size=8, sharding="fsdp2")
-    assert not any("refused" in n for n in eight_bit.notes)  # bitsandbytes steps the local shards
+    for local_shards in ("adamw_8bit_layerwise", "adafactor_layerwise"):  # stepped on the local shards
+        allowed = estimate("llama-3-70b", optimizer=local_shards, world_size=8, sharding="fsdp2")
+        assert not any("refused" in n for n in allowed.notes)
 
 
 def test_ddp_standard_keeps_bucket_buffers():
@@ -471,10 +507,10 @@ def test_optimizer_rules_are_data_and_fsdp2_comes_from_support():
 
 def test_fsdp2_refusal_note_is_supports_message():
     assert fsdp2_refusal("adamw_torch") is None
-    refused = estimate("llama-3-8b", optimizer="adafactor_layerwise", world_size=2, sharding="fsdp2")
+    refused = estimate("llama-3-8b", optimizer="adamw_torch_4bit_layerwise", world_size=2, sharding="fsdp2")
     (note,) = [n for n in refused.notes if "refused under FSDP2" in n]
     with pytest.raises(ValueError) as raised:
-        support.check_fsdp2_optimizers("adafactor_layerwise", [type("adafactor", (), {})()])
+        support.check_fsdp2_optimizers("adamw_torch_4bit_layerwise", [type("adamw_torch_4bit", (), {})()])
     assert note.endswith(str(raised.value))
     allowed = estimate("llama-3-8b", optimizer="sgd_layerwise", world_size=2, sharding="fsdp2")
     assert not any("refused" in n for n in allowed.notes)

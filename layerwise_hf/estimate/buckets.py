@@ -1,6 +1,7 @@
 """Gradient buckets under a DDP configuration, as `layerwise_hf.data_parallel` forms and reduces them, in plain Python
 (no process group needed): which gradients share an all-reduce, and the most gradient bytes the layer-wise route holds
-at once.
+at once; and, on one process, the gradient bytes the local route holds when it holds a large tensor's step
+(`held_step_bound`).
 
 The route's policy (`DataParallelReducer`):
 
@@ -33,6 +34,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 MIB = 2**20
+# `layerwise_hf.routes.LARGE_FRACTION` (the estimator does not import torch): on one process a gradient at least this
+# fraction of the largest is "large", and its step is held while the gradients after it are smaller.
+LARGE_FRACTION = 0.5
 DEFAULT_BUCKET_CAP_MB = 25.0
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MIB  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 
@@ -144,3 +148,36 @@ def ddp_in_flight_bound(buckets: Sequence[Bucket]) -> tuple[int, int, int]:
         if held and k + 1 < len(buckets) and buckets[k + 1].alone:
             flying, held = 0, 0  # drained: the bucket in flight, then the held one, step before the next fills
     return best, where, best_held
+
+
+def held_step_bound(sizes: Sequence[int]) -> tuple[int, int]:
+    """
+    One process (`layerwise_hf.routes.LocalHooks`): the most gradient bytes alive at once, and the held bytes in that
+    sum, over gradient sizes in ready order. Each gradient steps and is freed in its own hook, except a large one
+    (at least `LARGE_FRACTION` of the largest) followed by a smaller one: its step is held until the gradients before
+    the next large one have stepped, so it is alive next to each of them, never next to that large one.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.estimate.buckets import held_step_bound
+    >>> held_step_bound([8, 1, 3, 2, 8])  # 8 held next to 3; released before the last 8 is computed
+    (11, 8)
+    >>> held_step_bound([8, 8, 3])  # the first 8 is followed by a large one: stepped at once
+    (11, 8)
+    >>> held_step_bound([3, 8])
+    (8, 0)
+    ```
+    """
+    if not sizes:
+        return 0, 0
+    large = [s >= LARGE_FRACTION * max(sizes) for s in sizes]
+    best, best_held, held = 0, 0, 0
+    for k, size in enumerate(sizes):
+        if large[k]:
+            held = 0  # released before this one was computed
+        if held + size > best:
+            best, best_held = held + size, held
+        if large[k] and k + 1 < len(sizes) and not large[k + 1]:
+            held = size
+    return best, best_held

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import units
-from .buckets import assign_buckets, bucket_size_limits, ddp_in_flight_bound
+from .buckets import assign_buckets, bucket_size_limits, ddp_in_flight_bound, held_step_bound
 from .models import ModelSpec, ModuleSpec, TensorSpec, load_model_spec
 from .optimizers import OPTIMIZER_RULES, OptimizerRule, fsdp2_refusal, parse_optimizer, tensor_state_bytes, uses_qmaps
 from .units import DEFAULT_LORA_TARGETS, DTYPE_BYTES, SHARDINGS, EstimateError, blocks, format_bytes, normalize_dtype
@@ -255,13 +255,15 @@ def _state_notes(counts: _Counts, rule: OptimizerRule, layerwise: bool, notes: l
 # ---- step 2: the gradient term ----
 
 
-def _gradient_term(counts: _Counts, layerwise: bool, opts: _Options, notes: list[str]) -> int:
+def _gradient_term(
+    counts: _Counts, layerwise: bool, opts: _Options, notes: list[str], entries: Sequence[Entry], use_order=()
+) -> int:
     """
     Step 2: the gradient bytes alive at once on one unsharded replica (before DDP's buckets).
 
     The standard optimizer holds every gradient at its step; a layer-wise one the largest tensor, unless gradient
-    accumulation keeps them all, a tied embedding holds its lm_head half through backward, or FSDP2 delivers a whole
-    unit at once.
+    accumulation keeps them all, a tied embedding holds its lm_head half through backward, FSDP2 delivers a whole
+    unit at once, or, on one process without exact clipping, the route holds a large tensor's step (`_held_step`).
 
     """
     all_grads, (largest_bytes, _), tied = counts.all_grads, counts.largest, counts.tied
@@ -281,6 +283,8 @@ def _gradient_term(counts: _Counts, layerwise: bool, opts: _Options, notes: list
         )
     else:
         grads = min(all_grads, largest_bytes)
+        if opts.sharding == "none" and not opts.exact_clipping:
+            grads = _held_step(entries, use_order, grads, notes)
     if opts.sharding == "fsdp2" and layerwise and opts.gradient_accumulation_steps == 1:
         # FSDP2 reduce-scatters a unit's gradients together and calls the hooks on the local shards afterwards, so the
         # shards of a whole unit are alive at once (before being divided across devices below).
@@ -290,6 +294,23 @@ def _gradient_term(counts: _Counts, layerwise: bool, opts: _Options, notes: list
             "term is the largest unit (a decoder layer, the input embedding, or the final norm with lm_head)."
         )
     return grads
+
+
+def _held_step(entries: Sequence[Entry], use_order: Sequence[str], grads: int, notes: list[str]) -> int:
+    # One process, each gradient stepped in its hook (no norm pass): the route holds the step of a large gradient
+    # followed by smaller ones (an untied lm_head) until right before the next large one is computed.
+    sizes, _ = _ready_order(entries, use_order)
+    bound, held = held_step_bound(sizes)
+    if not held:
+        return grads
+    notes.append(
+        f"One process without exact clipping: the step of a large gradient followed by smaller ones (an untied "
+        f"lm_head) is held until right before the next large one is computed, so its step temporaries meet few "
+        f"activations; the gradient term is that held gradient next to the largest of the smaller ones "
+        f"({format_bytes(held)} + {format_bytes(bound - held)}). With exact clipping (Trainer's default) or fp16 the "
+        "gradients are measured first and none is held: the largest tensor alone."
+    )
+    return max(grads, bound)
 
 
 # ---- step 3: sharding ----
@@ -424,6 +445,7 @@ class _Options:
     sharding: str = "none"
     gradient_as_bucket_view: bool = False
     bucket_cap_mb: float | None = None
+    exact_clipping: bool = True
 
     @classmethod
     def check(cls, frozen_dtype: str | None = None, sharding: str | None = None, **kwargs: Any) -> _Options:
@@ -473,6 +495,7 @@ def estimate(
     sharding: str | None = None,
     gradient_as_bucket_view: bool = False,
     bucket_cap_mb: float | None = None,
+    exact_clipping: bool = True,
 ) -> MemoryEstimate:
     """
     Estimate the weights, gradients and optimizer state of training `model`.
@@ -513,6 +536,10 @@ def estimate(
         bucket_cap_mb (`float`, *optional*):
             DDP's `bucket_cap_mb` (Trainer's `ddp_bucket_cap_mb`): the layer-wise route's bucket size under DDP.
             `None`: DDP's default, 25 MiB after a first bucket of 1 MiB.
+        exact_clipping (`bool`, *optional*, defaults to `True`):
+            Trainer's default (`max_grad_norm=1.0`, `layerwise_clip="exact"`; fp16 too): every gradient is measured
+            before any layer steps. `False` (no clipping, or a one-pass mode): on one process the route holds the
+            step of a large tensor followed by smaller ones (an untied lm_head), its gradient alive next to theirs.
 
     Example:
 
@@ -538,7 +565,7 @@ def _steps(spec: ModelSpec | ModuleSpec, rule: OptimizerRule, layerwise: bool, o
     if counts.trainable_params == 0:
         raise EstimateError(f"{spec.name}: nothing is trainable.")
     state = _state_notes(counts, rule, layerwise, notes)
-    grads = _gradient_term(counts, layerwise, opts, notes)
+    grads = _gradient_term(counts, layerwise, opts, notes, entries, getattr(spec, "use_order", ()))
     in_flight = None
     if opts.sharding == "ddp" and layerwise and opts.gradient_accumulation_steps == 1:
         in_flight = _ddp_in_flight(entries, getattr(spec, "use_order", ()), counts, opts, notes)
