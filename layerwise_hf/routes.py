@@ -171,9 +171,11 @@ class _StepHold:
 
     The gradients expected between a large one and the next come from the previous backward's ready order (the
     reverse of the parameter order before the first); the held step is released once they have all stepped, when
-    another large gradient arrives, and at the latest by an autograd-engine callback at the end of the backward. Only
-    a gradient the optimizer would step at once is held: while accumulating, or when the step needs every gradient
-    first (a norm pass measures and frees, or the gradients wait for `step()`), the hook hands it over at once.
+    another large gradient arrives, and at the latest by an autograd-engine callback at the end of the backward.
+    Nothing is held while accumulating, nor when a norm pass may run (`needs_norm_pass()`: exact clipping or fp16 on
+    a window's only micro-batch): its measuring backward frees each gradient at once, and the optimizer's public
+    surface does not tell it from the stepping backward that follows. On the last micro-batch of an accumulation
+    window under exact clipping the gradients wait for `step()` anyway, so holding one there costs nothing.
     """
 
     def __init__(self, optimizer: LayerwiseOptimizer):
