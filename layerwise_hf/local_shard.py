@@ -1,17 +1,17 @@
-"""Optimizers whose kernels take plain tensors (bitsandbytes' 8-bit and 32-bit optimizers), stepped on FSDP2's local
-shards.
+"""Optimizers that cannot step a DTensor (bitsandbytes' 8-bit and 32-bit optimizers, transformers' Adafactor),
+stepped on FSDP2's local shards.
 
-bitsandbytes cannot step a DTensor, and under FSDP2 each parameter is one. `LocalShardOptimizer` steps the wrapped
-optimizer on the rank's local shard as a plain tensor (sharing its storage), with the local shard of the reduced
-gradient. An 8-bit state is quantized in blocks of 256 elements of the tensor it steps, so the blocks follow the
-shard: the update of an element depends on the other elements of its block, which are not the same as for the
-whole tensor. The result is bit-identical to the same optimizer run by hand on the same local shards and gradients,
-and close to, not equal to, the unsharded run. For the same reason a tensor whose local shard has fewer elements than
-bitsandbytes' `min_8bit_size` (4096) keeps a 32-bit state where the unsharded run would keep an 8-bit one.
+Under FSDP2 each parameter is a DTensor. `LocalShardOptimizer` steps the wrapped optimizer on the rank's local shard
+as a plain tensor (sharing its storage), with the local shard of the reduced gradient. The result is the optimizer
+applied to the shard, a well-defined optimizer but not the unsharded one wherever the update of an element depends on
+other elements: bitsandbytes quantizes its 8-bit states in blocks of 256 elements of the shard, and a shard under its
+`min_8bit_size` (4096 elements) keeps a 32-bit state where the unsharded run keeps an 8-bit one; Adafactor factors
+the second moment into the shard's rows and columns, and its relative step and update clipping use the shard's RMS.
+It is bit-identical to the same optimizer run by hand on the same local shards and gradients.
 
-Checkpoints: the shard-shaped states are saved as DTensors laid out like the parameter, and each rank's block
-scales (`absmax*`) as a DTensor of equal-sized, padded pieces, so DCP writes every rank's own state. They resume
-bit-exactly on the same number of shards; on another number the blocks would no longer match and resume is refused.
+Checkpoints: states shaped like the shard are saved as DTensors laid out like the parameter; every other tensor (block
+scales, factored moments) under a key of its own shard (`absmax1@shard0`), so DCP writes every rank's own. They
+resume bit-exactly on the same number of shards; on another number the shards would not match and resume is refused.
 """
 
 from __future__ import annotations
@@ -23,9 +23,14 @@ from typing import Any
 import torch
 
 from .params import LayerwiseFactory, LayerwiseParam
-from .support import FSDP2_LOCAL_SHARD
+from .support import FSDP2_LOCAL_SHARD, qualname
 
-_SHARDS_KEY = "local_shards"  # saved per parameter state: the number of shards its blocks were cut for
+# Optimizers outside bitsandbytes whose step cannot take a DTensor (transformers' Adafactor mixes it with plain
+# tensors); bitsandbytes' are recognized by their module.
+_LOCAL_SHARD_CLASSES = frozenset({"transformers.optimization.Adafactor"})
+
+_SHARDS_KEY = "local_shards"  # saved per parameter state: the number of shards its state was computed for
+_PIECE = "@shard"  # a state tensor of one shard only is saved under `<key>@shard<index>`
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -42,11 +47,17 @@ def _shard_count(param) -> int:
     return math.prod(mesh.size(d) for d, p in enumerate(param.placements) if isinstance(p, Shard))
 
 
-def _padded_blocks(param, blocksize: int = 256) -> int:
-    """Block scales per rank, padded to the largest shard's count so every rank's piece has the same size."""
-    n = _shard_count(param)
-    rows = math.ceil(param.shape[0] / n) if param.dim() else 1
-    return max(1, math.ceil(rows * math.prod(param.shape[1:]) / blocksize))
+def _shard_index(param) -> int:
+    """This rank's shard among `_shard_count` (ranks that replicate one shard, as under HSDP, share the index)."""
+    from torch.distributed.tensor import Shard
+
+    if not _is_dtensor(param):
+        return 0
+    mesh, coordinate, index = param.device_mesh, param.device_mesh.get_coordinate(), 0
+    for d, placement in enumerate(param.placements):
+        if isinstance(placement, Shard):
+            index = index * mesh.size(d) + coordinate[d]
+    return index
 
 
 class LocalShardOptimizer(torch.optim.Optimizer):
@@ -149,41 +160,34 @@ def _unwrap(base, state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _to_global(param, state: dict[str, Any]) -> dict[str, Any]:
-    """Shard-shaped tensors as DTensors laid out like `param`; block scales as equal padded pieces of a DTensor."""
+    """Shard-shaped tensors as DTensors laid out like `param`; any other tensor under its shard's own key."""
     if not _is_dtensor(param):
         return state
     from torch.distributed.tensor import DTensor
 
-    local_shape = param.to_local().shape
-    pieces = _padded_blocks(param)
+    local_shape, shard = param.to_local().shape, _shard_index(param)
     out = {}
     for key, value in state.items():
-        if key.startswith("qmap") or not isinstance(value, torch.Tensor):
-            pass  # the quantization maps are the same on every rank
-        elif value.shape == local_shape and value.dim():
-            value = DTensor.from_local(
+        if not isinstance(value, torch.Tensor) or key.startswith("qmap"):
+            out[key] = value  # plain values, and bitsandbytes' quantization maps, are the same on every rank
+        elif value.dim() and value.shape == local_shape:
+            out[key] = DTensor.from_local(
                 value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
             )
-        elif key.startswith("absmax"):
-            padded = value.new_zeros(pieces)
-            padded[: value.numel()] = value
-            n = _shard_count(param)
-            value = DTensor.from_local(
-                padded, param.device_mesh, param.placements, run_check=False, shape=(n * pieces,), stride=(1,)
-            )
-        out[key] = value
+        else:
+            out[f"{key}{_PIECE}{shard}"] = value
     return out
 
 
 def _to_local(param, state: dict[str, Any]) -> dict[str, Any]:
-    local_numel = param.to_local().numel() if _is_dtensor(param) else param.numel()
+    own = f"{_PIECE}{_shard_index(param)}"
     out = {}
     for key, value in state.items():
-        if _is_dtensor(value):
-            value = value.to_local()
-            if key.startswith("absmax"):
-                value = value[: math.ceil(local_numel / 256)].clone()
-        out[key] = value
+        if _PIECE in key:
+            if key.endswith(own):
+                out[key.removesuffix(own)] = value
+            continue
+        out[key] = value.to_local() if _is_dtensor(value) else value
     return out
 
 
@@ -242,7 +246,7 @@ def wrap_local_shards(factory: LayerwiseFactory) -> LayerwiseFactory:
 
     def build(lp: LayerwiseParam, args: Any) -> torch.optim.Optimizer:
         inner = factory(lp, args)
-        if type(inner).__module__.startswith("bitsandbytes."):
+        if type(inner).__module__.startswith("bitsandbytes.") or qualname(inner) in _LOCAL_SHARD_CLASSES:
             return LocalShardOptimizer(inner)
         return inner
 

@@ -77,14 +77,20 @@ FSDP2_ELEMENTWISE: dict[str, str] = {
     "adagrad": "torch.optim.adagrad.Adagrad",
     "rmsprop": "torch.optim.rmsprop.RMSprop",
 }
-# Bases Trainer builds from bitsandbytes, whose kernels take plain tensors: under FSDP2 they step each rank's local
-# shard (`layerwise_hf.local_shard`). The 8-bit ones quantize in blocks of the shard, not of the whole tensor.
+# Bases whose optimizer cannot step a DTensor (bitsandbytes' kernels take plain tensors; transformers' Adafactor mixes
+# DTensors with plain tensors): under FSDP2 they step each rank's local shard (`layerwise_hf.local_shard`), the
+# optimizer applied to the shard. 8-bit blocks and Adafactor's factored moments are the shard's, not the tensor's.
 FSDP2_LOCAL_SHARD: frozenset[str] = frozenset(
     {
+        "adafactor",
         "adamw_bnb_8bit",
         "adamw_8bit",
+        "ademamix",
+        "ademamix_8bit",
         "paged_adamw_8bit",
         "paged_adamw_32bit",
+        "paged_ademamix_8bit",
+        "paged_ademamix_32bit",
         "lion_8bit",
         "lion_32bit",
         "paged_lion_8bit",
@@ -463,6 +469,7 @@ def check_fsdp2_optimizers(name: str | None, optimizers: Sequence[Any]) -> None:
         good = ", ".join(f"{b}{SUFFIX}" for b in sorted(set(FSDP2_ELEMENTWISE) - {"adamw_torch_fused"}))
         raise ValueError(
             f"{name or '/'.join(bad)} ({', '.join(bad)}) cannot step FSDP2 shards: its update is not elementwise "
-            f"(factored or blockwise state would be computed per shard). Under FSDP2 use {good}, or bitsandbytes' "
-            "adamw_8bit_layerwise (blocks of the local shard), or run this optimizer under DDP / on one process."
+            f"(factored or blockwise state would be computed per shard). Under FSDP2 use {good}, or "
+            "adamw_8bit_layerwise / adafactor_layerwise built for local shards (LayerwiseTrainer does; "
+            "build_layerwise_optimizer(..., local_shards=True)), or run this optimizer under DDP / on one process."
         )

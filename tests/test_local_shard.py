@@ -4,6 +4,7 @@ exactly as the optimizer it wraps, and only bitsandbytes optimizers are wrapped.
 import pytest
 import torch
 from helpers import tiny_llama, training_args
+from transformers.optimization import Adafactor
 
 from layerwise_hf import build_layerwise_optimizer
 from layerwise_hf.local_shard import LocalShardOptimizer
@@ -25,17 +26,24 @@ def steps(optimizer, param, grads):
         param.grad = None
 
 
-def test_steps_and_resumes_like_the_wrapped_optimizer():
+def adafactor(param):
+    return Adafactor([param], lr=None, weight_decay=0.1)
+
+
+@pytest.mark.parametrize(
+    "build,key", [(adamw_8bit, "state1"), (adafactor, "exp_avg_sq_row")], ids=["8bit", "adafactor"]
+)
+def test_steps_and_resumes_like_the_wrapped_optimizer(build, key):
     torch.manual_seed(0)
     start = torch.randn(64, 128)
     grads = [torch.randn(64, 128) for _ in range(6)]
     plain, wrapped = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
-    reference, optimizer = adamw_8bit(plain), LocalShardOptimizer(adamw_8bit(wrapped))
+    reference, optimizer = build(plain), LocalShardOptimizer(build(wrapped))
     steps(reference, plain, grads)
     steps(optimizer, wrapped, grads[:3])
-    assert optimizer.state[wrapped]["state1"].dtype == torch.uint8
+    assert key in optimizer.state[wrapped]
     # A fresh wrapper loads the saved state and continues as if uninterrupted.
-    resumed = LocalShardOptimizer(adamw_8bit(wrapped))
+    resumed = LocalShardOptimizer(build(wrapped))
     resumed.load_state_dict(optimizer.state_dict())
     steps(resumed, wrapped, grads[3:])
     assert torch.equal(plain, wrapped)
@@ -51,16 +59,15 @@ def test_a_state_cut_for_another_number_of_shards_is_refused():
         LocalShardOptimizer(adamw_8bit(param)).load_state_dict(saved)
 
 
-def test_only_bitsandbytes_optimizers_step_local_shards(tmp_path):
+@pytest.mark.parametrize("optim", ["adamw_8bit_layerwise", "adafactor_layerwise"])
+def test_only_optimizers_that_cannot_step_dtensors_step_local_shards(tmp_path, optim):
     model = tiny_llama()
-    eight_bit = build_layerwise_optimizer(model, training_args(tmp_path, "adamw_8bit_layerwise"), local_shards=True)
-    assert all(isinstance(inner, LocalShardOptimizer) for inner in eight_bit.inner)
-    check_fsdp2_optimizers(eight_bit.optimizer_name, eight_bit.inner)  # allowed under FSDP2
+    wrapped = build_layerwise_optimizer(model, training_args(tmp_path, optim), local_shards=True)
+    assert all(isinstance(inner, LocalShardOptimizer) for inner in wrapped.inner)
+    check_fsdp2_optimizers(wrapped.optimizer_name, wrapped.inner)  # allowed under FSDP2
     torch_adamw = build_layerwise_optimizer(model, training_args(tmp_path, "adamw_torch_layerwise"), local_shards=True)
     assert not any(isinstance(inner, LocalShardOptimizer) for inner in torch_adamw.inner)
-    # Without the wrapper bitsandbytes cannot step a DTensor: refused, naming what works.
-    unwrapped = build_layerwise_optimizer(model, training_args(tmp_path, "adamw_8bit_layerwise"))
-    with pytest.raises(
-        ValueError, match="cannot step FSDP2 shards.*adamw_8bit_layerwise \\(blocks of the local shard"
-    ):
+    # Without the wrapper they cannot step a DTensor: refused, naming what works.
+    unwrapped = build_layerwise_optimizer(model, training_args(tmp_path, optim))
+    with pytest.raises(ValueError, match=r"cannot step FSDP2 shards.*built for local shards.*local_shards=True"):
         check_fsdp2_optimizers(unwrapped.optimizer_name, unwrapped.inner)

@@ -1,13 +1,15 @@
-"""bitsandbytes' 8-bit AdamW layer-wise under FSDP2 (2 ranks): each rank's local shard equals the same optimizer run by
-hand on that shard and its gradients, save -> resume equals uninterrupted, and the loss curve of a longer run.
+"""Optimizers stepped on FSDP2's local shards (2 ranks): bitsandbytes' 8-bit AdamW and Adafactor. Each rank's local
+shard equals the same optimizer run by hand on that shard and its gradients, save -> resume equals uninterrupted,
+and the loss curve of a longer run.
 
-Under the DDP config the script only writes the loss curves of the unsharded layer-wise runs (8-bit and 32-bit AdamW),
-which the test compares with the FSDP2 one.
+Under the DDP config the script only writes the loss curves of the unsharded layer-wise runs (8-bit and 32-bit AdamW,
+Adafactor), which the test compares with the FSDP2 ones.
 
     LAYERWISE_HF_FORCE_FSDP_CPU=1 ACCELERATE_USE_CPU=true accelerate launch \
         --config_file configs/accelerate/cpu_fsdp2.yaml tests/distributed/fsdp2_8bit.py REPORT.json
 """
 
+import inspect
 import os
 import sys
 import tempfile
@@ -36,8 +38,19 @@ def trainer_for(optim, out, **overrides):
     return LayerwiseTrainer(model=model(), args=args, train_dataset=TokenDataset(n=512, vocab=VOCAB))
 
 
+def rebuild(base, param):
+    """The optimizer `base` is, built anew over `param` from its settings (bitsandbytes keeps some in `args`)."""
+    accepted = inspect.signature(type(base).__init__).parameters
+    kwargs = {k: v for k, v in base.defaults.items() if k in accepted}
+    settings = getattr(base, "args", None)
+    kwargs.update({k: getattr(settings, k) for k in accepted if settings is not None and hasattr(settings, k)})
+    # A private override manager, as the layer-wise factory gives: the process-wide one holds Trainer's overrides.
+    return isolate_bnb_overrides(type(base)([param], **kwargs))
+
+
 class HandRun(TrainerCallback):
-    """Records each inner step's local shard, gradient and hyperparameters; replays them on a hand-built copy."""
+    """Builds each wrapped optimizer anew before its first step, over a copy of the starting shard, and records every
+    step's local gradient and hyperparameters; `max_diff` replays them on it."""
 
     def __init__(self):
         self.records = {}
@@ -50,32 +63,24 @@ class HandRun(TrainerCallback):
     def _pre(self, name):
         def hook(inner, args, kwargs):
             param = inner.param_groups[0]["params"][0]
-            record = self.records.setdefault(name, {"start": param.to_local().detach().clone(), "steps": []})
+            if name not in self.records:
+                start = torch.nn.Parameter(param.to_local().detach().clone())
+                self.records[name] = {"by_hand": rebuild(inner.base, start), "inner": inner, "steps": []}
             group = {k: v for k, v in inner.param_groups[0].items() if k not in ("params", "name")}
-            record["steps"].append((param.grad.to_local().detach().clone(), group))
-            record["inner"] = inner
+            self.records[name]["steps"].append((param.grad.to_local().detach().clone(), group))
 
         return hook
 
     def max_diff(self) -> float:
         worst = 0.0
         for record in self.records.values():
-            inner = record["inner"]
-            base = inner.base
-            local = torch.nn.Parameter(record["start"].clone())
-            by_hand = isolate_bnb_overrides(
-                type(base)(
-                    [local],
-                    optim_bits=base.args.optim_bits,
-                    min_8bit_size=base.args.min_8bit_size,
-                    **{k: v for k, v in record["steps"][0][1].items() if k in ("lr", "betas", "eps", "weight_decay")},
-                )
-            )
+            by_hand = record["by_hand"]
+            local = by_hand.param_groups[0]["params"][0]
             for grad, group in record["steps"]:
                 by_hand.param_groups[0].update(group)
                 local.grad = grad
                 by_hand.step()
-            final = inner.param_groups[0]["params"][0].to_local()
+            final = record["inner"].param_groups[0]["params"][0].to_local()
             worst = max(worst, float((final - local.detach()).abs().max()) if final.numel() else 0.0)
         return worst
 
@@ -86,37 +91,42 @@ def losses(trainer):
 
 def fsdp2(report_path):
     results = {}
-    with tempfile.TemporaryDirectory() as d:
-        trainer = trainer_for("adamw_8bit_layerwise", d, max_steps=4)
-        hand = HandRun()
-        trainer.add_callback(hand)
-        trainer.train()
-        optimizer = trainer.layerwise_optimizer
-        results["wrapped"] = all(isinstance(inner, LocalShardOptimizer) for inner in optimizer.inner)
-        states = [inner.base.state[inner.local] for inner in optimizer.inner]
-        results["eight_bit_states"] = sum(s["state1"].dtype == torch.uint8 for s in states)
-        results["states"] = len(states)
-        results["hand_max_diff"] = hand.max_diff()
+    for optim in ("adamw_8bit_layerwise", "adafactor_layerwise"):
+        with tempfile.TemporaryDirectory() as d:
+            trainer = trainer_for(optim, d, max_steps=4)
+            hand = HandRun()
+            trainer.add_callback(hand)
+            trainer.train()
+            optimizer = trainer.layerwise_optimizer
+            states = [inner.base.state[inner.local] for inner in optimizer.inner]
+            result = {
+                "wrapped": all(isinstance(inner, LocalShardOptimizer) for inner in optimizer.inner),
+                "states": len(states),
+                "eight_bit_states": sum(s.get("state1", torch.empty(0)).dtype == torch.uint8 for s in states),
+                "factored_states": sum("exp_avg_sq_row" in s for s in states),
+                "hand_max_diff": hand.max_diff(),
+            }
 
-    out = os.path.join(os.path.dirname(report_path), "fsdp2_8bit_resume")
-    whole = trainer_for("adamw_8bit_layerwise", out, max_steps=4, save_steps=2)
-    whole.train()
-    resumed = trainer_for("adamw_8bit_layerwise", out + "_b", max_steps=4)
-    resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
-    a, b = summary(whole, whole.model_wrapped), summary(resumed, resumed.model_wrapped)
-    results["resume_max_diff"] = max_diff(a["params"], b["params"])
-    results["resume_grad_norm_equal"] = a["grad_norm"][2:] == b["grad_norm"][-2:]
+        out = os.path.join(os.path.dirname(report_path), f"fsdp2_{optim}_resume")
+        whole = trainer_for(optim, out, max_steps=4, save_steps=2)
+        whole.train()
+        resumed = trainer_for(optim, out + "_b", max_steps=4)
+        resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
+        a, b = summary(whole, whole.model_wrapped), summary(resumed, resumed.model_wrapped)
+        result["resume_max_diff"] = max_diff(a["params"], b["params"])
+        result["resume_grad_norm_equal"] = a["grad_norm"][2:] == b["grad_norm"][-2:]
 
-    with tempfile.TemporaryDirectory() as d:
-        curve = trainer_for("adamw_8bit_layerwise", d, max_steps=CURVE_STEPS, warmup_steps=5)
-        curve.train()
-        results["curve"] = losses(curve)
+        with tempfile.TemporaryDirectory() as d:
+            curve = trainer_for(optim, d, max_steps=CURVE_STEPS, warmup_steps=5)
+            curve.train()
+            result["curve"] = losses(curve)
+        results[optim] = result
     write_report(report_path, results)
 
 
 def unsharded(report_path):
     curves = {}
-    for optim in ("adamw_8bit_layerwise", "adamw_torch_layerwise"):
+    for optim in ("adamw_8bit_layerwise", "adamw_torch_layerwise", "adafactor_layerwise"):
         with tempfile.TemporaryDirectory() as d:
             curve = trainer_for(optim, d, max_steps=CURVE_STEPS, warmup_steps=5)
             curve.train()
@@ -126,7 +136,7 @@ def unsharded(report_path):
 
 def reshard(report_path):
     """Resume the 2-rank checkpoint of `fsdp2` on this launch's number of ranks: refused before anything loads."""
-    checkpoint = os.path.join(os.path.dirname(report_path), "fsdp2_8bit_resume", "checkpoint-2")
+    checkpoint = os.path.join(os.path.dirname(report_path), "fsdp2_adamw_8bit_layerwise_resume", "checkpoint-2")
     steps = []
 
     class Steps(TrainerCallback):
