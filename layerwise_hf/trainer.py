@@ -130,25 +130,12 @@ class LayerwiseTrainerMixin:
         # Collectives run once per forward, and a compiled backward cannot run over a retained graph: there a norm
         # pass is a whole second forward+backward; on one process, a measuring backward over the retained graph.
         whole_pass = (route is not None and route.collective_per_forward) or self._layerwise_compiled(model)
-        backward = self.accelerator.backward
-
-        def trainer_backward(loss, **kwargs):
-            with optimizer.extra_backward(False):
-                if whole_pass:
-                    return backward(loss, **kwargs)
-                return optimizer.backward_with_norm_pass(loss, backward, **kwargs)
 
         def forward_backward():
-            # A backward compute_loss runs itself (an auxiliary loss, retain_graph=True) only accumulates, as the
-            # standard optimizer does: stepping there would change weights that Trainer's backward still needs.
-            with optimizer.extra_backward():
+            with _extra_backwards_accumulate(self, optimizer, norm_pass=not whole_pass):
                 return super(LayerwiseTrainerMixin, self).training_step(model, inputs, num_items_in_batch)
 
-        self.accelerator.backward = trainer_backward
-        try:
-            return optimizer.run_with_norm_pass(forward_backward, model) if whole_pass else forward_backward()
-        finally:
-            del self.accelerator.backward
+        return optimizer.run_with_norm_pass(forward_backward, model) if whole_pass else forward_backward()
 
     def _layerwise_compiled(self, model) -> bool:
         cached = getattr(self, "_layerwise_compiled_cache", None)
@@ -253,6 +240,38 @@ def _fsdp_version(trainer) -> int:
     if trainer.is_fsdp_enabled:
         return int(getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1))
     return fsdp_version_of_args(trainer.args)
+
+
+@contextlib.contextmanager
+def _extra_backwards_accumulate(trainer, optimizer, norm_pass: bool):
+    """
+    Within one `training_step`, only Trainer's own `accelerator.backward` of the loss ends the micro-batch (on one
+    process, after a measuring backward when `norm_pass`). Any other backward, such as one `compute_loss` runs itself
+    for an auxiliary loss (`loss.backward()` or `accelerator.backward`, with `retain_graph=True`), only accumulates,
+    as with the standard optimizer: stepping there would change weights that Trainer's backward still needs.
+    """
+    backward, compute_loss = trainer.accelerator.backward, trainer.compute_loss
+    in_compute_loss = [False]
+
+    def trainer_backward(loss, **kwargs):
+        with optimizer.extra_backward(in_compute_loss[0]):
+            if norm_pass:
+                return optimizer.backward_with_norm_pass(loss, backward, **kwargs)
+            return backward(loss, **kwargs)
+
+    def marked_compute_loss(*args, **kwargs):
+        in_compute_loss[0] = True
+        try:
+            return compute_loss(*args, **kwargs)
+        finally:
+            in_compute_loss[0] = False
+
+    trainer.accelerator.backward, trainer.compute_loss = trainer_backward, marked_compute_loss
+    try:
+        with optimizer.extra_backward():
+            yield
+    finally:
+        del trainer.accelerator.backward, trainer.compute_loss
 
 
 def _replicate_without_ddp(accelerator, model) -> None:

@@ -240,9 +240,15 @@ def test_optimizer_step_after_train_does_not_clip_like_torch(tmp_path):
 class AuxiliaryBackward:
     """compute_loss runs the backward of an auxiliary loss itself (retain_graph=True), before Trainer's backward."""
 
+    via_accelerator = False
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         outputs = model(**inputs)
-        (outputs.logits.float().pow(2).mean() * 1e-2).backward(retain_graph=True)
+        aux = outputs.logits.float().pow(2).mean() * 1e-2
+        if self.via_accelerator:
+            self.accelerator.backward(aux, retain_graph=True)
+        else:
+            aux.backward(retain_graph=True)
         return outputs.loss
 
 
@@ -254,9 +260,13 @@ class AuxLayerwise(AuxiliaryBackward, LayerwiseTrainer):
     pass
 
 
+@pytest.mark.parametrize("via_accelerator", [False, True], ids=["loss.backward", "accelerator.backward"])
 @pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
 @pytest.mark.parametrize("ga", [1, 2])
-def test_second_backward_in_compute_loss_accumulates_like_the_standard_optimizer(tmp_path, ga, max_grad_norm):
+def test_second_backward_in_compute_loss_accumulates_like_the_standard_optimizer(
+    tmp_path, ga, max_grad_norm, via_accelerator, monkeypatch
+):
+    monkeypatch.setattr(AuxiliaryBackward, "via_accelerator", via_accelerator)
     model = tiny_llama()
     kwargs = dict(max_steps=3, gradient_accumulation_steps=ga, max_grad_norm=max_grad_norm)
     standard = train(clone(model), training_args(tmp_path / "s", "adamw_torch", **kwargs), trainer_cls=AuxStock)
