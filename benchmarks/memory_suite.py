@@ -183,13 +183,14 @@ def micro_batches(opts, step: int, ga: int) -> list:
     ]
 
 
-def activation_probe(model, ids) -> tuple[int, int, str]:
+def activation_probe(model, ids) -> tuple[int, int, str, int]:
     """
     Activations, measured before any optimizer exists: a forward+backward exactly as in training, whose every weight
     gradient is freed the moment it is produced. Returns the peak RSS without gradients (the high-water mark when
     the loss and logit buffers have peaked, before lm_head's backward, or the RSS less the gradient at a later
     gradient, whichever is higher), the RSS less the gradient when backward produces its first weight gradient
-    (where a layer-wise optimizer takes its first step), and that parameter's name.
+    (where a layer-wise optimizer takes its first step), that parameter's name, and the RSS less the gradient at the
+    gradient before the last one (where the one-process route releases a held lm_head step, before the embedding's).
     """
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
     samples: list[tuple[int, str]] = []
@@ -218,7 +219,7 @@ def activation_probe(model, ids) -> tuple[int, int, str]:
             handle.remove()
     settle()
     peak = max([*before_gradients, *(rss for rss, _ in samples)])
-    return peak, samples[0][0], samples[0][1]
+    return peak, samples[0][0], samples[0][1], samples[-2][0] if len(samples) > 1 else samples[0][0]
 
 
 def step_temporaries(model, cfg: Config, opts, lw, names: list[str]) -> dict[str, int]:
@@ -272,13 +273,16 @@ def measure_memory(cfg: Config, opts) -> dict:
     model.zero_grad(set_to_none=True)
     settle()
     rss_rest = proc_status_bytes("VmRSS")
-    probe_peak, probe_at_first_gradient, first = activation_probe(model, ids)
+    probe_peak, probe_at_first_gradient, first, probe_before_last = activation_probe(model, ids)
     rss_rest_after_probe = proc_status_bytes("VmRSS")
 
     sync = {"value": True}
     optimizer, lw = build_optimizer(model, cfg, opts, sync)
     meter = h.GradMeter(params, names={id(p): n for n, p in named}).attach()
+    stepped: list[str] = []  # inner optimizers in the order they stepped in the last backward (public step hooks)
     if lw is not None:
+        for name, inner in zip(lw.names, lw.inner):
+            inner.register_step_pre_hook(lambda opt, args, kwargs, name=name: stepped.append(name))
         lw.attach()
 
     steps = []
@@ -295,6 +299,7 @@ def measure_memory(cfg: Config, opts) -> dict:
             sync["value"] = k == len(batches) - 1
             grads_before = max(grads_before, meter.live())
             meter.start_backward()
+            stepped.clear()
             loss = model(input_ids=batch, labels=batch).loss / len(batches)
             loss.backward()
             losses.append(float(loss.detach()))
@@ -321,6 +326,10 @@ def measure_memory(cfg: Config, opts) -> dict:
                 "state_bytes": h.storage_bytes(h.optimizer_state_tensors(optimizer)),
                 "state_view_bytes": h.tensor_bytes(h.optimizer_state_tensors(optimizer)),
                 "first_gradient": meter.first_name,
+                # The route held the first gradient's step (see layerwise_hf.routes._StepHold) when it was not the
+                # first to step in backward.
+                "first_stepped": stepped[0] if stepped else None,
+                "first_step_held": bool(stepped) and stepped[0] != meter.first_name and meter.first_name in stepped,
                 "seconds": time.perf_counter() - t0,  # with the malloc setting and the meter: not the timing
                 "loss": sum(losses),
             }
@@ -346,6 +355,7 @@ def measure_memory(cfg: Config, opts) -> dict:
         "probe_peak_bytes": probe_peak,
         "probe_rss_at_first_gradient_bytes": probe_at_first_gradient,
         "first_gradient": first,
+        "probe_rss_before_last_gradient_bytes": probe_before_last,
         "steps": steps,
         "step_temporaries_bytes": temporaries,
         "optimizer": type(optimizer).__name__,
@@ -529,7 +539,9 @@ def run_workers(opts, tmp: Path) -> tuple[dict, dict]:
 def estimate_for(cfg: Config, opts) -> dict:
     from layerwise_hf.estimate import EstimateError, estimate
 
+    # No clipping here (max_grad_norm=0): on one process the route holds an untied lm_head's step.
     kwargs = {"optimizer": cfg.optim, "dtype": "float32", "gradient_accumulation_steps": cfg.ga}
+    kwargs["exact_clipping"] = False
     if cfg.lora:
         kwargs.update(lora_rank=LORA["r"], lora_target_modules=LORA["target_modules"], adapter_dtype="float32")
     try:
@@ -557,11 +569,13 @@ def analyse(cfg: Config, mem: dict, est: dict) -> dict:
     grads = max(s["grads_peak_bytes"] for s in steps)
     floor = weights + state + mem["largest_trainable_bytes"] + activations
     # Counted prediction per phase: forward+backward holds the activations with the gradients alive when they peak
-    # (and, layer-wise, the temporaries of stepping the first gradient's tensor right then); at the step the
+    # (and, layer-wise, the temporaries of stepping the first gradient's tensor right then, unless the route held
+    # that step: then they come at the held step, near the end of backward); at the step the
     # activations are gone, every gradient not yet consumed is alive, and a standard optimizer's temporaries are
     # those of its largest tensor (it frees them tensor by tensor).
     temporaries = mem["step_temporaries_bytes"]
-    first_temps = temporaries.get(steady[-1]["first_gradient"], 0) if cfg.layerwise else 0
+    held = cfg.layerwise and steady[-1].get("first_step_held", False)
+    first_temps = temporaries.get(steady[-1]["first_gradient"], 0) if cfg.layerwise and not held else 0
     step_temps = 0 if cfg.layerwise else max(temporaries.values())
     # Backward has two candidate peaks: the activations' own (loss and logits, before any new gradient) and the
     # first weight gradient (the activations then are the probe's sample at lm_head).
@@ -571,12 +585,19 @@ def analyse(cfg: Config, mem: dict, est: dict) -> dict:
         "backward, first gradient": (at_first, max(s["grads_first_hook_bytes"] for s in steady), first_temps),
         "step": (rest, max(s["grads_at_step_bytes"] for s in steady), step_temps),
     }
+    if held:
+        # The held first gradient steps right before the last gradient (the embedding's) is computed: the activations
+        # then are the probe's sample at the gradient before the last; that held gradient is alive, and under
+        # accumulation the embedding's too (lm_head and the embedding are the same size here).
+        held_temps = temporaries.get(steady[-1]["first_gradient"], 0)
+        held_grad = mem["largest_trainable_bytes"] * (2 if cfg.ga > 1 else 1)
+        candidates["backward, held step"] = (mem["probe_rss_before_last_gradient_bytes"], held_grad, held_temps)
     predictions = {k: base + state + grads + temps for k, (base, grads, temps) in candidates.items()}
     measured_bwd = max(s["peak_backward_bytes"] for s in steady)
     measured_step = max(s["peak_step_bytes"] for s in steady)
     phase = "backward" if measured_bwd >= measured_step else "step"
     measured = measured_bwd if phase == "backward" else measured_step
-    moment = "step" if phase == "step" else max(list(predictions)[:2], key=predictions.get)
+    moment = "step" if phase == "step" else max((k for k in predictions if k != "step"), key=predictions.get)
     predicted = predictions[moment]
     baseline, _, temps = candidates[moment]
     tolerance = AGREEMENT_SLACK + round(AGREEMENT_FRACTION * (predicted - baseline))
@@ -660,7 +681,12 @@ TIME_COLUMNS = [("config", 27), ("median s", 8), ("vs std", 7), ("paired", 7), (
                 ("hook ms", 7), ("tensors", 7), ("+opt us/tensor", 14), ("+opt % step", 11)]  # fmt: skip
 ESTIMATE_COLUMNS = [("config", 27), ("est W", 7), ("est G", 7), ("est S", 7), ("est total", 9), ("+act", 7),
                     ("W err", 7), ("G err", 7), ("S err", 7), ("total+act vs peak", 17)]  # fmt: skip
-MOMENTS = {"backward, activation peak": "act", "backward, first gradient": "1st", "step": "step"}
+MOMENTS = {
+    "backward, activation peak": "act",
+    "backward, first gradient": "1st",
+    "backward, held step": "held",
+    "step": "step",
+}
 
 
 def print_report(report: dict) -> None:
@@ -669,7 +695,8 @@ def print_report(report: dict) -> None:
         "\nMemory (MiB). training = peak RSS - runtime (runtime = RSS at rest - weights); act = activation probe "
         "peak - RSS at rest;\ngrads = most .grad bytes alive at once; state = optimizer state; floor = weights + "
         "state + largest gradient + act.\nAgreement at the moment holding the peak (at: act = activation peak, 1st = "
-        "first weight gradient in backward, step):\npeak - base (base: the probe's peak / the probe's RSS when "
+        "first weight gradient in backward, held = the held lm_head step, step):\npeak - base (base: the probe's "
+        "peak / the probe's RSS when "
         "backward passes lm_head / RSS at rest) vs G+S (gradients alive then + state)\n+ temps (the optimizer's "
         "temporaries for one tensor, measured alone: the first-stepped tensor layer-wise, the largest at a standard "
         "step);\ndisc = (peak - base) - (G+S + temps)."
@@ -964,10 +991,11 @@ def main(argv=None) -> int:
         "errors": {c["name"]: c["error"] for c in configs if "error" in c},
         "wall_time_s": time.perf_counter() - started,
     }
+    # Written first: a long run's results survive a failure while printing them.
+    h.write_report(opts.output_dir, "memory_suite", report, plot if any("error" not in c for c in configs) else None)
     print_report(report)
     for name, error in report["errors"].items():
         print(f"\nERROR {name}: {error}")
-    h.write_report(opts.output_dir, "memory_suite", report, plot if any("error" not in c for c in configs) else None)
     return 0
 
 
