@@ -170,3 +170,28 @@ def test_a_backward_cut_short_leaves_nothing_held():
     model(input_ids=ids, labels=ids).loss.backward()
     assert optimizer.gradient_route.held == () and all(p.grad is None for p in model.parameters())
     optimizer.detach()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_hold_under_activation_checkpointing_matches_standard(tmp_path, reentrant):
+    # Reentrant checkpointing runs the checkpointed layers' hooks inside nested backwards: the end callback must still
+    # belong to the outer one, so lm_head is held through them and released before the embedding's gradient.
+    model, data = model_and_data()
+    kwargs = dict(
+        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant}, learning_rate=5e-2
+    )
+    standard = train(clone(model), training_args(tmp_path, "adamw_torch", **kwargs), dataset=data)
+
+    class Watched(LayerwiseTrainer):
+        def create_optimizer(self, model=None):
+            optimizer = super().create_optimizer(model)
+            self.recorder = Recorder(self.model, optimizer)
+            return optimizer
+
+    layerwise = train(
+        clone(model), training_args(tmp_path, "adamw_torch_layerwise", **kwargs), dataset=data, trainer_cls=Watched
+    )
+    assert_params_equal(standard.model, layerwise.model)
+    steps = layerwise.recorder.steps
+    assert steps[-2:] == ["lm_head.weight", "model.embed_tokens.weight"]
+    assert any(layerwise.recorder.held_seen)
