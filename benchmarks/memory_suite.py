@@ -539,9 +539,7 @@ def run_workers(opts, tmp: Path) -> tuple[dict, dict]:
 def estimate_for(cfg: Config, opts) -> dict:
     from layerwise_hf.estimate import EstimateError, estimate
 
-    # No clipping here (max_grad_norm=0): on one process the route holds an untied lm_head's step.
     kwargs = {"optimizer": cfg.optim, "dtype": "float32", "gradient_accumulation_steps": cfg.ga}
-    kwargs["exact_clipping"] = False
     if cfg.lora:
         kwargs.update(lora_rank=LORA["r"], lora_target_modules=LORA["target_modules"], adapter_dtype="float32")
     try:

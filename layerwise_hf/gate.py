@@ -188,6 +188,11 @@ class GradientGate:
         # steps: from a norm pass, or by holding the gradients until step().
         return self.clipper.needs_global_norm or self.scaler is not None
 
+    def steps_now(self) -> bool:
+        # What `action` would decide for a gradient arriving now, without noting anything: STEP or not.
+        window = self.window
+        return self.sync() and not window.in_norm_pass and (window.measured or not self.whole_step())
+
     def wants_norms(self) -> bool:
         return self.track_grad_norm or self.clipper.needs_param_norm
 

@@ -265,10 +265,6 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def clip_mode(self) -> str:
         return self._gate.clipper.mode.value
 
-    @property
-    def max_grad_norm(self) -> float:
-        return self._gate.clipper.max_grad_norm
-
     def use_grad_scaler(self, scaler: Any) -> None:
         """Step under fp16 loss scaling with Accelerate's `accelerator.scaler` (`None`: none); see `grad_scaler`."""
         self._gate.use_grad_scaler(scaler, self)
@@ -276,6 +272,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def needs_norm_pass(self) -> bool:
         """Whether the coming backward ends a window that exact clipping or fp16 wants measured first."""
         return self._gate.needs_norm_pass(self.attached)
+
+    def steps_in_backward(self) -> bool:
+        """Whether a gradient handed over now steps at once (not accumulated, measured, or held for `step()`)."""
+        return self._gate.steps_now()
 
     def norm_pass(self) -> contextlib.AbstractContextManager[None]:
         """Hooks within it only measure (and fp16-check) gradients and free them; see `layerwise_hf.norm_pass`."""

@@ -172,10 +172,9 @@ class _StepHold:
     The gradients expected between a large one and the next come from the previous backward's ready order (the
     reverse of the parameter order before the first); the held step is released once they have all stepped, when
     another large gradient arrives, and at the latest by an autograd-engine callback at the end of the backward.
-    Nothing is held while accumulating, nor when a norm pass may run (`needs_norm_pass()`: exact clipping or fp16 on
-    a window's only micro-batch): its measuring backward frees each gradient at once, and the optimizer's public
-    surface does not tell it from the stepping backward that follows. On the last micro-batch of an accumulation
-    window under exact clipping the gradients wait for `step()` anyway, so holding one there costs nothing.
+    Only a gradient that would step at once is held (`steps_in_backward()`): not while accumulating, not in a norm
+    pass's measuring backward (which frees each gradient at once), not when exact clipping or fp16 keeps every
+    gradient for `step()`; under exact clipping it is held in the backward that follows the norm pass.
     """
 
     def __init__(self, optimizer: LayerwiseOptimizer):
@@ -209,7 +208,7 @@ class _StepHold:
 
     def grad_ready(self, i: int) -> None:
         optimizer = self.optimizer
-        steps_now = optimizer.sync_gradients() and not optimizer.needs_norm_pass()
+        steps_now = optimizer.steps_in_backward()
         if i in self.seen or (self.queued and not steps_now):
             # A backward noted here ended without its end callback: cut short by an exception. What it held is
             # still in `.grad`, as a gradient no hook consumed (`step()` steps it, `zero_grad()` frees it).

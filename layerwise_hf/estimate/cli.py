@@ -139,7 +139,6 @@ ESTIMATE_OPTIONS = (
     "sharding",
     "gradient_as_bucket_view",
     "bucket_cap_mb",
-    "exact_clipping",
 )
 
 
@@ -173,13 +172,6 @@ def _add_training_setup_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="DDP's bucket_cap_mb (Trainer's ddp_bucket_cap_mb): the layer-wise route's bucket size under DDP. "
         "Default: DDP's, 25 MiB after a first bucket of 1 MiB.",
-    )
-    parser.add_argument(
-        "--no-exact-clipping",
-        dest="exact_clipping",
-        action="store_false",
-        help="No clipping (max_grad_norm=0) or a one-pass layerwise_clip: on one process the step of an untied "
-        "lm_head is held, its gradient alive next to the smaller ones'. Default: Trainer's exact clipping.",
     )
 
 

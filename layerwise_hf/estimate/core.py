@@ -283,7 +283,7 @@ def _gradient_term(
         )
     else:
         grads = min(all_grads, largest_bytes)
-        if opts.sharding == "none" and not opts.exact_clipping:
+        if opts.sharding == "none":
             grads = _held_step(entries, use_order, grads, notes)
     if opts.sharding == "fsdp2" and layerwise and opts.gradient_accumulation_steps == 1:
         # FSDP2 reduce-scatters a unit's gradients together and calls the hooks on the local shards afterwards, so the
@@ -297,18 +297,18 @@ def _gradient_term(
 
 
 def _held_step(entries: Sequence[Entry], use_order: Sequence[str], grads: int, notes: list[str]) -> int:
-    # One process, each gradient stepped in its hook (no norm pass): the route holds the step of a large gradient
-    # followed by smaller ones (an untied lm_head) until right before the next large one is computed.
+    # One process, each gradient stepped in its hook (after the norm pass when exact clipping or fp16 measure first):
+    # the route holds the step of a large gradient followed by smaller ones (an untied lm_head) until right before
+    # the next large one is computed.
     sizes, _ = _ready_order(entries, use_order)
     bound, held = held_step_bound(sizes)
     if not held:
         return grads
     notes.append(
-        f"One process without exact clipping: the step of a large gradient followed by smaller ones (an untied "
-        f"lm_head) is held until right before the next large one is computed, so its step temporaries meet few "
-        f"activations; the gradient term is that held gradient next to the largest of the smaller ones "
-        f"({format_bytes(held)} + {format_bytes(bound - held)}). With exact clipping (Trainer's default) or fp16 the "
-        "gradients are measured first and none is held: the largest tensor alone."
+        f"One process: the step of a large gradient followed by smaller ones (an untied lm_head) is held until "
+        f"right before the next large one is computed, so its step temporaries meet few activations; the gradient "
+        f"term is that held gradient next to the largest of the smaller ones ({format_bytes(held)} + "
+        f"{format_bytes(bound - held)})."
     )
     return max(grads, bound)
 
@@ -445,7 +445,6 @@ class _Options:
     sharding: str = "none"
     gradient_as_bucket_view: bool = False
     bucket_cap_mb: float | None = None
-    exact_clipping: bool = True
 
     @classmethod
     def check(cls, frozen_dtype: str | None = None, sharding: str | None = None, **kwargs: Any) -> _Options:
@@ -495,7 +494,6 @@ def estimate(
     sharding: str | None = None,
     gradient_as_bucket_view: bool = False,
     bucket_cap_mb: float | None = None,
-    exact_clipping: bool = True,
 ) -> MemoryEstimate:
     """
     Estimate the weights, gradients and optimizer state of training `model`.
@@ -536,10 +534,6 @@ def estimate(
         bucket_cap_mb (`float`, *optional*):
             DDP's `bucket_cap_mb` (Trainer's `ddp_bucket_cap_mb`): the layer-wise route's bucket size under DDP.
             `None`: DDP's default, 25 MiB after a first bucket of 1 MiB.
-        exact_clipping (`bool`, *optional*, defaults to `True`):
-            Trainer's default (`max_grad_norm=1.0`, `layerwise_clip="exact"`; fp16 too): every gradient is measured
-            before any layer steps. `False` (no clipping, or a one-pass mode): on one process the route holds the
-            step of a large tensor followed by smaller ones (an untied lm_head), its gradient alive next to theirs.
 
     Example:
 
