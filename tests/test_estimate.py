@@ -2,6 +2,7 @@
 agreement with `accelerate estimate-memory`. Models are built from configs (tiny ones for real, full-size ones on the
 meta device); nothing is downloaded."""
 
+import importlib.util
 import json
 import math
 
@@ -387,6 +388,15 @@ OPTIMIZERS = [
     "lion_32bit",
     "rmsprop_bnb_8bit",
     "ademamix_8bit",
+    *[
+        name
+        for name, package in (
+            ("adamw_torch_8bit", "torchao"),
+            ("adamw_torch_4bit", "torchao"),
+            ("stable_adamw", "optimi"),
+        )
+        if importlib.util.find_spec(package)
+    ],
 ]
 
 
@@ -572,3 +582,11 @@ def test_fsdp2_units_follow_accelerates_wrapping():
     # A tied embedding goes with lm_head's use of it, into the tail.
     assert _fsdp2_unit(dataclasses.replace(embed, tied=True)) == "tail"
     assert _fsdp2_unit(TensorSpec("model.layers.*.mlp.up_proj.weight", (8, 4), module="up_proj")) != "root"
+
+
+@pytest.mark.parametrize("base", ["grokadamw", "lomo"])
+def test_refused_layerwise_bases_are_refused_with_trainings_reason(base):
+    with pytest.raises(EstimateError, match=f"{base}_layerwise is refused, as training refuses it: .*"):
+        estimate("llama-2-7b", optimizer=f"{base}_layerwise")
+    if base == "grokadamw":
+        assert estimate("llama-2-7b", optimizer="grokadamw").optimizer_state_bytes > 0  # the standard form is fine

@@ -248,7 +248,7 @@ def _state_notes(counts: _Counts, rule: OptimizerRule, layerwise: bool, notes: l
             f"{units.BNB_MIN_8BIT_SIZE} elements)."
         )
     if not rule.exact:
-        notes.append(f"{rule.name}: its state size follows the package's source, not checked here (not installed).")
+        notes.append(f"{rule.name}: its state size follows the package's source, not checked against the optimizer.")
     return state
 
 

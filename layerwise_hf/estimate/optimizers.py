@@ -12,7 +12,7 @@ from .models import TensorSpec
 from .units import BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE, SCALAR_BYTES, TORCHAO_BLOCKSIZE, EstimateError, blocks
 
 RULES_FILE = Path(__file__).with_name("optimizer_rules.txt")
-FAMILIES = ("torch", "bnb", "torchao", "adafactor")
+FAMILIES = ("torch", "optimi", "bnb", "torchao", "adafactor")
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,8 @@ def parse_optimizer(name: str) -> tuple[str, bool]:
     name = str(getattr(name, "value", name))
     layerwise = name.endswith(support.SUFFIX)
     base = name.removesuffix(support.SUFFIX)
+    if layerwise and base in support.REFUSED_BASES:
+        raise EstimateError(f"{name} is refused, as training refuses it: {support.REFUSED_BASES[base]}.")
     if base not in OPTIMIZER_RULES:
         raise EstimateError(
             f"Unknown optimizer {name!r} for the estimate; choose one of {', '.join(sorted(OPTIMIZER_RULES))} "
@@ -152,11 +154,12 @@ def tensor_state_bytes(rule: OptimizerRule, tensor: TensorSpec, param_bytes: int
     ```
     """
     numel = tensor.numel
-    if rule.family == "torch":
+    if rule.family in ("torch", "optimi"):
         element = param_bytes if rule.bits == 0 else rule.bits // 8
         states = rule.states + (rule.extra16 if param_bytes < 4 else 0)
-        step = SCALAR_BYTES if rule.states else 0
-        return states * numel * element + step
+        # torch keeps a float32 `step`; torch-optimi an `eps_sq` scalar in the parameter's dtype.
+        scalar = (SCALAR_BYTES if rule.family == "torch" else param_bytes) if rule.states else 0
+        return states * numel * element + scalar
     if rule.family == "adafactor":
         if len(tensor.shape) >= 2:
             rows = math.prod(tensor.shape[:-1])
@@ -170,7 +173,9 @@ def tensor_state_bytes(rule: OptimizerRule, tensor: TensorSpec, param_bytes: int
     if rule.family == "torchao":
         if numel < 4096 or numel % TORCHAO_BLOCKSIZE:
             return rule.states * numel * param_bytes + SCALAR_BYTES
-        return rule.states * (numel * rule.bits // 8 + 4 * blocks(numel, TORCHAO_BLOCKSIZE)) + SCALAR_BYTES
+        # Codes, a float32 scale per block, and each state's own float32 code map (2**bits entries).
+        codes = numel * rule.bits // 8 + 4 * blocks(numel, TORCHAO_BLOCKSIZE) + 4 * 2**rule.bits
+        return rule.states * codes + SCALAR_BYTES
     raise AssertionError(rule.family)
 
 
