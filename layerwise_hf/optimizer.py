@@ -63,14 +63,11 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         optimizer_name (`str`, *optional*):
             Recorded in checkpoints (e.g. `"adamw_8bit_layerwise"`).
         sync_gradients (`Callable[[], bool]`, *optional*):
-            Whether the current backward ends an accumulation window. Defaults to Accelerate's
-            `GradientState().sync_gradients`, which is always `True` outside gradient accumulation.
+            Whether the current backward ends an accumulation window (default: Accelerate's `sync_gradients`).
         in_decay_group (`Sequence[bool]`, *optional*):
-            Per parameter, whether Trainer's standard optimizer would put it in its weight-decay group; lets
-            checkpoints convert to and from the standard layout. Defaults to `weight_decay != 0`.
+            Per parameter, whether it is in Trainer's weight-decay group (checkpoint conversion; `weight_decay != 0`).
         track_grad_norm (`bool`, *optional*, defaults to `False`):
-            Measure every gradient's norm for `grad_norm()` even when clipping does not need it (Trainer logs
-            `grad_norm`, so its integration turns this on). Off, a plain loop without clipping skips that work.
+            Measure every gradient's norm for `grad_norm()` even without clipping (Trainer's integration does).
 
     Example:
 
@@ -145,8 +142,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._gate.meter.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        """The standard layout with each group's parameter `name`, and metadata for validated loading (see
-        `layerwise_hf.state`)."""
+        """The standard layout, each group with its parameter's `name`, plus metadata (see `layerwise_hf.state`)."""
         self.rebind()
         return layerwise_state_dict(self)
 
@@ -256,6 +252,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def grad_ready(self, i: int) -> None:
         """Parameter `i`'s reduced gradient is in `.grad`: routes call this, the only way gradients come in."""
         self._gate.grad_ready(i)
+
+    def grad_held(self, i: int) -> None:
+        """A route keeps parameter `i`'s gradient to hand it over later: count it among the gradients alive."""
+        self._gate.meter.hold(i, self._params[i].grad)
 
     def configure_clipping(self, max_grad_norm: float | None, mode: str = "exact") -> None:
         """Apply `max_grad_norm` (`<= 0` or `None`: no clipping) the way `mode` says; see `ClipMode`."""

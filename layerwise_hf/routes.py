@@ -224,6 +224,7 @@ class _StepHold:
             if between:
                 self.held.append(i)
                 self.waiting = set(between)
+                optimizer.grad_held(i)  # alive next to the ones stepping meanwhile: the meter counts it
                 return
         optimizer.grad_ready(i)
         if self.held:

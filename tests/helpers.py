@@ -87,6 +87,14 @@ def hook_count(p: torch.Tensor) -> int:
     return len(hooks) if hooks else 0
 
 
+def held_grad_bound(model) -> int:
+    """The most gradient bytes a one-process layer-wise step keeps alive: the estimator's term, which replays the
+    route's held step (an untied lm_head's gradient next to the largest smaller tensor)."""
+    from layerwise_hf.estimate import estimate
+
+    return estimate(model, optimizer="sgd_layerwise").gradient_bytes
+
+
 def logged(trainer, key: str) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry and "train_runtime" not in entry]
 
