@@ -85,22 +85,28 @@ def test_the_hold_is_bit_identical_to_stepping_at_once():
     assert_params_equal(held, at_once)
 
 
-@pytest.mark.parametrize("max_grad_norm", [0.0, MAX_NORM])
-@pytest.mark.parametrize("ga", [1, 2])
-def test_trainer_matches_standard_with_the_hold(tmp_path, ga, max_grad_norm):
+class Watched(LayerwiseTrainer):
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        self.recorder = Recorder(self.model, optimizer)
+        return optimizer
+
+
+def standard_and_watched(tmp_path, **kwargs):
+    """Trainer + adamw_torch, and the layer-wise run with a Recorder of what was held and stepped when."""
     model, data = model_and_data()
-    kwargs = dict(gradient_accumulation_steps=ga, max_grad_norm=max_grad_norm, learning_rate=5e-2)
     standard = train(clone(model), training_args(tmp_path, "adamw_torch", **kwargs), dataset=data)
-
-    class Watched(LayerwiseTrainer):
-        def create_optimizer(self, model=None):
-            optimizer = super().create_optimizer(model)
-            self.recorder = Recorder(self.model, optimizer)
-            return optimizer
-
     layerwise = train(
         clone(model), training_args(tmp_path, "adamw_torch_layerwise", **kwargs), dataset=data, trainer_cls=Watched
     )
+    return standard, layerwise
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, MAX_NORM])
+@pytest.mark.parametrize("ga", [1, 2])
+def test_trainer_matches_standard_with_the_hold(tmp_path, ga, max_grad_norm):
+    kwargs = dict(gradient_accumulation_steps=ga, max_grad_norm=max_grad_norm, learning_rate=5e-2)
+    standard, layerwise = standard_and_watched(tmp_path, **kwargs)
     assert_params_equal(standard.model, layerwise.model)
     held = [h for h in layerwise.recorder.held_seen if h]
     if max_grad_norm and ga > 1:
@@ -176,21 +182,10 @@ def test_a_backward_cut_short_leaves_nothing_held():
 def test_hold_under_activation_checkpointing_matches_standard(tmp_path, reentrant):
     # Reentrant checkpointing runs the checkpointed layers' hooks inside nested backwards: the end callback must still
     # belong to the outer one, so lm_head is held through them and released before the embedding's gradient.
-    model, data = model_and_data()
     kwargs = dict(
         gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant}, learning_rate=5e-2
     )
-    standard = train(clone(model), training_args(tmp_path, "adamw_torch", **kwargs), dataset=data)
-
-    class Watched(LayerwiseTrainer):
-        def create_optimizer(self, model=None):
-            optimizer = super().create_optimizer(model)
-            self.recorder = Recorder(self.model, optimizer)
-            return optimizer
-
-    layerwise = train(
-        clone(model), training_args(tmp_path, "adamw_torch_layerwise", **kwargs), dataset=data, trainer_cls=Watched
-    )
+    standard, layerwise = standard_and_watched(tmp_path, **kwargs)
     assert_params_equal(standard.model, layerwise.model)
     steps = layerwise.recorder.steps
     assert steps[-2:] == ["lm_head.weight", "model.embed_tokens.weight"]
