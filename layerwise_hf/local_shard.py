@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .params import LayerwiseFactory, LayerwiseParam
-from .support import FSDP2_LOCAL_SHARD, qualname
+from .support import qualname
 
 # Optimizers outside bitsandbytes whose step cannot take a DTensor (transformers' Adafactor mixes it with plain
 # tensors); bitsandbytes' are recognized by their module.
@@ -227,7 +227,8 @@ def _wrapped(inner) -> bool:
 
 def wrap_local_shards(factory: LayerwiseFactory) -> LayerwiseFactory:
     """
-    The factory whose bitsandbytes optimizers step FSDP2's local shards (`LocalShardOptimizer`); others unchanged.
+    The factory whose optimizers that cannot step a DTensor (bitsandbytes', Adafactor) step FSDP2's local shards
+    (`LocalShardOptimizer`); others unchanged. `support.FSDP2_LOCAL_SHARD` lists the Trainer bases this covers.
 
     Args:
         factory (`LayerwiseFactory`):
@@ -253,4 +254,4 @@ def wrap_local_shards(factory: LayerwiseFactory) -> LayerwiseFactory:
     return build
 
 
-__all__ = ["FSDP2_LOCAL_SHARD", "LocalShardOptimizer", "check_local_shards", "local_shards_of", "wrap_local_shards"]
+__all__ = ["LocalShardOptimizer", "check_local_shards", "local_shards_of", "wrap_local_shards"]

@@ -406,8 +406,8 @@ def build_layerwise_optimizer(
         track_grad_norm (`bool`, *optional*, defaults to `False`):
             See `LayerwiseOptimizer`; turn it on to read `grad_norm()` without clipping.
         local_shards (`bool`, *optional*, defaults to `False`):
-            The model will be FSDP2-sharded: bitsandbytes optimizers step each rank's local shard
-            (`layerwise_hf.local_shard`).
+            The model will be FSDP2-sharded: optimizers that cannot step a DTensor (bitsandbytes', Adafactor) step
+            each rank's local shard (`layerwise_hf.local_shard`).
 
     Example:
 

@@ -46,7 +46,7 @@ class LayerwiseTrainerMixin:
     Example:
 
     ```python
-    >>> from transformers import Trainer, TrainingArguments
+    >>> from transformers import Trainer
     >>> from layerwise_hf import LayerwiseTrainerMixin
     >>> class MyTrainer(LayerwiseTrainerMixin, Trainer):  # or TRL's SFTTrainer, DPOTrainer, ...
     ...     pass
@@ -198,7 +198,7 @@ class LayerwiseTrainerMixin:
                 "optimizer starts afresh (as when transformers resumes it); the schedule resumes where it was.",
                 checkpoint,
             )
-            converted = layerwise.state_dict()
+            converted = layerwise.state_dict()  # its own fresh state back: only the schedule is converted
             source_group = [0] * len(layerwise.names)
         elif layerwise is not None:
             groups_names = layerwise.standard_groups_names()
