@@ -65,13 +65,25 @@ SMALL = h.LLAMA_TINY | dict(seq_len=32, batch_size=1)
 def write_gathered_and_finish(path: str, result: dict) -> None:
     """Every rank's result in one JSON (written by rank 0), then the process group ends on every rank."""
     import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
 
+    # A DDP reducer freed after destroy_process_group can crash or hang the rank in gloo's destructor, now and then:
+    # fail every time instead, while the group can still say so.
+    gc.collect()
+    alive = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
+    if alive:
+        raise RuntimeError(f"{alive} DistributedDataParallel model(s) still alive at the end of the worker")
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if dist.get_rank() == 0:
         Path(path).write_text(json.dumps(gathered, indent=1))
     dist.barrier()
     dist.destroy_process_group()
+    # Without C++ static destructors: a rank was seen to abort at interpreter teardown while gloo threads wound down
+    # (tests/helpers.finish_ranks), which would fail a run whose results are all written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -189,7 +201,6 @@ def ddp_bucket_bytes(ddp_model, grad_bytes: int) -> tuple[int, str]:
 
 def worker(opts: argparse.Namespace) -> None:
     import torch
-    import torch.distributed as dist
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 
@@ -213,16 +224,8 @@ def worker(opts: argparse.Namespace) -> None:
             "fallback would measure the wrong thing (ACCELERATE_USE_CPU / LAYERWISE_HF_FORCE_FSDP_CPU missing?)"
         )
     result = measure(opts, args, accelerator)
-    # NOTE: the DDP / FSDP2 objects must die while the process group is alive: a DDP reducer freed after
-    # destroy_process_group can hang forever in ProcessGroupGloo's destructor (seen here at interpreter exit).
     accelerator.free_memory()
-    gc.collect()
-    gathered = [None] * accelerator.num_processes
-    dist.all_gather_object(gathered, result)
-    if accelerator.is_main_process:
-        Path(opts.result).write_text(json.dumps(gathered, indent=1))
-    accelerator.wait_for_everyone()
-    accelerator.end_training()  # also destroys the process group
+    write_gathered_and_finish(opts.result, result)
 
 
 def measure(opts: argparse.Namespace, args, accelerator) -> dict:
@@ -538,12 +541,12 @@ def trainer_worker(opts: argparse.Namespace) -> None:
         meter.mark("end")
         result = trainer_result(opts, trainer, model, meter)
         meter.remove()
-        # NOTE: the DDP objects must die while the process group is alive (a reducer freed after
-        # destroy_process_group can hang in ProcessGroupGloo's destructor).
+        # The DDP objects must die while the process group is alive (see write_gathered_and_finish); the meter
+        # holds the trainer, and the trainer's callback holds the meter.
+        meter.trainer = None
         trainer.accelerator.free_memory()
-        del trainer
-        gc.collect()
-        write_gathered_and_finish(opts.result, result)
+        del trainer, model, meter
+    write_gathered_and_finish(opts.result, result)
 
 
 def trainer_result(opts, trainer, model, meter: TrainMeter) -> dict:
@@ -613,20 +616,24 @@ def time_worker(opts: argparse.Namespace) -> None:
             trainer.train()
             if profile is not None:
                 profile.disable()
+            # Only the times leave: the meter holds the trainer (and its callback holds the meter), and a DDP
+            # reducer still alive at destroy_process_group can crash or hang the rank in gloo's destructor.
+            times = (list(meter.step_wall), list(meter.step_cpu))
+            meter.trainer = None
             trainer.accelerator.free_memory()
-            del trainer
+            del trainer, model, meter
             gc.collect()
-            return meter
+            return times
 
     for rnd in range(total):
         order = list(configs)
         order_rng.shuffle(order)
         for kind, optim in order:
-            meter = run(kind, optim, opts.time_steps)
+            wall, cpu = run(kind, optim, opts.time_steps)
             entry = times[f"{kind}:{optim}"]
-            entry["wall"] += meter.step_wall[opts.warmup_steps :]
-            entry["cpu"] += meter.step_cpu[opts.warmup_steps :]
-            entry["rounds"].append(statistics.median(meter.step_wall[opts.warmup_steps :]))
+            entry["wall"] += wall[opts.warmup_steps :]
+            entry["cpu"] += cpu[opts.warmup_steps :]
+            entry["rounds"].append(statistics.median(wall[opts.warmup_steps :]))
         if dist.get_rank() == 0:
             print(f"  time round {rnd + 1}/{total}", flush=True)
     profiles = {}
@@ -725,9 +732,11 @@ def launch(opts: argparse.Namespace, engine: str, worker_args: list[str], result
             raise RuntimeError(f"{label} timed out after {opts.timeout}s:\n{log.read_text()[-4000:]}") from None
     stderr = log.read_text()
     if proc.returncode != 0 or not result.is_file():
-        # The launcher's own traceback says nothing; the ranks' lines carry the error.
+        # The ranks' lines carry a Python error; a rank that died without one (a signal) shows only in the
+        # launcher's closing summary, which names each rank's exit code.
         rank_lines = [line for line in stderr.splitlines() if line.startswith("[rank")]
-        detail = "\n".join(rank_lines[-60:]) or stderr[-6000:]
+        summary = stderr[stderr.rfind("Failures:") :] if "Failures:" in stderr else stderr[-3000:]
+        detail = "\n".join(rank_lines[-60:]) + "\n" + summary
         raise RuntimeError(f"{label} failed (exit {proc.returncode}):\n{detail}")
     return json.loads(result.read_text())
 
