@@ -401,6 +401,8 @@ class DataParallelReducer(LocalHooks):
                 bucket.buffer = torch.empty(sum(bucket.numels), dtype=bucket.dtype, device=bucket.device)
             # NOTE: DDP's `mul_out(bucket_view, grad, 1 / world_size)`, so the reduced bits are DDP's.
             torch.mul(p.grad, 1.0 / self.world_size, out=bucket.view(k, p.shape))
+        # Counted from here until it steps: in flight or held in its bucket, it is alive all the same.
+        self.optimizer.grad_held(bucket.indices[k])
         p.grad = None
         bucket.ready[k] = True
         bucket.count += 1

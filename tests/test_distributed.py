@@ -88,6 +88,11 @@ def test_data_parallel_gradient_memory_is_bounded_by_what_is_in_flight(tmp_path)
     # The estimator replays the route's launches, holds and steps: its gradient term is an upper bound that is reached.
     assert 0.9 * layerwise["estimated_bytes"] <= layerwise["peak_storage_bytes"] <= layerwise["estimated_bytes"]
     assert layerwise["ddp_wrappers_alive"] == 0 and layerwise["wrapped"] == "LlamaForCausalLM"
+    # The logged peak counts the buckets in flight and held (not only the one stepping): it meets the storages,
+    # less at most the gradient the meter sees just before the route copies it into its bucket.
+    package = layerwise["package_peak_grad_bytes"]
+    assert layerwise["peak_storage_bytes"] - layerwise["largest_bytes"] <= package <= layerwise["peak_storage_bytes"]
+    assert layerwise["logged_peak_grad_mib"] == round(package / 2**20, 3)
     # ... while DDP's persistent buckets, which its gradients alias with gradient_as_bucket_view, hold all of them.
     assert standard["peak_storage_bytes"] >= standard["all_grad_bytes"] > bound, standard
     assert standard["ddp_wrappers_alive"] >= 1

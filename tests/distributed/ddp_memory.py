@@ -72,6 +72,7 @@ def run(optim, out, bucket_view=False):
     # The meter must attach after the layer-wise callback has connected the route.
     trainer.callback_handler.callbacks.sort(key=lambda cb: cb is callback)
     trainer.train()
+    optimizer = getattr(trainer, "layerwise_optimizer", None)
     return {
         "peak_storage_bytes": meter.peak,
         "estimated_bytes": estimate(
@@ -84,6 +85,12 @@ def run(optim, out, bucket_view=False):
             gradient_as_bucket_view=bucket_view,
         ).gradient_bytes,
         "ddp_wrappers_alive": ddp_wrappers_alive(),
+        # What the package counts and logs as alive: every gradient from its hook until it steps, buckets included.
+        "package_peak_grad_bytes": optimizer.peak_grad_bytes if optimizer is not None else None,
+        "logged_peak_grad_mib": max(
+            (e["layerwise_peak_grad_mib"] for e in trainer.state.log_history if "layerwise_peak_grad_mib" in e),
+            default=None,
+        ),
         "all_grad_bytes": sum(p.numel() * p.element_size() for p in params),
         "largest_bytes": max(p.numel() * p.element_size() for p in params),
         "cap_bytes": int(CAP_MB * 2**20),
