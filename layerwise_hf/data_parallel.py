@@ -24,6 +24,7 @@ torch.compile only) and reduces gradients itself with torch's own collectives:
   smaller buckets reduce, not the temporaries;
 - at the end of backward the buckets holding parameters this rank did not use are zero-filled and reduced, with a
   used-flag all-reduce (`find_unused_parameters`) so a parameter no rank used keeps `.grad = None`, as DDP does;
+  a rank reads the flags back (a host sync on CUDA) only for a bucket it did not fill itself;
 - inside a gradient-accumulation window nothing is reduced (as with `no_sync`) unless `sync_each_batch`;
 - parameters and buffers are broadcast from rank 0 when the route attaches, and buffers before each training
   forward (`broadcast_buffers`), as DDP does.
@@ -445,7 +446,12 @@ class DataParallelReducer(LocalHooks):
                 if not ready:
                     bucket.buffer[bucket.offsets[k] : bucket.offsets[k] + bucket.numels[k]].zero_()
         if self.config.find_unused_parameters:
-            bucket.used = torch.tensor(bucket.ready, dtype=torch.int32, device=bucket.device)
+            # Every rank must join each flag all-reduce; a full bucket's flags are filled on the device, without
+            # the blocking copy from host memory that a list would cost on CUDA.
+            if all(bucket.ready):
+                bucket.used = torch.ones(len(bucket.ready), dtype=torch.int32, device=bucket.device)
+            else:
+                bucket.used = torch.tensor(bucket.ready, dtype=torch.int32, device=bucket.device)
             bucket.used_work = dist.all_reduce(bucket.used, group=self.process_group, async_op=True)
         bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
         self._in_flight.append(bucket)
@@ -477,7 +483,9 @@ class DataParallelReducer(LocalHooks):
         used = None
         if bucket.used_work is not None:
             bucket.used_work.wait()
-            used = bucket.used.tolist()
+            if not all(bucket.ready):
+                # Only here can a parameter be unused by every rank: this rank used all of a full bucket's.
+                used = bucket.used.tolist()
         optimizer = self.optimizer
         for k, i in enumerate(bucket.indices):
             if used is not None and used[k] == 0:
