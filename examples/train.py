@@ -7,11 +7,12 @@ Launch:
     python examples/train.py --optim sgd_layerwise --max_steps 10 --output_dir out
     python examples/train.py --optim adamw_torch --output_dir out   # the standard optimizer, for comparison
     accelerate launch --num_processes 1 examples/train.py configs/train/tiny_llama.yaml
+    accelerate launch --config_file configs/accelerate/gpu_ddp.yaml examples/train.py configs/train/tiny_llama.yaml
 
 A config file (.yaml, .yml or .json) must come first; any `--flag value` after it overrides the file. Every field of
 `ScriptArguments` and of `TrainingArguments` is a flag (`--help` lists them). The model is randomly initialised and
-the corpus is generated here from a small seeded grammar, so nothing is downloaded. Layer-wise optimizers run in a
-single process in this release (see the README's limitations).
+the corpus is generated here from a small seeded grammar, so nothing is downloaded. The same script runs on one
+process, and under the DDP and FSDP2 configs in configs/accelerate/ (see the README's support table).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ exactly the ones Trainer would use. Third-party optimizers join with `register_l
 from __future__ import annotations
 
 import copy
+import difflib
 import re
 
 import torch
@@ -157,11 +158,18 @@ def unregister_layerwise_optimizer(name: str) -> None:
 
 
 def _unknown_name_error(name: str) -> ValueError:
+    layerwise = list_layerwise_optimizers()
+    # transformers' galore_*/apollo_* layer-wise names are served here, so they are listed once, as layer-wise.
+    standard = sorted(n.value for n in OptimizerNames if n.value not in layerwise)
     own = f"transformers' own layer-wise names: {', '.join(TRANSFORMERS_LAYERWISE_NAMES)}. "
+    # A typo is the usual cause, and the full lists run to some 70 names.
+    close = difflib.get_close_matches(str(name).lower(), [*layerwise, *standard], n=3, cutoff=0.75)
+    hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
     return ValueError(
-        f"Unknown optimizer {name!r}. Layer-wise names: {', '.join(list_layerwise_optimizers())}. "
+        f"Unknown optimizer {name!r}.{hint} "
+        f"Layer-wise names: {', '.join(layerwise)}. "
         f"{own if TRANSFORMERS_LAYERWISE_NAMES else ''}"
-        f"Standard names: {', '.join(sorted(n.value for n in OptimizerNames))}."
+        f"Standard names: {', '.join(standard)}."
     )
 
 

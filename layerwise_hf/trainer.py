@@ -62,6 +62,14 @@ class LayerwiseTrainerMixin:
         super().__init__(*args, **kwargs)
         if not any(isinstance(cb, LayerwiseCallback) for cb in self.callback_handler.callbacks):
             self.add_callback(LayerwiseCallback(trainer=self))
+        if is_layerwise_name(self.args.optim) and (self.optimizer is not None or self.optimizer_cls_and_kwargs):
+            # Trainer lets these win over `optim` without a word; here that silently costs the memory asked for.
+            given = "optimizers=(optimizer, ...)" if self.optimizer is not None else "optimizer_cls_and_kwargs"
+            warnings.warn(
+                f"optim={self.args.optim!r} is not used: the optimizer given in {given} takes its place, as with "
+                "Trainer, and steps after the whole backward. Leave it out to train layer-wise.",
+                stacklevel=2,
+            )
         if self._uses_layerwise():
             # At init, before any wrapping: torch's FSDP1 wrap fails first, with an unrelated error, on CPU.
             check_deepspeed(self.args.optim, self.is_deepspeed_enabled)

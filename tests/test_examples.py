@@ -29,6 +29,19 @@ def test_main_job_smoke_config(tmp_path):
     assert "layerwise" in out.lower() and "MiB" in out
 
 
+def test_readme_quotes_the_main_jobs_gradient_peak(tmp_path):
+    # The peak is set by the model's shapes (the held lm_head next to the largest layer tensor): two steps show it.
+    result = run(
+        "examples/train.py", "configs/train/tiny_llama.yaml", "--max_steps", "2", "--output_dir", str(tmp_path)
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    layerwise, standard = re.search(
+        r"gradients alive at once \(layer-wise: peak\)\s+(\S+)\s+(\S+)", result.stdout
+    ).groups()
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"peak gradients {float(layerwise):.2f} MiB instead of {float(standard):.1f} MiB" in readme
+
+
 @pytest.mark.slow
 def test_cli_sgd_layerwise(tmp_path):
     result = run(

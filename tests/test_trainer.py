@@ -127,3 +127,27 @@ def test_is_compiled():
     assert is_compiled(torch.compile(model))
     model.model.layers[1].compile()
     assert is_compiled(model)
+
+
+@pytest.mark.parametrize("given", ["optimizers", "optimizer_cls_and_kwargs"])
+def test_an_optimizer_passed_in_wins_over_a_layerwise_name_with_a_warning(tmp_path, given):
+    # Trainer silently prefers a passed optimizer to `optim`; a user who asked for layer-wise is told.
+    model = tiny_llama()
+    runs = []
+    for cls, optim in ((Trainer, "adamw_torch"), (LayerwiseTrainer, "adamw_torch_layerwise")):
+        copy = clone(model)
+        if given == "optimizers":
+            kwargs = {"optimizers": (torch.optim.SGD(copy.parameters(), lr=0.1), None)}
+        else:
+            kwargs = {"optimizer_cls_and_kwargs": (torch.optim.SGD, {"lr": 0.1})}
+        args = training_args(tmp_path, optim, max_steps=2)
+        if cls is LayerwiseTrainer:
+            with pytest.warns(
+                UserWarning, match=f"'adamw_torch_layerwise' is not used: the optimizer given in {given}"
+            ):
+                runs.append(train(copy, args, trainer_cls=cls, **kwargs))
+        else:
+            runs.append(train(copy, args, trainer_cls=cls, **kwargs))
+    standard, layerwise = runs
+    assert layerwise.layerwise_optimizer is None
+    assert_params_equal(standard.model, layerwise.model)

@@ -75,6 +75,14 @@ def test_unknown_name_lists_valid_ones(tmp_path, name):
         assert valid in str(err.value)
 
 
+@pytest.mark.parametrize("name", ["adamw_torch_layerwize", "ADAMW_TORCH_LAYERWISE"])
+def test_a_typo_gets_the_close_names(tmp_path, name):
+    with pytest.raises(ValueError, match=r"Did you mean 'adamw_torch_layerwise'") as err:
+        make(tmp_path, optim=name)
+    # transformers' galore names are served here: listed once, among the layer-wise ones.
+    assert str(err.value).count("'galore_adamw_layerwise'") + str(err.value).count("galore_adamw_layerwise,") == 1
+
+
 @pytest.mark.parametrize("name", ["lomo_layerwise", "adalomo_layerwise", "galore_adamw_layerwise_layerwise"])
 def test_refused_names(tmp_path, name):
     with pytest.raises(ValueError, match="not supported|Unknown optimizer"):
