@@ -388,6 +388,7 @@ OPTIMIZERS = [
     "lion_32bit",
     "rmsprop_bnb_8bit",
     "ademamix_8bit",
+    "muon",  # Muon for the hidden matrices, AdamW for the rest (muon_layerwise)
     *[
         name
         for name, package in (

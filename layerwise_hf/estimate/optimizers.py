@@ -12,7 +12,9 @@ from .models import TensorSpec
 from .units import BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE, SCALAR_BYTES, TORCHAO_BLOCKSIZE, EstimateError, blocks
 
 RULES_FILE = Path(__file__).with_name("optimizer_rules.txt")
-FAMILIES = ("torch", "optimi", "bnb", "torchao", "adafactor")
+FAMILIES = ("torch", "optimi", "bnb", "torchao", "adafactor", "muon")
+# Bases with no standard Trainer name: only their layer-wise form trains (layerwise_hf.registry.PLUGIN_NAMES).
+LAYERWISE_ONLY = ("muon",)
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,8 @@ class OptimizerRule:
         bits (`int`):
             `0`: the parameter's dtype (torch optimizers); `32`: float32; `8` / `4`: quantized (blockwise).
         family (`str`):
-            `"torch"`, `"bnb"`, `"torchao"` or `"adafactor"`: how small tensors, embeddings and scalars are kept.
+            `"torch"`, `"optimi"`, `"bnb"`, `"torchao"`, `"adafactor"` or `"muon"`: how small tensors, embeddings
+            and scalars are kept (`"muon"`: Muon for hidden matrices, AdamW for the rest).
         qmaps (`int`, *optional*, defaults to `0`):
             bitsandbytes 8-bit quantization maps referenced per state (256 float32 each).
         extra16 (`int`, *optional*, defaults to `0`):
@@ -124,10 +127,13 @@ def parse_optimizer(name: str) -> tuple[str, bool]:
     if layerwise and base in support.REFUSED_BASES:
         raise EstimateError(f"{name} is refused, as training refuses it: {support.REFUSED_BASES[base]}.")
     if base not in OPTIMIZER_RULES:
+        standard = sorted(set(OPTIMIZER_RULES) - set(LAYERWISE_ONLY))
         raise EstimateError(
-            f"Unknown optimizer {name!r} for the estimate; choose one of {', '.join(sorted(OPTIMIZER_RULES))} "
-            "(each also as <name>_layerwise)."
+            f"Unknown optimizer {name!r} for the estimate; choose one of {', '.join(standard)} (each also as "
+            f"<name>_layerwise), or {', '.join(b + support.SUFFIX for b in LAYERWISE_ONLY)}."
         )
+    if base in LAYERWISE_ONLY and not layerwise:
+        raise EstimateError(f"{name!r} has no standard Trainer form; estimate {name}{support.SUFFIX}.")
     return base, layerwise
 
 
@@ -160,6 +166,11 @@ def tensor_state_bytes(rule: OptimizerRule, tensor: TensorSpec, param_bytes: int
         # torch keeps a float32 `step`; torch-optimi an `eps_sq` scalar in the parameter's dtype.
         scalar = (SCALAR_BYTES if rule.family == "torch" else param_bytes) if rule.states else 0
         return states * numel * element + scalar
+    if rule.family == "muon":
+        # layerwise_hf.muon.uses_muon: a 2-D tensor that is neither an embedding nor the output head.
+        if len(tensor.shape) == 2 and not (is_embedding or tensor.tied or tensor.module == "lm_head"):
+            return numel * param_bytes
+        return tensor_state_bytes(OPTIMIZER_RULES["adamw_torch"], tensor, param_bytes, is_embedding)
     if rule.family == "adafactor":
         if len(tensor.shape) >= 2:
             rows = math.prod(tensor.shape[:-1])
