@@ -484,6 +484,8 @@ def test_bad_inputs_name_the_choices(tmp_path):
         estimate("llama-9-7b")
     with pytest.raises(EstimateError, match="adamw_8bit"):
         estimate("llama-2-7b", optimizer="adamw_9bit_layerwise")
+    with pytest.raises(EstimateError, match="muon_layerwise"):
+        estimate("llama-2-7b", optimizer="muon")  # no standard Trainer form
     with pytest.raises(EstimateError, match="fp32/bf16/fp16"):
         estimate("llama-2-7b", dtype="fp8")
     (tmp_path / "config.json").write_text("{not json")
