@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from .accelerate_mode import accelerate_estimate
 from .core import MemoryEstimate, estimate
 from .models import ModelSpec, ModuleSpec, list_presets, load_model_spec
-from .optimizers import LAYERWISE_ONLY, OPTIMIZER_RULES
+from .optimizers import known_names
 from .units import (
     ACCELERATE_DTYPES,
     DEFAULT_LORA_TARGETS,
@@ -109,9 +109,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--optim",
         nargs="+",
         default=["adamw_torch", "adamw_torch_layerwise"],
-        help="Optimizer name(s), one row each; <name>_layerwise for the layer-wise form. "
-        f"Known: {', '.join(sorted(set(OPTIMIZER_RULES) - set(LAYERWISE_ONLY)))}; layer-wise only: "
-        f"{', '.join(b + '_layerwise' for b in LAYERWISE_ONLY)}. Default: adamw_torch adamw_torch_layerwise.",
+        help=f"Optimizer name(s), one row each. Known: {known_names()}. Default: adamw_torch adamw_torch_layerwise.",
     )
     _add_training_setup_arguments(parser)
     parser.add_argument(

@@ -104,6 +104,13 @@ OPTIMIZER_RULES: dict[str, OptimizerRule] = load_rules()
 """Trainer optimizer name -> `OptimizerRule`, read from `optimizer_rules.txt` (which cites the sources)."""
 
 
+def known_names() -> str:
+    """The names the estimate takes, for help texts and errors."""
+    standard = ", ".join(sorted(set(OPTIMIZER_RULES) - set(LAYERWISE_ONLY)))
+    only = ", ".join(b + support.SUFFIX for b in LAYERWISE_ONLY)
+    return f"{standard} (each also as <name>{support.SUFFIX}); layer-wise only: {only}"
+
+
 def parse_optimizer(name: str) -> tuple[str, bool]:
     """
     Split an optimizer name into its base and whether it is layer-wise; raises `EstimateError` listing the known
@@ -127,11 +134,7 @@ def parse_optimizer(name: str) -> tuple[str, bool]:
     if layerwise and base in support.REFUSED_BASES:
         raise EstimateError(f"{name} is refused, as training refuses it: {support.REFUSED_BASES[base]}.")
     if base not in OPTIMIZER_RULES:
-        standard = sorted(set(OPTIMIZER_RULES) - set(LAYERWISE_ONLY))
-        raise EstimateError(
-            f"Unknown optimizer {name!r} for the estimate; choose one of {', '.join(standard)} (each also as "
-            f"<name>_layerwise), or {', '.join(b + support.SUFFIX for b in LAYERWISE_ONLY)}."
-        )
+        raise EstimateError(f"Unknown optimizer {name!r} for the estimate; choose one of {known_names()}.")
     if base in LAYERWISE_ONLY and not layerwise:
         raise EstimateError(f"{name!r} has no standard Trainer form; estimate {name}{support.SUFFIX}.")
     return base, layerwise
@@ -169,7 +172,7 @@ def tensor_state_bytes(rule: OptimizerRule, tensor: TensorSpec, param_bytes: int
     if rule.family == "muon":
         # layerwise_hf.muon.uses_muon: a 2-D tensor that is neither an embedding nor the output head.
         if len(tensor.shape) == 2 and not (is_embedding or tensor.tied or tensor.module == "lm_head"):
-            return numel * param_bytes
+            return rule.states * numel * param_bytes
         return tensor_state_bytes(OPTIMIZER_RULES["adamw_torch"], tensor, param_bytes, is_embedding)
     if rule.family == "adafactor":
         if len(tensor.shape) >= 2:
