@@ -659,7 +659,7 @@ PROFILE_ROWS = [
     ("    all_reduce launches", "distributed_c10d.py", "all_reduce"),
     ("    bucket steps: _step_bucket (cumulative)", "data_parallel.py", "_step_bucket"),
     ("      all-reduce waits (Work.wait)", "~", "<built-in method torch._C._distributed_c10d.wait>"),
-    ("      grad_ready -> gate -> inner step (cumulative)", "layerwise_hf/optimizer.py", "grad_ready"),
+    ("      grad_ready -> gate -> inner step (cumulative)", "layerwise_hf/optim/optimizer.py", "grad_ready"),
     ("      per-parameter grad norm (torch._foreach_norm)", "~", "<built-in method torch._foreach_norm>"),
     ("  end of backward: _finish_backward (cumulative)", "data_parallel.py", "_finish_backward"),
     ("Adam math (_single_tensor_adam, all calls)", "adam.py", "_single_tensor_adam"),

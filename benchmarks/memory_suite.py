@@ -326,8 +326,8 @@ def measure_memory(cfg: Config, opts) -> dict:
                 "state_bytes": h.storage_bytes(h.optimizer_state_tensors(optimizer)),
                 "state_view_bytes": h.tensor_bytes(h.optimizer_state_tensors(optimizer)),
                 "first_gradient": meter.first_name,
-                # The route held the first gradient's step (see layerwise_hf.routes._StepHold) when it was not the
-                # first to step in backward.
+                # The route held the first gradient's step (see layerwise_hf.routes.hooks._StepHold) when it was
+                # not the first to step in backward.
                 "first_stepped": stepped[0] if stepped else None,
                 "first_step_held": bool(stepped) and stepped[0] != meter.first_name and meter.first_name in stepped,
                 "seconds": time.perf_counter() - t0,  # with the malloc setting and the meter: not the timing
@@ -381,7 +381,7 @@ def quiet_target_warnings() -> None:
     # optim_target_modules "attn" / "mlp" are substrings, so they also match the attention and MLP containers and
     # the activation, which transformers and layerwise_hf warn about once per module (48 lines per GaLore
     # configuration); the projected Linear weights are the same either way.
-    for name in ("transformers.trainer_optimizer", "layerwise_hf.galore"):
+    for name in ("transformers.trainer_optimizer", "layerwise_hf.bases.galore"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 

@@ -16,24 +16,24 @@ Example:
 import importlib
 
 # NOTE: imported eagerly (it is light): it applies LAYERWISE_HF_FORCE_FSDP_CPU before any Accelerator exists.
-from .distributed import force_fsdp_on_cpu as force_fsdp_on_cpu
+from .routes.distributed import force_fsdp_on_cpu as force_fsdp_on_cpu
 
 __version__ = "0.1.0"
 
 # The rest loads on first use: Trainer, peft and bitsandbytes imports take seconds, which the CLI should not pay.
 _LAZY = {
-    "LayerwiseCallback": "callback",
-    "LayerwiseOptimizer": "optimizer",
-    "LayerwiseParam": "params",
-    "LayerwiseTrainer": "trainer",
-    "LayerwiseTrainerMixin": "trainer",
-    "LayerwiseTrainingArguments": "training_args",
-    "build_layerwise_optimizer": "optimizer",
-    "is_layerwise_name": "registry",
-    "list_layerwise_optimizers": "registry",
-    "register_layerwise_optimizer": "registry",
-    "unregister_layerwise_optimizer": "registry",
-    "unwrap_layerwise_optimizer": "optimizer",
+    "LayerwiseCallback": "integrations.callback",
+    "LayerwiseOptimizer": "optim.optimizer",
+    "LayerwiseParam": "bases.params",
+    "LayerwiseTrainer": "integrations.trainer",
+    "LayerwiseTrainerMixin": "integrations.trainer",
+    "LayerwiseTrainingArguments": "integrations.training_args",
+    "build_layerwise_optimizer": "optim.optimizer",
+    "is_layerwise_name": "bases.registry",
+    "list_layerwise_optimizers": "bases.registry",
+    "register_layerwise_optimizer": "bases.registry",
+    "unregister_layerwise_optimizer": "bases.registry",
+    "unwrap_layerwise_optimizer": "optim.optimizer",
 }
 
 __all__ = sorted([*_LAZY, "force_fsdp_on_cpu"])

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import checkpoint
 from .estimate import cli as estimate_cli
+from .integrations import checkpoint
 
 SUBCOMMANDS = (estimate_cli, checkpoint)
 

@@ -16,8 +16,8 @@ MEMORY_SUITE_JSON = README.parent / "benchmarks" / "results" / "memory_suite.jso
 
 
 def optimizer_table() -> str:
-    from layerwise_hf.registry import TRANSFORMERS_LAYERWISE_NAMES, describe_layerwise_optimizers
-    from layerwise_hf.support import REFUSED_BASES, base_status
+    from layerwise_hf.bases.registry import TRANSFORMERS_LAYERWISE_NAMES, describe_layerwise_optimizers
+    from layerwise_hf.bases.support import REFUSED_BASES, base_status
 
     rows = {base: package for _, base, package in describe_layerwise_optimizers()}
     # grokadamw is the one refused base that needs a package of its own.

@@ -6,7 +6,7 @@ from helpers import TokenDataset, hook_count, tiny_llama, train, training_args
 from transformers import TrainerCallback, TrainerControl, TrainerState
 
 from layerwise_hf import LayerwiseCallback, build_layerwise_optimizer
-from layerwise_hf.callback import memory_logs
+from layerwise_hf.integrations.callback import memory_logs
 
 
 def test_hooks_live_only_during_train(tmp_path):

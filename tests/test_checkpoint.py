@@ -109,7 +109,7 @@ def test_switching_between_standard_and_layerwise_on_resume(tmp_path, base, dire
 def test_convert_checkpoint_offline(tmp_path, to):
     from transformers import Trainer
 
-    from layerwise_hf.checkpoint import convert_checkpoint, is_layerwise_state_dict
+    from layerwise_hf.integrations.checkpoint import convert_checkpoint, is_layerwise_state_dict
 
     model = tiny_llama()
     first, second = (

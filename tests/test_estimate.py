@@ -18,7 +18,8 @@ from transformers import (
     Qwen3Config,
 )
 
-from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer, support
+from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer
+from layerwise_hf.bases import support
 from layerwise_hf.estimate import (
     OPTIMIZER_RULES,
     PRESETS,
@@ -182,7 +183,7 @@ def test_layerwise_gradient_term_is_the_held_lm_head_next_to_the_largest_layer_t
 
 def test_held_lm_head_step_follows_the_one_process_route(tmp_path):
     from layerwise_hf.estimate.buckets import LARGE_FRACTION, held_step_bound
-    from layerwise_hf.routes import LARGE_FRACTION as ROUTE_FRACTION
+    from layerwise_hf.routes.hooks import LARGE_FRACTION as ROUTE_FRACTION
 
     assert LARGE_FRACTION == ROUTE_FRACTION
     config = tiny_config(vocab_size=512)  # lm_head and embedding 512 x 64: four times any layer tensor
@@ -310,11 +311,11 @@ def test_ddp_buckets_match_torch_assignment():
 
 
 def test_ddp_buckets_are_the_routes_buckets():
-    # The estimator's buckets are the ones the data-parallel route builds (layerwise_hf.data_parallel).
+    # The estimator's buckets are the ones the data-parallel route builds (layerwise_hf.routes.data_parallel).
     import random
 
-    from layerwise_hf.data_parallel import build_buckets
     from layerwise_hf.estimate.buckets import assign_buckets, bucket_size_limits
+    from layerwise_hf.routes.data_parallel import build_buckets
 
     rng = random.Random(1)
     for limits in (bucket_size_limits(), bucket_size_limits(0.5), [1000, 5000], [5000]):
@@ -344,7 +345,7 @@ def test_ddp_layerwise_bound_on_the_58m_benchmark_model():
     named = dict(model.named_parameters())
     ready = [named[n] for n in reversed(forward_use_order(model))]
     assert len(ready) == len(named) and DEFAULT_FIRST_BUCKET_BYTES == dist._DEFAULT_FIRST_BUCKET_BYTES
-    from layerwise_hf.data_parallel import build_buckets
+    from layerwise_hf.routes.data_parallel import build_buckets
 
     assignment = [
         b.indices for b in build_buckets(ready, [DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20], list(range(len(ready))))

@@ -16,7 +16,7 @@ from layerwise_hf import (
     list_layerwise_optimizers,
     unwrap_layerwise_optimizer,
 )
-from layerwise_hf.registry import (
+from layerwise_hf.bases.registry import (
     TRANSFORMERS_LAYERWISE_NAMES,
     describe_layerwise_optimizers,
     parse_optim_name,
@@ -358,7 +358,7 @@ def _assert_states_equal(a, b, where="state"):
 def test_projector_round_trip(tmp_path, proj_type):
     from galore_torch.galore_projector import GaLoreProjector
 
-    from layerwise_hf.galore import optimizer_class
+    from layerwise_hf.bases.galore import optimizer_class
 
     torch.manual_seed(0)
     param = torch.nn.Parameter(torch.randn(12, 8))
@@ -396,7 +396,7 @@ def test_projector_round_trip(tmp_path, proj_type):
 def test_step_hooks_run_once(base, standard_galore_8bit):
     import galore_torch
 
-    from layerwise_hf.galore import LOW_RANK_BASES, optimizer_class
+    from layerwise_hf.bases.galore import LOW_RANK_BASES, optimizer_class
 
     kwargs = {"lr": 1e-2, **({"relative_step": False} if base == "galore_adafactor" else {})}
     # An upstream instance first: torch then wraps the upstream class's step with the hook runner as well.
@@ -413,7 +413,7 @@ def test_step_hooks_run_once(base, standard_galore_8bit):
 
 
 def test_unsaveable_state_is_refused_at_save():
-    from layerwise_hf.galore import optimizer_class
+    from layerwise_hf.bases.galore import optimizer_class
 
     param = torch.nn.Parameter(torch.randn(4, 4))
     optimizer = optimizer_class("galore_adamw")([param], lr=1e-2, no_deprecation_warning=True)
@@ -478,7 +478,7 @@ def test_python_and_cli_arguments(tmp_path):
     optimizer = trainer.create_optimizer()
     assert trainer.layerwise_optimizer is optimizer
     assert {type(inner).__qualname__ for inner in optimizer.inner} == {"GaLoreAdamW"}
-    assert type(optimizer.inner[0]).__module__ == "layerwise_hf.galore"
+    assert type(optimizer.inner[0]).__module__ == "layerwise_hf.bases.galore"
 
 
 @pytest.mark.parametrize("optim", GALORE_NAMES)
@@ -494,7 +494,7 @@ def test_missing_target_modules_is_transformers_error(tmp_path, optim):
 
 
 def test_targets_that_match_nothing_or_no_model(tmp_path):
-    from layerwise_hf.registry import resolve_factory
+    from layerwise_hf.bases.registry import resolve_factory
 
     args = training_args(tmp_path, "galore_adamw_layerwise", optim_target_modules=["no_such_module"])
     with pytest.raises(
@@ -507,7 +507,7 @@ def test_targets_that_match_nothing_or_no_model(tmp_path):
 
 def test_apollo_without_its_package_names_it(tmp_path, monkeypatch):
     # Runs whether or not apollo-torch is installed (the test extras install it): the lookup is made to miss.
-    import layerwise_hf.galore as galore
+    import layerwise_hf.bases.galore as galore
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(
@@ -521,7 +521,7 @@ def test_apollo_without_its_package_names_it(tmp_path, monkeypatch):
 
 
 def test_fsdp2_is_refused(tmp_path):
-    from layerwise_hf.distributed import check_fsdp2_supported
+    from layerwise_hf.routes.distributed import check_fsdp2_supported
 
     optimizer = build_layerwise_optimizer(tiny_llama(), galore_args(tmp_path, "galore_adamw_layerwise"))
     with pytest.raises(ValueError, match="cannot step FSDP2 shards"):

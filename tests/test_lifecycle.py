@@ -9,7 +9,7 @@ from helpers import TokenDataset, assert_params_equal, clone, logged, tiny_llama
 from transformers import Trainer, TrainerCallback
 
 from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments
-from layerwise_hf.params import canonical_name
+from layerwise_hf.bases.params import canonical_name
 
 
 def params(model) -> dict[str, torch.Tensor]:
@@ -215,7 +215,7 @@ def test_missing_optimizer_or_scheduler_state_is_warned_about(checkpoint, tmp_pa
     shutil.copytree(checkpoint, partial)
     (partial / name).unlink()
     _, trainer = fresh(tmp_path / "out")
-    with caplog.at_level("WARNING", logger="layerwise_hf.checkpoint"):
+    with caplog.at_level("WARNING", logger="layerwise_hf.integrations.checkpoint"):
         trainer.train(resume_from_checkpoint=str(partial))
     assert any(name in r.getMessage() and "fresh" in r.getMessage() for r in caplog.records)
 
@@ -285,7 +285,7 @@ def test_checkpoint_of_transformers_own_galore_resumes_with_a_fresh_optimizer(tm
     uninterrupted = train(tiny_llama(), training_args(tmp_path / "whole", "galore_adamw_layerwise", **galore))
     model = tiny_llama()
     before = params(model)
-    with caplog.at_level("WARNING", logger="layerwise_hf.trainer"):
+    with caplog.at_level("WARNING", logger="layerwise_hf.integrations.trainer"):
         resumed = train(
             model,
             training_args(tmp_path / "resumed", "galore_adamw_layerwise", **galore),

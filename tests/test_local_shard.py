@@ -7,9 +7,9 @@ from helpers import tiny_llama, training_args
 from transformers.optimization import Adafactor
 
 from layerwise_hf import build_layerwise_optimizer
-from layerwise_hf.local_shard import LocalShardOptimizer
-from layerwise_hf.params import isolate_bnb_overrides
-from layerwise_hf.support import check_fsdp2_optimizers
+from layerwise_hf.bases.params import isolate_bnb_overrides
+from layerwise_hf.bases.support import check_fsdp2_optimizers
+from layerwise_hf.routes.local_shard import LocalShardOptimizer
 
 bnb = pytest.importorskip("bitsandbytes")
 

@@ -207,7 +207,7 @@ def test_follows_parameters_replaced_in_its_groups():
 def test_state_bytes_count_what_quantized_state_tensors_hold():
     # torchao's 8-bit states are tensor subclasses whose numel/dtype describe the fp32 tensor they stand for.
     torchao_optim = pytest.importorskip("torchao.optim")
-    from layerwise_hf.memory import tensor_bytes
+    from layerwise_hf.optim.memory import tensor_bytes
 
     param = torch.nn.Parameter(torch.randn(256, 256))
     optimizer = torchao_optim.AdamW8bit([param], lr=1e-3)

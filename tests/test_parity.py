@@ -7,7 +7,8 @@ import pytest
 import torch
 from helpers import TokenDataset, assert_params_equal, clone, logged, tiny_llama, train, training_args
 
-from layerwise_hf import LayerwiseTrainer, support
+from layerwise_hf import LayerwiseTrainer
+from layerwise_hf.bases import support
 
 # All of these run the same per-tensor arithmetic in both set-ups, so the comparison is exact (no tolerance).
 BASES = ["adamw_torch", "adamw_8bit", "sgd", "adafactor", "lion_32bit", "rmsprop"]
@@ -99,7 +100,7 @@ def fresh_bnb_manager(monkeypatch):
 
 
 def _other_bases():
-    from layerwise_hf.registry import describe_layerwise_optimizers
+    from layerwise_hf.bases.registry import describe_layerwise_optimizers
 
     for _name, base, package in describe_layerwise_optimizers():
         if base in BASES or base in support.LOW_RANK_BASES:
@@ -131,7 +132,7 @@ def test_every_other_base_matches_standard(tmp_path, base, ga, fresh_bnb_manager
 def test_every_served_base_has_a_status():
     # The README's table says per row how a base compares with its standard form; "tested" must mean a parity test
     # runs it: BASES above, the sweep, or test_galore.py for the low-rank ones.
-    from layerwise_hf.registry import describe_layerwise_optimizers
+    from layerwise_hf.bases.registry import describe_layerwise_optimizers
 
     swept = {p.values[0] for p in _other_bases()}
     for _name, base, _package in describe_layerwise_optimizers():

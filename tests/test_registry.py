@@ -6,7 +6,7 @@ from helpers import assert_params_equal, clone, tiny_llama, train, training_args
 from transformers import Trainer
 
 from layerwise_hf import register_layerwise_optimizer, unregister_layerwise_optimizer
-from layerwise_hf.registry import resolve_factory
+from layerwise_hf.bases.registry import resolve_factory
 
 
 @pytest.fixture

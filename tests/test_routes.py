@@ -5,8 +5,8 @@ import pytest
 from helpers import TokenDataset, assert_params_equal, clone, tiny_llama, train, training_args
 
 from layerwise_hf import LayerwiseTrainer, build_layerwise_optimizer
-from layerwise_hf.memory import tensor_bytes
-from layerwise_hf.routes import LocalHooks
+from layerwise_hf.optim.memory import tensor_bytes
+from layerwise_hf.routes.hooks import LocalHooks
 
 # lm_head and the embedding (256 x 32) are four times any layer tensor: the only "large" ones.
 VOCAB = 256

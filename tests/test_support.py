@@ -5,7 +5,8 @@ import pytest
 import torch
 from helpers import tiny_llama, training_args
 
-from layerwise_hf import build_layerwise_optimizer, support
+from layerwise_hf import build_layerwise_optimizer
+from layerwise_hf.bases import support
 from layerwise_hf.estimate import estimate
 
 
@@ -73,7 +74,7 @@ def test_ddp_comm_hook_is_refused_under_the_data_parallel_route(hook):
 
     from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 
-    from layerwise_hf.data_parallel import DataParallelConfig
+    from layerwise_hf.routes.data_parallel import DataParallelConfig
 
     def accelerator(comm_hook):
         return SimpleNamespace(

@@ -8,7 +8,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import Trainer
 
 from layerwise_hf import LayerwiseCallback, LayerwiseOptimizer, LayerwiseTrainer, LayerwiseTrainerMixin
-from layerwise_hf.trainer import is_compiled
+from layerwise_hf.integrations.trainer import is_compiled
 
 SAVE = dict(max_steps=4, save_strategy="steps", save_steps=2)
 

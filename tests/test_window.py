@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from layerwise_hf.clipping import CLIP_MODES, ClipMode, clip_coef, make_clipper
-from layerwise_hf.window import Action, StepWindow
+from layerwise_hf.optim.clipping import CLIP_MODES, ClipMode, clip_coef, make_clipper
+from layerwise_hf.optim.window import Action, StepWindow
 
 
 def test_decision_table():

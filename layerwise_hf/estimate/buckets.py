@@ -1,6 +1,6 @@
-"""Gradient buckets under a DDP configuration, as `layerwise_hf.data_parallel` forms and reduces them, in plain Python
-(no process group needed): which gradients share an all-reduce, and the most gradient bytes the layer-wise route holds
-at once; and, on one process, the gradient bytes the local route holds when it holds a large tensor's step
+"""Gradient buckets under a DDP configuration, as `layerwise_hf.routes.data_parallel` forms and reduces them, in plain
+Python (no process group needed): which gradients share an all-reduce, and the most gradient bytes the layer-wise route
+holds at once; and, on one process, the gradient bytes the local route holds when it holds a large tensor's step
 (`held_step_bound`).
 
 The route's policy (`DataParallelReducer`):
@@ -34,8 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 MIB = 2**20
-# `layerwise_hf.routes.LARGE_FRACTION` (the estimator does not import torch): on one process a gradient at least this
-# fraction of the largest is "large", and its step is held while the gradients after it are smaller.
+# `layerwise_hf.routes.hooks.LARGE_FRACTION` (the estimator does not import torch): on one process a gradient at least
+# this fraction of the largest is "large", and its step is held while the gradients after it are smaller.
 LARGE_FRACTION = 0.5
 DEFAULT_BUCKET_CAP_MB = 25.0
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MIB  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
@@ -152,8 +152,8 @@ def ddp_in_flight_bound(buckets: Sequence[Bucket]) -> tuple[int, int, int]:
 
 def held_step_bound(sizes: Sequence[int]) -> tuple[int, int]:
     """
-    One process (`layerwise_hf.routes.LocalHooks`): the most gradient bytes alive at once, and the held bytes in that
-    sum, over gradient sizes in ready order. Each gradient steps and is freed in its own hook, except a large one
+    One process (`layerwise_hf.routes.hooks.LocalHooks`): the most gradient bytes alive at once, and the held bytes in
+    that sum, over gradient sizes in ready order. Each gradient steps and is freed in its own hook, except a large one
     (at least `LARGE_FRACTION` of the largest) followed by a smaller one: its step is held until the gradients before
     the next large one have stepped, so it is alive next to each of them, never next to that large one.
 

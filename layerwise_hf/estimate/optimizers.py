@@ -1,5 +1,6 @@
 """Optimizer state per tensor, as the optimizers allocate it. The rules are data (`optimizer_rules.txt`, beside this
-file, says where each comes from); whether a layer-wise form can step FSDP2 shards is `layerwise_hf.support`'s call."""
+file, says where each comes from); whether a layer-wise form can step FSDP2 shards is `layerwise_hf.bases.support`'s
+call."""
 
 from __future__ import annotations
 
@@ -7,13 +8,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import support
+from ..bases import support
 from .models import TensorSpec
 from .units import BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE, SCALAR_BYTES, TORCHAO_BLOCKSIZE, EstimateError, blocks
 
 RULES_FILE = Path(__file__).with_name("optimizer_rules.txt")
 FAMILIES = ("torch", "optimi", "bnb", "torchao", "adafactor", "muon")
-# Bases with no standard Trainer name: only their layer-wise form trains (layerwise_hf.registry.PLUGIN_NAMES).
+# Bases with no standard Trainer name: only their layer-wise form trains (layerwise_hf.bases.registry.PLUGIN_NAMES).
 LAYERWISE_ONLY = ("muon",)
 
 
@@ -170,7 +171,7 @@ def tensor_state_bytes(rule: OptimizerRule, tensor: TensorSpec, param_bytes: int
         scalar = (SCALAR_BYTES if rule.family == "torch" else param_bytes) if rule.states else 0
         return states * numel * element + scalar
     if rule.family == "muon":
-        # layerwise_hf.muon.uses_muon: a 2-D tensor that is neither an embedding nor the output head.
+        # layerwise_hf.bases.muon.uses_muon: a 2-D tensor that is neither an embedding nor the output head.
         if len(tensor.shape) == 2 and not (is_embedding or tensor.tied or tensor.module == "lm_head"):
             return rule.states * numel * param_bytes
         return tensor_state_bytes(OPTIMIZER_RULES["adamw_torch"], tensor, param_bytes, is_embedding)

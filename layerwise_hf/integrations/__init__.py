@@ -1,2 +1,4 @@
-"""Ready-made layer-wise classes for libraries built on `Trainer`. Each submodule needs its library installed:
-`layerwise_hf.integrations.trl` needs TRL (`pip install "layerwise-hf[trl]"`)."""
+"""The Hugging Face side: `LayerwiseTrainer` and its mixin (`trainer`), the callback that connects the route at train
+begin (`callback`), `LayerwiseTrainingArguments` (`training_args`), checkpoint files (`checkpoint`), and ready-made
+classes for libraries built on `Trainer`, each needing its library installed: `layerwise_hf.integrations.trl` needs TRL
+(`pip install "layerwise-hf[trl]"`)."""

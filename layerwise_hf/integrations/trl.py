@@ -36,8 +36,8 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     ) from err
 from transformers import TrainingArguments
 
-from ..trainer import LayerwiseTrainerMixin
-from ..training_args import LayerwiseTrainingArguments
+from .trainer import LayerwiseTrainerMixin
+from .training_args import LayerwiseTrainingArguments
 
 __all__ = ["LayerwiseDPOConfig", "LayerwiseDPOTrainer", "LayerwiseSFTConfig", "LayerwiseSFTTrainer"]
 

@@ -199,7 +199,7 @@ def main(report_path, quick=False):
     # A checkpoint written by the previous route (the model wrapped in DDP, gradients stepped from DDP's comm hook)
     # resumes on the new one.
     old = os.path.join(os.path.dirname(report_path), "ddp_old_route")
-    with mock.patch("layerwise_hf.trainer._replicate_without_ddp", lambda accelerator, model: None):
+    with mock.patch("layerwise_hf.integrations.trainer._replicate_without_ddp", lambda accelerator, model: None):
         before = run("adamw_torch_layerwise", old, max_steps=4, save_steps=2)
     resumed_old = run("adamw_torch_layerwise", old + "_b", max_steps=4, resume=os.path.join(old, "checkpoint-2"))
     results.append(

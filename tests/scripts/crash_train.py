@@ -59,7 +59,7 @@ def main():
             KillDuringSave.kill_step = int(step)
     trainer = trainer_cls(model=tiny_llama(), args=args, train_dataset=TokenDataset(), callbacks=callbacks)
     if opts.resume:
-        from layerwise_hf.checkpoint import latest_complete_checkpoint
+        from layerwise_hf.integrations.checkpoint import latest_complete_checkpoint
 
         # One rank, one write: two ranks printing at once interleave on the shared stdout.
         if int(os.environ.get("RANK", "0")) == 0:

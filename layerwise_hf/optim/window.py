@@ -18,7 +18,7 @@ class Action(enum.Enum):
     Example:
 
     ```python
-    >>> from layerwise_hf.window import Action
+    >>> from layerwise_hf.optim.window import Action
     >>> [action.value for action in Action]
     ['accumulate', 'measure', 'hold', 'step', 'repeated']
     ```
@@ -54,7 +54,7 @@ class StepWindow:
     Example:
 
     ```python
-    >>> from layerwise_hf.window import Action, StepWindow
+    >>> from layerwise_hf.optim.window import Action, StepWindow
     >>> window = StepWindow(2)
     >>> window.action(0, sync=True, whole_step=False)
     <Action.STEP: 'step'>

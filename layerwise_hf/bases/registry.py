@@ -19,14 +19,14 @@ from transformers.training_args import OptimizerNames
 from .params import LayerwiseFactory, LayerwiseParam, isolate_bnb_overrides
 from .support import LOW_RANK_BASES, REFUSED_BASES, SUFFIX, not_per_tensor_error, refused_base_error
 
-# Low-rank projection optimizers (GaLore, APOLLO) are served by layerwise_hf.galore: transformers defines their
+# Low-rank projection optimizers (GaLore, APOLLO) are served by layerwise_hf.bases.galore: transformers defines their
 # `_layerwise` names itself; this plugin serves them (scheduled lr, weight decay, grad_norm, state).
 _LOW_RANK_REQUIRES = {base: package for base, (_, _, package) in LOW_RANK_BASES.items()}
 
 _REGISTRY: dict[str, LayerwiseFactory] = {}
 
 # Layer-wise names of this plugin with no Trainer optimizer of that name: name -> the Trainer base the arguments are
-# validated against. Mixes of optimizers per tensor are natural here (layerwise_hf.muon).
+# validated against. Mixes of optimizers per tensor are natural here (layerwise_hf.bases.muon).
 PLUGIN_NAMES = {"muon_layerwise": "adamw_torch"}
 
 
@@ -80,7 +80,7 @@ def describe_layerwise_optimizers() -> list[tuple[str, str, str]]:
     Example:
 
     ```python
-    >>> from layerwise_hf.registry import describe_layerwise_optimizers
+    >>> from layerwise_hf.bases.registry import describe_layerwise_optimizers
     >>> ("adamw_8bit_layerwise", "adamw_8bit", "bitsandbytes") in describe_layerwise_optimizers()
     True
     ```
@@ -189,7 +189,7 @@ def parse_optim_name(name) -> str | None:
     Example:
 
     ```python
-    >>> from layerwise_hf.registry import parse_optim_name
+    >>> from layerwise_hf.bases.registry import parse_optim_name
     >>> parse_optim_name("adamw_8bit_layerwise")
     'adamw_8bit'
     >>> parse_optim_name("adamw_torch") is None
@@ -252,7 +252,7 @@ def resolve_factory(args: TrainingArguments, model: nn.Module | None = None) -> 
     ```python
     >>> import torch
     >>> from layerwise_hf import LayerwiseParam, LayerwiseTrainingArguments
-    >>> from layerwise_hf.registry import resolve_factory
+    >>> from layerwise_hf.bases.registry import resolve_factory
     >>> args = LayerwiseTrainingArguments(output_dir="out", optim="adamw_torch_layerwise")
     >>> factory = resolve_factory(args)
     >>> weight = torch.nn.Parameter(torch.zeros(4, 4))

@@ -42,11 +42,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .routes import LocalHooks
-from .support import check_ddp_comm_hook
+from ..bases.support import check_ddp_comm_hook
+from .hooks import LocalHooks
 
 if TYPE_CHECKING:
-    from .optimizer import LayerwiseOptimizer
+    from ..optim.optimizer import LayerwiseOptimizer
 
 MAX_IN_FLIGHT = 1  # a bucket all-reduces while the next one fills: overlap, with memory bounded by two buckets
 DDP_TYPES = ("MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_HPU")
@@ -72,7 +72,7 @@ class DataParallelConfig:
     Example:
 
     ```python
-    >>> from layerwise_hf.data_parallel import DataParallelConfig
+    >>> from layerwise_hf.routes.data_parallel import DataParallelConfig
     >>> config = DataParallelConfig.from_accelerator(accelerator)  # Accelerate's DDP kwargs and GA plugin
     >>> DataParallelConfig(bucket_cap_mb=10).bucket_cap_bytes
     10485760
@@ -163,7 +163,7 @@ def build_buckets(params: list[torch.Tensor], limits: list[int], ready_order: li
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.data_parallel import build_buckets
+    >>> from layerwise_hf.routes.data_parallel import build_buckets
     >>> params = [torch.zeros(256), torch.zeros(256), torch.zeros(4096)]  # 1 KiB, 1 KiB, 16 KiB
     >>> [bucket.indices for bucket in build_buckets(params, [4096], ready_order=[2, 1, 0])]
     [[2], [1, 0]]

@@ -6,11 +6,11 @@ the inner optimizer reads when it steps: the logged lr is the applied lr by cons
 
 The class only wires its parts together (docs/architecture.md draws the path of a gradient through them):
 
-- a route (`layerwise_hf.routes`, `layerwise_hf.ddp`) hands each reduced gradient to `grad_ready(i)`;
-- the step window (`layerwise_hf.window`) decides what that gradient is for: accumulate, measure, hold or step;
-- the clipper (`layerwise_hf.clipping`) scales it; the GradScaler bridge (`layerwise_hf.grad_scaler`) unscales and
-  inf-checks it under fp16; the meter (`layerwise_hf.memory`) counts the gradient bytes alive;
-- `layerwise_hf.state` saves and loads the inner optimizers' states by parameter name.
+- a route (`layerwise_hf.routes.hooks`, `layerwise_hf.routes.ddp`) hands each reduced gradient to `grad_ready(i)`;
+- the step window (`layerwise_hf.optim.window`) decides what that gradient is for: accumulate, measure, hold or step;
+- the clipper (`layerwise_hf.optim.clipping`) scales it; the GradScaler bridge (`layerwise_hf.optim.grad_scaler`)
+  unscales and inf-checks it under fp16; the meter (`layerwise_hf.optim.memory`) counts the gradient bytes alive;
+- `layerwise_hf.optim.state` saves and loads the inner optimizers' states by parameter name.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from ..bases.params import LayerwiseFactory, LayerwiseParam, canonical_name
+from ..routes.hooks import GradientRoute, LocalHooks
 from . import norm_pass
 from .clipping import CLIP_MODES as CLIP_MODES
 from .gate import GradientGate
 from .grad_scaler import GradScalerBridge
 from .memory import tensor_bytes
-from .params import LayerwiseFactory, LayerwiseParam, canonical_name
-from .routes import GradientRoute, LocalHooks
 from .state import layerwise_state_dict, load_layerwise_state_dict, standard_groups_names
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._gate.meter.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        """The standard layout, each group with its parameter's `name`, plus metadata (see `layerwise_hf.state`)."""
+        """The standard layout, each group with its parameter's `name`, plus metadata (`layerwise_hf.optim.state`)."""
         self.rebind()
         return layerwise_state_dict(self)
 
@@ -221,7 +221,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def connect(self, model: nn.Module | None = None, accelerator: Any = None) -> str:
         """Attach to `model` as Accelerate prepared it (local hooks, DDP comm hook, FSDP2); returns the route."""
-        from .distributed import choose_route
+        from ..routes.distributed import choose_route
 
         self.rebind()
         route = choose_route(self, model, accelerator)
@@ -278,7 +278,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         return self._gate.steps_now()
 
     def norm_pass(self) -> contextlib.AbstractContextManager[None]:
-        """Hooks within it only measure (and fp16-check) gradients and free them; see `layerwise_hf.norm_pass`."""
+        """Hooks within it only measure (and fp16-check) gradients and free them (`layerwise_hf.optim.norm_pass`)."""
         route = self._route
         return self._gate.norm_pass(route.reduce_found_inf if route is not None else lambda flags: None)
 
@@ -407,7 +407,7 @@ def build_layerwise_optimizer(
             See `LayerwiseOptimizer`; turn it on to read `grad_norm()` without clipping.
         local_shards (`bool`, *optional*, defaults to `False`):
             The model will be FSDP2-sharded: optimizers that cannot step a DTensor (bitsandbytes', Adafactor) step
-            each rank's local shard (`layerwise_hf.local_shard`).
+            each rank's local shard (`layerwise_hf.routes.local_shard`).
 
     Example:
 
@@ -421,7 +421,7 @@ def build_layerwise_optimizer(
     >>> optimizer.attach()  # plain loop: loss.backward() steps every layer; then optimizer.step()
     ```
     """
-    from .registry import resolve_factory
+    from ..bases.registry import resolve_factory
 
     if decay_parameter_names is None:
         from transformers import Trainer
@@ -445,7 +445,7 @@ def build_layerwise_optimizer(
     if factory is None:
         factory = resolve_factory(args, model)
     if local_shards:
-        from .local_shard import wrap_local_shards
+        from ..routes.local_shard import wrap_local_shards
 
         factory = wrap_local_shards(factory)
     return LayerwiseOptimizer(

@@ -34,8 +34,8 @@ class GradScalerBridge:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.grad_scaler import GradScalerBridge
-    >>> from layerwise_hf.window import StepWindow
+    >>> from layerwise_hf.optim.grad_scaler import GradScalerBridge
+    >>> from layerwise_hf.optim.window import StepWindow
     >>> weight = torch.nn.Parameter(torch.ones(3))
     >>> optimizer = torch.optim.SGD([weight], lr=0.1)
     >>> scaler = torch.amp.GradScaler("cpu", init_scale=4.0)

@@ -40,8 +40,8 @@ REFUSED_BASES: dict[str, str] = {
 }
 
 # Low-rank projection optimizers (GaLore, APOLLO): base -> (module, class name, pip package). The model chooses which
-# tensors are projected, so their factory is built from the model (layerwise_hf.galore); each tensor's update still
-# only reads its own gradient.
+# tensors are projected, so their factory is built from the model (layerwise_hf.bases.galore); each tensor's update
+# still only reads its own gradient.
 LOW_RANK_BASES: dict[str, tuple[str, str, str]] = {
     "galore_adamw": ("galore_torch", "GaLoreAdamW", "galore-torch"),
     "galore_adamw_8bit": ("galore_torch", "GaLoreAdamW8bit", "galore-torch"),
@@ -78,7 +78,7 @@ FSDP2_ELEMENTWISE: dict[str, str] = {
     "rmsprop": "torch.optim.rmsprop.RMSprop",
 }
 # Bases whose optimizer cannot step a DTensor (bitsandbytes' kernels take plain tensors; transformers' Adafactor mixes
-# DTensors with plain tensors): under FSDP2 they step each rank's local shard (`layerwise_hf.local_shard`), the
+# DTensors with plain tensors): under FSDP2 they step each rank's local shard (`layerwise_hf.routes.local_shard`), the
 # optimizer applied to the shard. 8-bit blocks and Adafactor's factored moments are the shard's, not the tensor's.
 FSDP2_LOCAL_SHARD: frozenset[str] = frozenset(
     {
@@ -110,7 +110,7 @@ _FSDP2_CLASSES = frozenset(
         *FSDP2_ELEMENTWISE.values(),
         *FSDP2_DTENSOR_NATIVE.values(),
         "torch.optim.adam.Adam",
-        "layerwise_hf.local_shard.LocalShardOptimizer",
+        "layerwise_hf.routes.local_shard.LocalShardOptimizer",
     }
 )
 
@@ -129,7 +129,7 @@ def qualname(obj_or_cls: Any) -> str:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.support import qualname
+    >>> from layerwise_hf.bases.support import qualname
     >>> qualname(torch.optim.AdamW), qualname(torch.nn.Linear(2, 2))
     ('torch.optim.adamw.AdamW', 'torch.nn.modules.linear.Linear')
     ```
@@ -151,7 +151,7 @@ def base_status(base: str) -> str:
     Example:
 
     ```python
-    >>> from layerwise_hf.support import base_status
+    >>> from layerwise_hf.bases.support import base_status
     >>> base_status("adamw_torch")
     'bit-exact (tested)'
     >>> base_status("lomo").startswith("refused: LOMO")
@@ -176,7 +176,7 @@ def fsdp2_supports_base(base: str) -> bool:
     Example:
 
     ```python
-    >>> from layerwise_hf.support import fsdp2_supports_base
+    >>> from layerwise_hf.bases.support import fsdp2_supports_base
     >>> [base for base in ("sgd", "adafactor", "adamw_8bit") if fsdp2_supports_base(base)]
     ['sgd', 'adamw_8bit']
     ```
@@ -196,7 +196,7 @@ def fsdp2_supports_optimizer(optimizer: Any) -> bool:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.support import fsdp2_supports_optimizer
+    >>> from layerwise_hf.bases.support import fsdp2_supports_optimizer
     >>> fsdp2_supports_optimizer(torch.optim.Adam), fsdp2_supports_optimizer(torch.optim.Adafactor)
     (True, False)
     ```
@@ -222,7 +222,7 @@ def refused_base_error(name: str, base: str, choices: Iterable[str]) -> ValueErr
     Example:
 
     ```python
-    >>> from layerwise_hf.support import refused_base_error
+    >>> from layerwise_hf.bases.support import refused_base_error
     >>> raise refused_base_error("lomo_layerwise", "lomo", ["adamw_torch_layerwise"])
     Traceback (most recent call last):
         ...
@@ -247,7 +247,7 @@ def not_per_tensor_error(name: str, base: str, choices: Iterable[str]) -> ValueE
     Example:
 
     ```python
-    >>> from layerwise_hf.support import not_per_tensor_error
+    >>> from layerwise_hf.bases.support import not_per_tensor_error
     >>> print(not_per_tensor_error("x_layerwise", "x", ["sgd_layerwise"]))
     'x_layerwise': Trainer builds 'x' from the whole model, so it has no per-tensor form. Choose one of: sgd_layerwise.
     ```
@@ -271,7 +271,7 @@ def check_deepspeed(name: str, deepspeed_enabled: Any) -> None:
     Example:
 
     ```python
-    >>> from layerwise_hf.support import check_deepspeed
+    >>> from layerwise_hf.bases.support import check_deepspeed
     >>> check_deepspeed("adamw_torch_layerwise", deepspeed_enabled=True)
     Traceback (most recent call last):
         ...
@@ -308,7 +308,7 @@ def check_fsdp_version(name: str, fsdp_version: int) -> None:
     Example:
 
     ```python
-    >>> from layerwise_hf.support import check_fsdp_version
+    >>> from layerwise_hf.bases.support import check_fsdp_version
     >>> check_fsdp_version("sgd_layerwise", 2)  # FSDP2: nothing to refuse
     >>> check_fsdp_version("sgd_layerwise", 1)
     Traceback (most recent call last):
@@ -338,7 +338,7 @@ def check_fp16_clip_mode(clip_mode: str, fp16: bool, max_grad_norm: float | None
     Example:
 
     ```python
-    >>> from layerwise_hf.support import check_fp16_clip_mode
+    >>> from layerwise_hf.bases.support import check_fp16_clip_mode
     >>> check_fp16_clip_mode("exact", fp16=True, max_grad_norm=1.0)  # a norm pass checks every gradient first
     >>> check_fp16_clip_mode("previous", fp16=True, max_grad_norm=1.0)
     Traceback (most recent call last):
@@ -367,7 +367,7 @@ def check_fp16_weights(named_params: Iterable[tuple[str, Any]]) -> None:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.support import check_fp16_weights
+    >>> from layerwise_hf.bases.support import check_fp16_weights
     >>> check_fp16_weights(torch.nn.Linear(2, 2).half().named_parameters())
     Traceback (most recent call last):
         ...
@@ -394,7 +394,7 @@ def check_ddp_comm_hook(comm_hook: Any) -> None:
     Example:
 
     ```python
-    >>> from layerwise_hf.support import check_ddp_comm_hook
+    >>> from layerwise_hf.bases.support import check_ddp_comm_hook
     >>> check_ddp_comm_hook("no")  # none configured: nothing to refuse
     ```
     """
@@ -423,7 +423,7 @@ def check_trainable_unchanged(names: Sequence[str], model: Any) -> None:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.support import check_trainable_unchanged
+    >>> from layerwise_hf.bases.support import check_trainable_unchanged
     >>> model = torch.nn.Linear(2, 2)
     >>> model.bias.requires_grad = False  # frozen after the optimizer was built
     >>> check_trainable_unchanged(["weight", "bias"], model)
@@ -459,7 +459,7 @@ def check_fsdp2_optimizers(name: str | None, optimizers: Sequence[Any]) -> None:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.support import check_fsdp2_optimizers
+    >>> from layerwise_hf.bases.support import check_fsdp2_optimizers
     >>> weight = torch.nn.Parameter(torch.zeros(2, 2))
     >>> check_fsdp2_optimizers("sgd_layerwise", [torch.optim.SGD([weight], lr=0.1)])  # elementwise: passes
     ```

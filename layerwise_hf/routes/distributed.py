@@ -1,7 +1,7 @@
 """Running the layer-wise path distributed: the routes' entry points and FSDP2 on CPU for tests.
 
-The routes themselves live in `layerwise_hf.routes` (local hooks, FSDP2) and `layerwise_hf.ddp` (the DDP comm hook);
-what is allowed under FSDP2 is decided in `layerwise_hf.support`.
+The routes themselves live in `layerwise_hf.routes.hooks` (local hooks, FSDP2) and `layerwise_hf.routes.ddp` (the DDP
+comm hook); what is allowed under FSDP2 is decided in `layerwise_hf.bases.support`.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..bases.support import check_fsdp2_optimizers
 from .data_parallel import DataParallelConfig, DataParallelReducer
 from .ddp import DDPCommHook, find_ddp
-from .routes import FSDP2Hooks, GradientRoute, LocalHooks
-from .support import check_fsdp2_optimizers
+from .hooks import FSDP2Hooks, GradientRoute, LocalHooks
 
 if TYPE_CHECKING:
-    from .optimizer import LayerwiseOptimizer
+    from ..optim.optimizer import LayerwiseOptimizer
 
 
 def is_sharded(params) -> bool:
@@ -33,7 +33,7 @@ def is_sharded(params) -> bool:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.distributed import is_sharded
+    >>> from layerwise_hf.routes.distributed import is_sharded
     >>> is_sharded(torch.nn.Linear(2, 2).parameters())
     False
     ```
@@ -61,7 +61,7 @@ def choose_route(
     Example:
 
     ```python
-    >>> from layerwise_hf.distributed import choose_route
+    >>> from layerwise_hf.routes.distributed import choose_route
     >>> route = choose_route(layerwise_optimizer, model, accelerator)  # one process, no DDP or FSDP2
     >>> type(route).__name__
     'LocalHooks'
@@ -92,7 +92,7 @@ def connect(optimizer: LayerwiseOptimizer, model: torch.nn.Module | None = None)
     Example:
 
     ```python
-    >>> from layerwise_hf.distributed import connect
+    >>> from layerwise_hf.routes.distributed import connect
     >>> connect(layerwise_optimizer, accelerator.prepare(model))  # after accelerator.prepare
     'ddp'
     ```
@@ -112,7 +112,7 @@ def check_fsdp2_supported(optimizer: LayerwiseOptimizer) -> None:
 
     ```python
     >>> from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer
-    >>> from layerwise_hf.distributed import check_fsdp2_supported
+    >>> from layerwise_hf.routes.distributed import check_fsdp2_supported
     >>> args = LayerwiseTrainingArguments("out", optim="adafactor_layerwise")
     >>> check_fsdp2_supported(build_layerwise_optimizer(model, args))
     Traceback (most recent call last):

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .clipping import CLIP_MODES, ClipMode
-from .registry import list_layerwise_optimizers, parse_optim_name
-from .support import check_deepspeed, check_fp16_clip_mode, check_fsdp_version, fsdp_version_of_args
+from ..bases.registry import list_layerwise_optimizers, parse_optim_name
+from ..bases.support import check_deepspeed, check_fp16_clip_mode, check_fsdp_version, fsdp_version_of_args
+from ..optim.clipping import CLIP_MODES, ClipMode
 
 
 @dataclass

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
+from ..bases.support import check_fp16_clip_mode, check_fp16_weights
 from .clipping import ClipMode, make_clipper
 from .grad_scaler import GradScalerBridge
 from .memory import GradMeter
-from .support import check_fp16_clip_mode, check_fp16_weights
 from .window import Action, StepWindow
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class GradientGate:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.gate import GradientGate
+    >>> from layerwise_hf.optim.gate import GradientGate
     >>> weight = torch.nn.Parameter(torch.ones(3))
     >>> gate = GradientGate(["w"], [weight], [torch.optim.SGD([weight], lr=0.5)], sync=lambda: True)
     >>> weight.grad = torch.ones(3)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import TrainerCallback
 
-from .optimizer import unwrap_layerwise_optimizer
-from .support import check_trainable_unchanged
+from ..bases.support import check_trainable_unchanged
+from ..optim.optimizer import unwrap_layerwise_optimizer
 
 MIB = 2**20
 
@@ -68,7 +68,7 @@ def end_training(optimizer) -> None:
     Example:
 
     ```python
-    >>> from layerwise_hf.callback import end_training
+    >>> from layerwise_hf.integrations.callback import end_training
     >>> end_training(trainer.layerwise_optimizer)
     >>> trainer.layerwise_optimizer.clip_mode, trainer.layerwise_optimizer.attached
     ('off', False)
@@ -94,7 +94,7 @@ def memory_logs(optimizer) -> dict[str, float]:
     ```python
     >>> import torch
     >>> from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
-    >>> from layerwise_hf.callback import memory_logs
+    >>> from layerwise_hf.integrations.callback import memory_logs
     >>> model = torch.nn.Linear(4, 2)
     >>> params = [LayerwiseParam(n, p, weight_decay=0.0) for n, p in model.named_parameters()]
     >>> optimizer = LayerwiseOptimizer(params, lambda lp, args: torch.optim.AdamW([lp.param], lr=1e-3))
@@ -119,7 +119,7 @@ def learning_rate_logs(optimizer, logs: dict) -> dict[str, float]:
     Example:
 
     ```python
-    >>> from layerwise_hf.callback import learning_rate_logs
+    >>> from layerwise_hf.integrations.callback import learning_rate_logs
     >>> learning_rate_logs(trainer.layerwise_optimizer, {"learning_rate": 0.001})
     {'learning_rate_adamw': 0.001, 'learning_rate_muon': 0.02}
     ```

@@ -60,7 +60,7 @@ def canonical_name(name: str) -> str:
     Example:
 
     ```python
-    >>> from layerwise_hf.params import canonical_name
+    >>> from layerwise_hf.bases.params import canonical_name
     >>> canonical_name("model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight")
     'model.layers.0.mlp.up_proj.weight'
     ```
@@ -82,7 +82,7 @@ def isolate_bnb_overrides(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
 
     ```python
     >>> import bitsandbytes as bnb, torch
-    >>> from layerwise_hf.params import isolate_bnb_overrides
+    >>> from layerwise_hf.bases.params import isolate_bnb_overrides
     >>> optimizer = isolate_bnb_overrides(bnb.optim.AdamW8bit([torch.nn.Parameter(torch.zeros(64))]))
     >>> optimizer.mng is bnb.optim.GlobalOptimManager.get_instance()
     False

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from .params import LayerwiseFactory, LayerwiseParam
-from .support import qualname
+from ..bases.params import LayerwiseFactory, LayerwiseParam
+from ..bases.support import qualname
 
 # Optimizers outside bitsandbytes whose step cannot take a DTensor (transformers' Adafactor mixes it with plain
 # tensors); bitsandbytes' are recognized by their module.
@@ -73,7 +73,7 @@ class LocalShardOptimizer(torch.optim.Optimizer):
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.local_shard import LocalShardOptimizer
+    >>> from layerwise_hf.routes.local_shard import LocalShardOptimizer
     >>> weight = torch.nn.Parameter(torch.ones(4))
     >>> optimizer = LocalShardOptimizer(torch.optim.SGD([weight], lr=0.5))
     >>> weight.grad = torch.ones(4); optimizer.step(); weight.data
@@ -206,11 +206,11 @@ def check_local_shards(checkpoint_dir: str, optimizer) -> None:
     Example:
 
     ```python
-    >>> from layerwise_hf.local_shard import check_local_shards
+    >>> from layerwise_hf.routes.local_shard import check_local_shards
     >>> check_local_shards("out/checkpoint-500", trainer.layerwise_optimizer)  # ValueError if saved on other ranks
     ```
     """
-    from .checkpoint import read_marker
+    from ..integrations.checkpoint import read_marker
 
     saved, current = read_marker(checkpoint_dir).get("local_shards"), local_shards_of(optimizer)
     if saved is not None and current is not None and saved != current:

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .routes import GradientRoute
+from .hooks import GradientRoute
 
 if TYPE_CHECKING:
-    from .optimizer import LayerwiseOptimizer
+    from ..optim.optimizer import LayerwiseOptimizer
 
 
 def find_ddp(model):
@@ -31,7 +31,7 @@ def find_ddp(model):
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.ddp import find_ddp
+    >>> from layerwise_hf.routes.ddp import find_ddp
     >>> find_ddp(torch.nn.Linear(2, 2)) is None  # not wrapped in DDP
     True
     ```

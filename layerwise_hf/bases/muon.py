@@ -58,7 +58,7 @@ def uses_muon(param: torch.Tensor, excluded: set[int]) -> bool:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.muon import uses_muon
+    >>> from layerwise_hf.bases.muon import uses_muon
     >>> embedding = torch.nn.Embedding(16, 4)
     >>> excluded = {id(embedding.weight)}
     >>> uses_muon(torch.nn.Linear(4, 4).weight, excluded), uses_muon(embedding.weight, excluded)

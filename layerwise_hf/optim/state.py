@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from .support import qualname
+from ..bases.support import qualname
 
 if TYPE_CHECKING:
     from .optimizer import LayerwiseOptimizer
@@ -47,7 +47,7 @@ def layerwise_state_dict(optimizer: LayerwiseOptimizer) -> dict[str, Any]:
     >>> model = torch.nn.Linear(4, 2)
     >>> params = [LayerwiseParam("weight", model.weight, 0.1), LayerwiseParam("bias", model.bias, 0.0)]
     >>> optimizer = LayerwiseOptimizer(params, lambda lp, args: torch.optim.SGD([lp.param], lr=0.1))
-    >>> from layerwise_hf.state import layerwise_state_dict
+    >>> from layerwise_hf.optim.state import layerwise_state_dict
     >>> state_dict = layerwise_state_dict(optimizer)
     >>> [group["name"] for group in state_dict["param_groups"]]
     ['weight', 'bias']
@@ -124,7 +124,7 @@ def load_layerwise_state_dict(optimizer: LayerwiseOptimizer, state_dict: dict[st
 
     ```python
     >>> # optimizer: the two-parameter LayerwiseOptimizer of `layerwise_state_dict`'s example
-    >>> from layerwise_hf.state import layerwise_state_dict, load_layerwise_state_dict
+    >>> from layerwise_hf.optim.state import layerwise_state_dict, load_layerwise_state_dict
     >>> last_grad_norm = load_layerwise_state_dict(optimizer, layerwise_state_dict(optimizer))
     ```
     """
@@ -176,7 +176,7 @@ def standard_groups_names(names: list[str], in_decay_group: list[bool]) -> list[
     Example:
 
     ```python
-    >>> from layerwise_hf.state import standard_groups_names
+    >>> from layerwise_hf.optim.state import standard_groups_names
     >>> standard_groups_names(["weight", "bias"], [True, False])
     [['weight'], ['bias']]
     ```
@@ -196,7 +196,7 @@ def is_layerwise_state_dict(state_dict: dict[str, Any]) -> bool:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.state import is_layerwise_state_dict
+    >>> from layerwise_hf.optim.state import is_layerwise_state_dict
     >>> standard = torch.optim.AdamW(torch.nn.Linear(4, 2).parameters(), lr=1e-3)
     >>> is_layerwise_state_dict(standard.state_dict())
     False
@@ -222,7 +222,7 @@ def standard_to_layerwise(state_dict: dict[str, Any], groups_names: list[list[st
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.state import standard_to_layerwise
+    >>> from layerwise_hf.optim.state import standard_to_layerwise
     >>> model = torch.nn.Linear(4, 2)
     >>> groups = [{"params": [model.weight], "weight_decay": 0.1}, {"params": [model.bias], "weight_decay": 0.0}]
     >>> standard = torch.optim.AdamW(groups, lr=1e-3)
@@ -265,7 +265,7 @@ def standard_groups_of(state_dict: dict[str, Any]) -> list[list[str]]:
 
     ```python
     >>> # optimizer: the two-parameter LayerwiseOptimizer of `layerwise_state_dict`'s example
-    >>> from layerwise_hf.state import standard_groups_of
+    >>> from layerwise_hf.optim.state import standard_groups_of
     >>> standard_groups_of(optimizer.state_dict())
     [['weight'], ['bias']]
     ```
@@ -292,7 +292,7 @@ def first_members(state_dict: dict[str, Any], groups_names: list[list[str]]) -> 
 
     ```python
     >>> # optimizer: the two-parameter LayerwiseOptimizer of `layerwise_state_dict`'s example
-    >>> from layerwise_hf.state import first_members
+    >>> from layerwise_hf.optim.state import first_members
     >>> first_members(optimizer.state_dict(), [["weight"], ["bias"]])
     [0, 1]
     ```
@@ -318,7 +318,7 @@ def layerwise_to_standard(state_dict: dict[str, Any], groups_names: list[list[st
 
     ```python
     >>> # optimizer: the two-parameter LayerwiseOptimizer of `layerwise_state_dict`'s example
-    >>> from layerwise_hf.state import layerwise_to_standard
+    >>> from layerwise_hf.optim.state import layerwise_to_standard
     >>> standard = layerwise_to_standard(optimizer.state_dict())
     >>> [group["params"] for group in standard["param_groups"]]
     [[0], [1]]
@@ -367,7 +367,7 @@ def convert_scheduler_state(state_dict: dict[str, Any], source_group: list[int],
     Example:
 
     ```python
-    >>> from layerwise_hf.state import convert_scheduler_state
+    >>> from layerwise_hf.optim.state import convert_scheduler_state
     >>> saved = {"base_lrs": [1e-3, 5e-4], "last_epoch": 7}
     >>> convert_scheduler_state(saved, source_group=[0, 0, 1], num_source_groups=2)
     {'base_lrs': [0.001, 0.001, 0.0005], 'last_epoch': 7}

@@ -47,7 +47,7 @@ def backward_with_norm_pass(
     ```python
     >>> import torch
     >>> from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
-    >>> from layerwise_hf.norm_pass import backward_with_norm_pass
+    >>> from layerwise_hf.optim.norm_pass import backward_with_norm_pass
     >>> w = torch.nn.Parameter(torch.ones(4))
     >>> optimizer = LayerwiseOptimizer([LayerwiseParam("w", w, 0.0)], lambda lp, _: torch.optim.SGD([lp.param], lr=1))
     >>> optimizer.configure_clipping(1.0, "exact"); optimizer.attach()
@@ -92,7 +92,7 @@ def run_with_norm_pass(
 
     ```python
     >>> # a plain Accelerate loop under DDP or FSDP2 with exact clipping
-    >>> from layerwise_hf.norm_pass import run_with_norm_pass
+    >>> from layerwise_hf.optim.norm_pass import run_with_norm_pass
     >>> def forward_backward():
     ...     loss = model(**batch).loss
     ...     accelerator.backward(loss)

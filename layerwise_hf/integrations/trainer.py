@@ -11,6 +11,12 @@ import warnings
 
 from transformers import Trainer, TrainingArguments
 
+from ..bases.params import canonical_name
+from ..bases.registry import is_layerwise_name
+from ..bases.support import check_deepspeed, check_fsdp2_optimizers, check_fsdp_version, fsdp_version_of_args
+from ..optim.optimizer import build_layerwise_optimizer, unwrap_layerwise_optimizer
+from ..routes.data_parallel import DataParallelConfig
+from ..routes.local_shard import check_local_shards, local_shards_of
 from .callback import LayerwiseCallback, end_training, learning_rate_logs, memory_logs
 from .checkpoint import (
     OPTIMIZER_NAME,
@@ -26,12 +32,6 @@ from .checkpoint import (
     standard_to_layerwise,
     warn_missing_optimizer_state,
 )
-from .data_parallel import DataParallelConfig
-from .local_shard import check_local_shards, local_shards_of
-from .optimizer import build_layerwise_optimizer, unwrap_layerwise_optimizer
-from .params import canonical_name
-from .registry import is_layerwise_name
-from .support import check_deepspeed, check_fsdp2_optimizers, check_fsdp_version, fsdp_version_of_args
 
 logger = logging.getLogger(__name__)
 
@@ -305,7 +305,7 @@ def is_compiled(model) -> bool:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.trainer import is_compiled
+    >>> from layerwise_hf.integrations.trainer import is_compiled
     >>> model = torch.nn.Linear(4, 2)
     >>> is_compiled(model), is_compiled(torch.compile(model))
     (False, True)

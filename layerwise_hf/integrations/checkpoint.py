@@ -1,5 +1,5 @@
 """Checkpoint safety and files: complete-checkpoint markers, checks before anything loads, and the
-`layerwise-hf convert-checkpoint` command (the state conversions themselves live in `layerwise_hf.state`).
+`layerwise-hf convert-checkpoint` command (the state conversions themselves live in `layerwise_hf.optim.state`).
 
 A standard Trainer optimizer state has two param groups (Trainer's weight-decay group, then the no-decay group),
 each listing its parameters in `model.named_parameters()` order; a layer-wise state has one named group per
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .state import (
+from ..optim.state import (
     convert_scheduler_state,
     first_members,
     is_layerwise_state_dict,
@@ -51,7 +51,7 @@ def mark_complete(checkpoint_dir: str, info: dict[str, Any] | None = None) -> No
 
     ```python
     >>> import tempfile
-    >>> from layerwise_hf.checkpoint import is_complete, mark_complete
+    >>> from layerwise_hf.integrations.checkpoint import is_complete, mark_complete
     >>> checkpoint_dir = tempfile.mkdtemp()
     >>> mark_complete(checkpoint_dir, {"global_step": 10})
     >>> is_complete(checkpoint_dir)
@@ -78,7 +78,7 @@ def is_complete(checkpoint_dir: str) -> bool:
 
     ```python
     >>> import tempfile
-    >>> from layerwise_hf.checkpoint import is_complete
+    >>> from layerwise_hf.integrations.checkpoint import is_complete
     >>> is_complete(tempfile.mkdtemp())  # no marker: interrupted, or not written by this plugin
     False
     ```
@@ -94,7 +94,7 @@ def read_marker(checkpoint_dir: str) -> dict[str, Any]:
 
     ```python
     >>> import tempfile
-    >>> from layerwise_hf.checkpoint import mark_complete, read_marker
+    >>> from layerwise_hf.integrations.checkpoint import mark_complete, read_marker
     >>> checkpoint_dir = tempfile.mkdtemp()
     >>> mark_complete(checkpoint_dir, {"global_step": 10}); read_marker(checkpoint_dir)
     {'global_step': 10}
@@ -121,7 +121,7 @@ def latest_complete_checkpoint(run_dir: str) -> str | None:
 
     ```python
     >>> import os, tempfile
-    >>> from layerwise_hf.checkpoint import latest_complete_checkpoint, mark_complete
+    >>> from layerwise_hf.integrations.checkpoint import latest_complete_checkpoint, mark_complete
     >>> run_dir = tempfile.mkdtemp()
     >>> for step in (10, 20):
     ...     os.makedirs(os.path.join(run_dir, f"checkpoint-{step}"))
@@ -162,7 +162,7 @@ def check_checkpoint(checkpoint_dir: str, accept_nonfinite: bool = False) -> Non
 
     ```python
     >>> import json, os, tempfile
-    >>> from layerwise_hf.checkpoint import check_checkpoint
+    >>> from layerwise_hf.integrations.checkpoint import check_checkpoint
     >>> checkpoint_dir = tempfile.mkdtemp()
     >>> with open(os.path.join(checkpoint_dir, "trainer_state.json"), "w") as f:
     ...     json.dump({"global_step": 10}, f)
@@ -239,7 +239,7 @@ def warn_missing_optimizer_state(checkpoint_dir: str) -> None:
     Example:
 
     ```python
-    >>> from layerwise_hf.checkpoint import warn_missing_optimizer_state
+    >>> from layerwise_hf.integrations.checkpoint import warn_missing_optimizer_state
     >>> warn_missing_optimizer_state("out/checkpoint-500")  # logs a warning if optimizer.pt / scheduler.pt are gone
     ```
     """
@@ -285,7 +285,7 @@ def load_optimizer_file(path: str) -> dict[str, Any]:
 
     ```python
     >>> import os, tempfile, torch
-    >>> from layerwise_hf.checkpoint import load_optimizer_file
+    >>> from layerwise_hf.integrations.checkpoint import load_optimizer_file
     >>> path = os.path.join(tempfile.mkdtemp(), "optimizer.pt")
     >>> torch.save(torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1).state_dict(), path)
     >>> load_optimizer_file(path)["param_groups"][0]["lr"]
@@ -310,7 +310,7 @@ def is_transformers_dummy_state(state_dict: dict[str, Any]) -> bool:
     ```python
     >>> import torch
     >>> from transformers.trainer_pt_utils import LayerWiseDummyOptimizer
-    >>> from layerwise_hf.checkpoint import is_transformers_dummy_state
+    >>> from layerwise_hf.integrations.checkpoint import is_transformers_dummy_state
     >>> is_transformers_dummy_state(LayerWiseDummyOptimizer(lr=1e-3).state_dict())
     True
     ```
@@ -362,7 +362,7 @@ def convert_checkpoint(checkpoint_dir: str, to: str, output_dir: str | None = No
     Example:
 
     ```python
-    >>> from layerwise_hf.checkpoint import convert_checkpoint
+    >>> from layerwise_hf.integrations.checkpoint import convert_checkpoint
     >>> convert_checkpoint("out/checkpoint-500", to="layerwise")
     'out/checkpoint-500-layerwise'
     ```

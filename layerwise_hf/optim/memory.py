@@ -20,7 +20,7 @@ def tensor_bytes(obj: Any) -> int:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.memory import tensor_bytes
+    >>> from layerwise_hf.optim.memory import tensor_bytes
     >>> tensor_bytes({"exp_avg": torch.zeros(4, 4), "step": torch.tensor(1.0)})
     68
     ```
@@ -53,7 +53,7 @@ class GradMeter:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.memory import GradMeter
+    >>> from layerwise_hf.optim.memory import GradMeter
     >>> meter = GradMeter()
     >>> meter.hold(0, torch.zeros(256))
     >>> meter.release(0)

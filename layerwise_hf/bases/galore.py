@@ -69,7 +69,7 @@ def pack_object(obj: Any, where: str = "state") -> dict[str, Any]:
 
     ```python
     >>> from galore_torch.galore_projector import GaLoreProjector
-    >>> from layerwise_hf.galore import pack_object
+    >>> from layerwise_hf.bases.galore import pack_object
     >>> packed = pack_object(GaLoreProjector(rank=8), "state[0]['projector']")
     >>> packed["rank"]
     8
@@ -107,7 +107,7 @@ def unpack_object(packed: dict[str, Any], device: torch.device | None = None) ->
 
     ```python
     >>> from galore_torch.galore_projector import GaLoreProjector
-    >>> from layerwise_hf.galore import pack_object, unpack_object
+    >>> from layerwise_hf.bases.galore import pack_object, unpack_object
     >>> projector = unpack_object(pack_object(GaLoreProjector(rank=8)))
     >>> type(projector).__name__, projector.rank
     ('GaLoreProjector', 8)
@@ -148,7 +148,7 @@ class CheckpointSafeStateMixin:
     ```python
     >>> import io, torch
     >>> from galore_torch import GaLoreAdamW
-    >>> from layerwise_hf.galore import CheckpointSafeStateMixin
+    >>> from layerwise_hf.bases.galore import CheckpointSafeStateMixin
     >>> class SafeGaLoreAdamW(CheckpointSafeStateMixin, GaLoreAdamW):
     ...     pass
     >>> weight = torch.nn.Parameter(torch.randn(16, 16))
@@ -222,7 +222,7 @@ _CLASSES: dict[str, type[torch.optim.Optimizer]] = {}
 def optimizer_class(base: str) -> type[torch.optim.Optimizer]:
     """
     The checkpoint-safe optimizer class for `base`: the upstream class with `CheckpointSafeStateMixin` in front,
-    reachable as `layerwise_hf.galore.<ClassName>`. Raises `ImportError` naming the package when it is missing.
+    reachable as `layerwise_hf.bases.galore.<ClassName>`. Raises `ImportError` naming the package when it is missing.
 
     Args:
         base (`str`):
@@ -231,10 +231,10 @@ def optimizer_class(base: str) -> type[torch.optim.Optimizer]:
     Example:
 
     ```python
-    >>> from layerwise_hf.galore import optimizer_class
+    >>> from layerwise_hf.bases.galore import optimizer_class
     >>> cls = optimizer_class("galore_adamw")
     >>> cls.__module__, cls.__name__
-    ('layerwise_hf.galore', 'GaLoreAdamW')
+    ('layerwise_hf.bases.galore', 'GaLoreAdamW')
     ```
     """
     if base in _CLASSES:
@@ -262,7 +262,7 @@ def optimizer_class(base: str) -> type[torch.optim.Optimizer]:
 
 
 def __getattr__(name: str) -> Any:
-    # `layerwise_hf.galore.GaLoreAdamW` etc. are built on first use (galore_torch is optional); this lets pickle
+    # `layerwise_hf.bases.galore.GaLoreAdamW` etc. are built on first use (galore_torch is optional); this lets pickle
     # find them in a fresh process too.
     for base, (_, class_name, _) in LOW_RANK_BASES.items():
         if name == class_name:
@@ -328,7 +328,7 @@ def target_parameter_names(name: str, args: Any, model: nn.Module | None) -> lis
     >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
     ...                                      num_hidden_layers=2, num_attention_heads=4))
     >>> from layerwise_hf import LayerwiseTrainingArguments
-    >>> from layerwise_hf.galore import target_parameter_names
+    >>> from layerwise_hf.bases.galore import target_parameter_names
     >>> args = LayerwiseTrainingArguments(
     ...     output_dir="out", optim="galore_adamw_layerwise", optim_target_modules=["q_proj", "v_proj"]
     ... )
@@ -386,7 +386,7 @@ class LowRankFactory:
     ```python
     >>> import torch
     >>> from layerwise_hf import LayerwiseParam
-    >>> from layerwise_hf.galore import LowRankFactory, optimizer_class
+    >>> from layerwise_hf.bases.galore import LowRankFactory, optimizer_class
     >>> factory = LowRankFactory(
     ...     optimizer_class("galore_adamw"),
     ...     {"lr": 1e-3, "no_deprecation_warning": True},
@@ -425,7 +425,7 @@ class LowRankFactory:
         Example:
 
         ```python
-        >>> from layerwise_hf.galore import LowRankFactory, optimizer_class
+        >>> from layerwise_hf.bases.galore import LowRankFactory, optimizer_class
         >>> factory = LowRankFactory(optimizer_class("galore_adamw"), {}, {"rank": 4}, ["proj.weight"])
         >>> factory.is_target("proj.weight"), factory.is_target("proj.bias")
         (True, False)
@@ -467,7 +467,7 @@ def apollo_seeds(model: nn.Module, target_names: list[str]) -> dict[str, int]:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.galore import apollo_seeds
+    >>> from layerwise_hf.bases.galore import apollo_seeds
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     >>> apollo_seeds(model, ["0.weight"])
     {'0.bias': 1, '1.weight': 2, '1.bias': 3, '0.weight': 4}
@@ -500,7 +500,7 @@ def low_rank_factory(name: str, base: str, args: Any, model: nn.Module | None) -
     ```python
     >>> # model: a LlamaForCausalLM, as in `target_parameter_names`' example
     >>> from layerwise_hf import LayerwiseTrainingArguments
-    >>> from layerwise_hf.galore import low_rank_factory
+    >>> from layerwise_hf.bases.galore import low_rank_factory
     >>> args = LayerwiseTrainingArguments(
     ...     output_dir="out",
     ...     optim="galore_adamw_layerwise",

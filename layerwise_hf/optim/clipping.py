@@ -30,7 +30,7 @@ class ClipMode(str, enum.Enum):
     Example:
 
     ```python
-    >>> from layerwise_hf.clipping import ClipMode
+    >>> from layerwise_hf.optim.clipping import ClipMode
     >>> ClipMode("exact") is ClipMode.EXACT, ClipMode.PER_PARAM.value
     (True, 'per_param')
     ```
@@ -65,7 +65,7 @@ def grad_norm_kernel(grad: torch.Tensor) -> torch.Tensor:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.clipping import grad_norm_kernel
+    >>> from layerwise_hf.optim.clipping import grad_norm_kernel
     >>> grad_norm_kernel(torch.tensor([3.0, 4.0]))
     tensor(5.)
     ```
@@ -90,7 +90,7 @@ def total_norm(norms: Sequence[tuple[torch.device, torch.dtype, torch.Tensor]]) 
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.clipping import total_norm
+    >>> from layerwise_hf.optim.clipping import total_norm
     >>> cpu = torch.device("cpu")
     >>> total_norm([(cpu, torch.float32, torch.tensor(3.0)), (cpu, torch.bfloat16, torch.tensor(4.0))])
     tensor(5.)
@@ -123,7 +123,7 @@ def clip_coef(max_grad_norm: float, norm: torch.Tensor) -> torch.Tensor:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.clipping import clip_coef
+    >>> from layerwise_hf.optim.clipping import clip_coef
     >>> clip_coef(1.0, torch.tensor(4.0)), clip_coef(1.0, torch.tensor(0.5))
     (tensor(0.2500), tensor(1.))
     ```
@@ -145,8 +145,8 @@ class Clipper:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.clipping import make_clipper
-    >>> from layerwise_hf.window import StepWindow
+    >>> from layerwise_hf.optim.clipping import make_clipper
+    >>> from layerwise_hf.optim.window import StepWindow
     >>> clipper = make_clipper(1.0, "per_param")
     >>> clipper.coef(StepWindow(1), torch.tensor(4.0), None)
     tensor(0.2500)
@@ -222,7 +222,7 @@ def make_clipper(max_grad_norm: float | None, mode: str | ClipMode = ClipMode.EX
     Example:
 
     ```python
-    >>> from layerwise_hf.clipping import make_clipper
+    >>> from layerwise_hf.optim.clipping import make_clipper
     >>> make_clipper(1.0, "per_param").mode.value
     'per_param'
     >>> make_clipper(None, "exact").mode.value  # nothing to clip to

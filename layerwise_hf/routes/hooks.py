@@ -5,8 +5,8 @@
   before the next large gradient is computed, or the end of backward (`_StepHold`).
 - `FSDP2Hooks`: FSDP2 calls the sharded parameters' post-accumulate-grad hooks itself after the reduce-scatter, with
   the reduced local shard, so the local hooks are right as they are; only elementwise optimizers are allowed.
-- `DDPCommHook` (`layerwise_hf.ddp`): DDP's post-accumulate-grad hooks fire BEFORE the all-reduce, so a comm hook
-  all-reduces each bucket and hands the reduced gradients over instead.
+- `DDPCommHook` (`layerwise_hf.routes.ddp`): DDP's post-accumulate-grad hooks fire BEFORE the all-reduce, so a comm
+  hook all-reduces each bucket and hands the reduced gradients over instead.
 
 A route only calls the optimizer's public per-parameter entry point, `LayerwiseOptimizer.grad_ready(i)`, once
 parameter `i`'s reduced gradient is in `.grad`.
@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .memory import tensor_bytes
-from .support import check_fsdp2_optimizers
+from ..bases.support import check_fsdp2_optimizers
+from ..optim.memory import tensor_bytes
 
 if TYPE_CHECKING:
-    from .optimizer import LayerwiseOptimizer
+    from ..optim.optimizer import LayerwiseOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class GradientRoute:
     Example:
 
     ```python
-    >>> from layerwise_hf.routes import LocalHooks
+    >>> from layerwise_hf.routes.hooks import LocalHooks
     >>> route = LocalHooks()  # optimizer.set_route(route) attaches it; optimizer.detach() removes it
     >>> route.name, route.attached
     ('local', False)
@@ -82,7 +82,7 @@ class LocalHooks(GradientRoute):
     Example:
 
     ```python
-    >>> from layerwise_hf.routes import LocalHooks
+    >>> from layerwise_hf.routes.hooks import LocalHooks
     >>> optimizer.set_route(LocalHooks())  # `optimizer`: a LayerwiseOptimizer on one process (= optimizer.attach())
     >>> optimizer.route, optimizer.attached
     ('local', True)
@@ -266,7 +266,7 @@ class FSDP2Hooks(LocalHooks):
     Example:
 
     ```python
-    >>> from layerwise_hf.routes import FSDP2Hooks
+    >>> from layerwise_hf.routes.hooks import FSDP2Hooks
     >>> route = FSDP2Hooks()  # what `connect(model)` picks once `fully_shard` made the parameters DTensors
     >>> route.name, route.collective_per_forward
     ('fsdp2', True)
