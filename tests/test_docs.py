@@ -51,3 +51,61 @@ def test_every_config_parses():
             args = {k: v for k, v in data.items() if k in fields}
             (parsed,) = HfArgumentParser(LayerwiseTrainingArguments).parse_dict(args, allow_extra_keys=False)
             assert parsed.optim == data.get("optim", parsed.optim)
+
+
+def _doc_texts():
+    docs = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return {path.relative_to(ROOT): path.read_text() for path in docs}
+
+
+def test_every_module_path_the_docs_name_exists():
+    import importlib
+    import re
+
+    missing = []
+    for doc, text in _doc_texts().items():
+        for path in set(re.findall(r"layerwise_hf/[\w/]+\.py", text)):
+            if not (ROOT / path).is_file():
+                missing.append(f"{doc}: {path}")
+        for dotted in set(re.findall(r"`(layerwise_hf(?:\.\w+)+)", text)):
+            parts, obj = dotted.split("."), None
+            # The longest importable prefix, then attributes (a class, a function, a constant).
+            for k in range(len(parts), 0, -1):
+                try:
+                    obj = importlib.import_module(".".join(parts[:k]))
+                except ImportError:
+                    continue
+                try:
+                    for attr in parts[k:]:
+                        obj = getattr(obj, attr)
+                except AttributeError:
+                    obj = None
+                break
+            if obj is None:
+                missing.append(f"{doc}: {dotted}")
+    assert not missing, missing
+
+
+def test_architecture_table_names_every_module_where_it_lives():
+    import re
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text[text.index("## The parts") : text.index("## The path of one gradient")]
+    named, folder = set(), ""
+    for row in table.splitlines():
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        if len(cells) < 4 or not row.startswith("|") or (cells[0] and set(cells[0]) <= set("-")):
+            continue
+        if cells[0].startswith("`") and cells[0].endswith("/`"):
+            folder = cells[0].strip("`")
+        elif cells[0] == "(top)":
+            folder = ""
+        for module in re.findall(r"`(\w+\.py)`", cells[1]):
+            named.add(f"{folder}{module}")
+    package = ROOT / "layerwise_hf"
+    actual = {
+        str(p.relative_to(package))
+        for p in package.rglob("*.py")
+        if p.name != "__init__.py" and not str(p.relative_to(package)).startswith(("estimate/", "training_args.py"))
+    } | {"__init__.py"}
+    assert named == actual, (sorted(named - actual), sorted(actual - named))

@@ -71,3 +71,28 @@ def test_only_optimizers_that_cannot_step_dtensors_step_local_shards(tmp_path, o
     unwrapped = build_layerwise_optimizer(model, training_args(tmp_path, optim))
     with pytest.raises(ValueError, match=r"cannot step FSDP2 shards.*built for local shards.*local_shards=True"):
         check_fsdp2_optimizers(unwrapped.optimizer_name, unwrapped.inner)
+
+
+def test_a_checkpoint_of_0_1_names_the_wrapper_by_its_old_module_and_still_loads(tmp_path):
+    # 0.1 had no package folders: its checkpoints name the class `layerwise_hf.local_shard.LocalShardOptimizer`.
+    model = tiny_llama()
+    args = training_args(tmp_path, "adamw_8bit_layerwise")
+    optimizer = build_layerwise_optimizer(model, args, local_shards=True)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    saved = optimizer.state_dict()
+    classes = saved["layerwise_hf"]["optimizer_classes"]
+    assert "layerwise_hf.routes.local_shard.LocalShardOptimizer" in classes
+    saved["layerwise_hf"]["optimizer_classes"] = [c.replace(".routes.local_shard.", ".local_shard.") for c in classes]
+    resumed = build_layerwise_optimizer(model, args, local_shards=True)
+    resumed.load_state_dict(saved)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(resumed.state_dict()["state"][0].values(), saved["state"][0].values())
+        if isinstance(a, torch.Tensor)
+    )
+    # Another class is still refused.
+    saved["layerwise_hf"]["optimizer_classes"] = ["torch.optim.adamw.AdamW"] * len(classes)
+    with pytest.raises(ValueError, match="saved optimizer torch.optim.adamw.AdamW"):
+        build_layerwise_optimizer(model, args, local_shards=True).load_state_dict(saved)

@@ -123,3 +123,15 @@ def test_list_has_every_per_tensor_base():
     for name in ("galore_adamw_layerwise", "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise"):
         assert name in names
     assert names == sorted(names)
+
+
+def test_training_args_pickled_by_0_1_still_load(tmp_path, monkeypatch):
+    # A 0.1 checkpoint's training_args.bin names the class by the module path before the package had folders.
+    args = LayerwiseTrainingArguments(str(tmp_path), optim="adamw_torch_layerwise", learning_rate=3e-4)
+    monkeypatch.setattr(LayerwiseTrainingArguments, "__module__", "layerwise_hf.training_args")
+    data = pickle.dumps(args)
+    monkeypatch.undo()
+    assert b"layerwise_hf.training_args" in data and b"integrations" not in data
+    loaded = pickle.loads(data)
+    assert type(loaded) is LayerwiseTrainingArguments
+    assert loaded.optim == "adamw_torch_layerwise" and loaded.learning_rate == 3e-4

@@ -16,6 +16,8 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 from transformers.training_args import OptimizerNames
 
+from .galore import low_rank_factory
+from .muon import muon_factory
 from .params import LayerwiseFactory, LayerwiseParam, isolate_bnb_overrides
 from .support import LOW_RANK_BASES, REFUSED_BASES, SUFFIX, not_per_tensor_error, refused_base_error
 
@@ -267,12 +269,8 @@ def resolve_factory(args: TrainingArguments, model: nn.Module | None = None) -> 
     if base == "":
         return _REGISTRY[name]
     if name in PLUGIN_NAMES:
-        from .muon import muon_factory
-
         return muon_factory(args, model)
     if base in _LOW_RANK_REQUIRES:
-        from .galore import low_rank_factory
-
         return low_rank_factory(name, base, args, model)
 
     base_args = copy.copy(args)

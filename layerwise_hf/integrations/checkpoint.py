@@ -25,6 +25,7 @@ from ..optim.state import (
     standard_groups_of,
     standard_to_layerwise,
 )
+from ..routes.local_shard import local_shards_of
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,27 @@ def read_marker(checkpoint_dir: str) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return info if isinstance(info, dict) else {}
+
+
+def check_local_shards(checkpoint_dir: str, optimizer) -> None:
+    """
+    Refuse to resume 8-bit local-shard states saved on another number of shards (their blocks would not match), with
+    what would work, before DCP loads anything.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.integrations.checkpoint import check_local_shards
+    >>> check_local_shards("out/checkpoint-500", trainer.layerwise_optimizer)  # ValueError if saved on other ranks
+    ```
+    """
+    saved, current = read_marker(checkpoint_dir).get("local_shards"), local_shards_of(optimizer)
+    if saved is not None and current is not None and saved != current:
+        raise ValueError(
+            f"{checkpoint_dir} holds {optimizer.optimizer_name} states saved on {saved} FSDP2 shards; this run has "
+            f"{current}. bitsandbytes' quantization blocks follow the shards, so they cannot be resharded. Resume "
+            f"with {saved} processes, or start a new run from the checkpoint's model weights."
+        )
 
 
 def latest_complete_checkpoint(run_dir: str) -> str | None:

@@ -16,11 +16,12 @@ from ..bases.registry import is_layerwise_name
 from ..bases.support import check_deepspeed, check_fsdp2_optimizers, check_fsdp_version, fsdp_version_of_args
 from ..optim.optimizer import build_layerwise_optimizer, unwrap_layerwise_optimizer
 from ..routes.data_parallel import DataParallelConfig
-from ..routes.local_shard import check_local_shards, local_shards_of
+from ..routes.local_shard import local_shards_of
 from .callback import LayerwiseCallback, end_training, learning_rate_logs, memory_logs
 from .checkpoint import (
     OPTIMIZER_NAME,
     check_checkpoint,
+    check_local_shards,
     convert_scheduler_state,
     first_members,
     is_layerwise_state_dict,

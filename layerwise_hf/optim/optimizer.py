@@ -24,7 +24,10 @@ import torch
 from torch import nn
 
 from ..bases.params import LayerwiseFactory, LayerwiseParam, canonical_name
+from ..bases.registry import resolve_factory
+from ..routes.distributed import choose_route
 from ..routes.hooks import GradientRoute, LocalHooks
+from ..routes.local_shard import wrap_local_shards
 from . import norm_pass
 from .clipping import CLIP_MODES as CLIP_MODES
 from .gate import GradientGate
@@ -221,8 +224,6 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def connect(self, model: nn.Module | None = None, accelerator: Any = None) -> str:
         """Attach to `model` as Accelerate prepared it (local hooks, DDP comm hook, FSDP2); returns the route."""
-        from ..routes.distributed import choose_route
-
         self.rebind()
         route = choose_route(self, model, accelerator)
         self.set_route(route)
@@ -421,8 +422,6 @@ def build_layerwise_optimizer(
     >>> optimizer.attach()  # plain loop: loss.backward() steps every layer; then optimizer.step()
     ```
     """
-    from ..bases.registry import resolve_factory
-
     if decay_parameter_names is None:
         from transformers import Trainer
 
@@ -445,8 +444,6 @@ def build_layerwise_optimizer(
     if factory is None:
         factory = resolve_factory(args, model)
     if local_shards:
-        from ..routes.local_shard import wrap_local_shards
-
         factory = wrap_local_shards(factory)
     return LayerwiseOptimizer(
         params,

@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STATE_DICT_KEY = "layerwise_hf"
+# Checkpoints of 0.1 name the plugin's own optimizer classes by the module paths before the package had folders.
+_RENAMED_MODULES = {
+    "layerwise_hf.galore.": "layerwise_hf.bases.galore.",
+    "layerwise_hf.local_shard.": "layerwise_hf.routes.local_shard.",
+}
 STATE_DICT_VERSION = 1
 
 
@@ -98,11 +103,18 @@ def _check_fits(optimizer: LayerwiseOptimizer, state_dict: dict[str, Any]) -> tu
             continue
         if shapes is not None and list(shapes[j]) != list(param.shape):
             errors.append(f"{name}: saved shape {list(shapes[j])}, parameter shape {list(param.shape)}")
-        if classes is not None and classes[j] != qualname(inner):
+        if classes is not None and _current_name(classes[j]) != qualname(inner):
             errors.append(f"{name}: saved optimizer {classes[j]}, current optimizer {qualname(inner)}")
     if errors:
         raise ValueError("Optimizer state does not fit this optimizer: " + "; ".join(errors))
     return by_name, missing
+
+
+def _current_name(saved: str) -> str:
+    for old, new in _RENAMED_MODULES.items():
+        if saved.startswith(old):
+            return new + saved[len(old) :]
+    return saved
 
 
 def load_layerwise_state_dict(optimizer: LayerwiseOptimizer, state_dict: dict[str, Any]) -> Any:

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..bases.support import check_fsdp2_optimizers
-from ..optim.memory import tensor_bytes
 
 if TYPE_CHECKING:
     from ..optim.optimizer import LayerwiseOptimizer
@@ -179,7 +178,8 @@ class _StepHold:
 
     def __init__(self, optimizer: LayerwiseOptimizer):
         self.optimizer = optimizer
-        sizes = [tensor_bytes(p) for p in optimizer.params]
+        # Plain tensors: only the one-process and data-parallel routes hold a step (not FSDP2's DTensors).
+        sizes = [p.numel() * p.element_size() for p in optimizer.params]
         self.large = [s >= LARGE_FRACTION * max(sizes) for s in sizes]
         self.plan = self._plan(list(reversed(range(len(sizes)))))
         self.forget()

@@ -198,29 +198,6 @@ def local_shards_of(optimizer) -> int | None:
     return max(counts) if counts else None
 
 
-def check_local_shards(checkpoint_dir: str, optimizer) -> None:
-    """
-    Refuse to resume 8-bit local-shard states saved on another number of shards (their blocks would not match), with
-    what would work, before DCP loads anything.
-
-    Example:
-
-    ```python
-    >>> from layerwise_hf.routes.local_shard import check_local_shards
-    >>> check_local_shards("out/checkpoint-500", trainer.layerwise_optimizer)  # ValueError if saved on other ranks
-    ```
-    """
-    from ..integrations.checkpoint import read_marker
-
-    saved, current = read_marker(checkpoint_dir).get("local_shards"), local_shards_of(optimizer)
-    if saved is not None and current is not None and saved != current:
-        raise ValueError(
-            f"{checkpoint_dir} holds {optimizer.optimizer_name} states saved on {saved} FSDP2 shards; this run has "
-            f"{current}. bitsandbytes' quantization blocks follow the shards, so they cannot be resharded. Resume "
-            f"with {saved} processes, or start a new run from the checkpoint's model weights."
-        )
-
-
 def _wrapped(inner) -> bool:
     return isinstance(inner, LocalShardOptimizer)
 
@@ -254,4 +231,4 @@ def wrap_local_shards(factory: LayerwiseFactory) -> LayerwiseFactory:
     return build
 
 
-__all__ = ["LocalShardOptimizer", "check_local_shards", "local_shards_of", "wrap_local_shards"]
+__all__ = ["LocalShardOptimizer", "local_shards_of", "wrap_local_shards"]
