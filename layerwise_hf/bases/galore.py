@@ -21,6 +21,7 @@ import contextlib
 import importlib
 import importlib.util
 import logging
+import os
 from collections.abc import Iterator
 from itertools import chain
 from typing import Any
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from .params import LayerwiseParam, isolate_bnb_overrides
+from .streams import KEEP_DEVICE_SYNC_ENV
 from .support import LOW_RANK_BASES
 
 logger = logging.getLogger(__name__)
@@ -200,8 +202,10 @@ class CheckpointSafeStateMixin:
 
 @contextlib.contextmanager
 def _cuda_synchronize_is_a_no_op() -> Iterator[None]:
-    # GaLoreAdamW8bit.step calls torch.cuda.synchronize() unconditionally, which raises without CUDA. With no CUDA in
-    # the process there is nothing to wait for, so for the step it does nothing (the arithmetic is untouched).
+    # GaLoreAdamW8bit.step calls torch.cuda.synchronize() after every parameter, which raises without CUDA. Without
+    # CUDA there is nothing to wait for; with CUDA the step runs inside backward, ordered by streams
+    # (`streams.step_in_backward`), so a whole-device sync per parameter only stalls it. Paged states keep it: their
+    # asynchronous page-ins need it. The arithmetic is untouched.
     synchronize = torch.cuda.synchronize
     torch.cuda.synchronize = lambda device=None: None
     try:
@@ -249,7 +253,7 @@ def optimizer_class(base: str) -> type[torch.optim.Optimizer]:
         @torch.no_grad()
         def step(self, closure=None):
             upstream_step = _unhooked(upstream.step)
-            if torch.cuda.is_available():
+            if torch.cuda.is_available() and (self.is_paged or os.environ.get(KEEP_DEVICE_SYNC_ENV) == "1"):
                 return upstream_step(self, closure)
             with _cuda_synchronize_is_a_no_op():
                 return upstream_step(self, closure)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..bases.streams import step_in_backward
 from ..bases.support import check_fp16_clip_mode, check_fp16_weights
 from .clipping import ClipMode, make_clipper
 from .grad_scaler import GradScalerBridge
@@ -123,7 +124,7 @@ class GradientGate:
         if coef is not None:
             grad.mul_(coef.to(grad.device))
         inner = self.inner[i]
-        inner.step()
+        step_in_backward(inner, p)
         self.applied_lr[type(inner).__name__] = inner.param_groups[0]["lr"]
         window.stepped[i] = True
         p.grad = None

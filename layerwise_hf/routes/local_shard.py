@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..bases.params import LayerwiseFactory, LayerwiseParam
+from ..bases.streams import step_in_backward
 from ..bases.support import qualname
 
 # Optimizers outside bitsandbytes whose step cannot take a DTensor (transformers' Adafactor mixes it with plain
@@ -119,7 +120,11 @@ class LocalShardOptimizer(torch.optim.Optimizer):
             return None
         self.local.grad = grad.to_local() if _is_dtensor(grad) else grad
         try:
-            return self.base.step(closure)
+            if closure is not None:
+                return self.base.step(closure)
+            # FSDP2 calls this from its hook with the reduce-scatter stream current; bitsandbytes' kernels must be
+            # ordered after it (`streams.step_in_backward`).
+            return step_in_backward(self.base, self.local)
         finally:
             self.local.grad = None
 
