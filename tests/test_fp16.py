@@ -22,12 +22,12 @@ MAX_NORM = 0.5
 SCALER = dict(init_scale=2.0**20, growth_interval=2)
 
 
-def fp16_train(model, args, callbacks=(), resume_from_checkpoint=None):
+def fp16_train(model, args, callbacks=(), resume_from_checkpoint=None, scaler=SCALER):
     trainer_cls = LayerwiseTrainer if args.is_layerwise else Trainer
     trainer = trainer_cls(model=model, args=args, train_dataset=TokenDataset(), callbacks=list(callbacks))
     for callback in callbacks:
         callback.trainer = trainer
-    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", **SCALER)
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", **scaler)
     trainer.accelerator.native_amp = True  # accelerate's prepare() then wraps forward in fp16 autocast
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return trainer
@@ -247,3 +247,56 @@ def test_fp16_weights_are_refused_before_any_step(tmp_path):
         optimizer.use_grad_scaler(torch.amp.GradScaler("cpu"))
     # A disabled scaler is no scaler.
     optimizer.use_grad_scaler(torch.amp.GradScaler("cpu", enabled=False))
+
+
+class SecondPassOverflow(Overflow):
+    """
+    Makes one gradient inf/nan in the stepping backward only (the norm pass saw it finite), as non-deterministic CUDA
+    kernels can. `param_name` is a tensor in the middle of backward: some layers step before it.
+    """
+
+    def __init__(self, model, at_step, param_name):
+        self.model, self.at_step = model, at_step
+        self.active, self.calls, self.order = False, 0, []
+        self.changed_params = self.changed_state = None
+        for name, param in model.named_parameters():
+            param.register_hook(lambda grad, name=name: self.order.append(name) if self.active else None)
+        self.target = param_name
+        dict(model.named_parameters())[param_name].register_hook(self._second_call_overflows)
+
+    def _second_call_overflows(self, grad):
+        if not self.active:
+            return grad
+        self.calls += 1
+        return grad * float("inf") if self.calls == 2 else grad
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.calls, self.order = 0, []
+        super().on_step_begin(args, state, control, optimizer=optimizer, **kwargs)
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        if self.active:
+            self.calls_in_step = self.calls
+            stepping_pass = self.order[len(self.order) // 2 :]  # each gradient is computed once per pass
+            self.computed_before_overflow = stepping_pass[: stepping_pass.index(self.target)]
+        super().on_step_end(args, state, control, optimizer=optimizer, **kwargs)
+
+
+def test_fp16_overflow_in_the_stepping_pass_only_steps_nothing_after_it(tmp_path):
+    model = tiny_llama()
+    names = [n for n, _ in model.named_parameters()]
+    target = "model.layers.0.mlp.down_proj.weight"
+    args = training_args(tmp_path, "adamw_torch_layerwise", fp16=True, max_grad_norm=MAX_NORM, learning_rate=5e-2)
+    overflow, scales = SecondPassOverflow(model, 2, target), ScaleRecorder()
+    # A scale that never overflows by itself here: the only inf/nan is the injected one.
+    trainer = fp16_train(model, args, [overflow, scales], scaler=dict(init_scale=2.0**8, growth_interval=1000))
+    assert overflow.calls_in_step == 2, "the norm pass and the stepping pass each computed the gradient once"
+    # What the stepping backward computed before the overflow stepped; the rest did not move.
+    assert overflow.computed_before_overflow and len(overflow.computed_before_overflow) < len(names) - 1
+    assert set(overflow.changed_params) == set(overflow.computed_before_overflow)
+    assert target not in overflow.changed_params
+    # No weight took the inf/nan; GradScaler counted the step as skipped and halved the scale.
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert scales.scales[2] == scales.scales[1] / 2
+    lrs = logged(trainer, "learning_rate")
+    assert lrs[3] == lrs[2], "the scheduler does not advance on a skipped step"

@@ -84,8 +84,10 @@ class GradientGate:
         if scaler is not None:
             scaler.capture(window)
         if action is Action.STEP:
-            if scaler is not None:
-                scaler.unscale(window, param.grad)
+            if scaler is not None and not scaler.unscale_to_step(window, param.grad):
+                # Overflowed in this pass only: GradScaler will skip the step; this and later gradients do not step.
+                param.grad = None
+                return
             self.step_param(i)
         elif action is Action.MEASURE:
             self.meter.hold(i, param.grad)

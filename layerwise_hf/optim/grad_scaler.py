@@ -49,6 +49,8 @@ class GradScalerBridge:
     def __init__(self, scaler: Any, owner: Any):
         self.scaler = scaler
         self.owner_id = id(owner)
+        # The scaler record of the window in which a gradient overflowed only in the stepping pass.
+        self.overflowed_record: dict[str, Any] | None = None
 
     def _record(self) -> dict[str, Any]:
         return self.scaler._per_optimizer_states[self.owner_id]
@@ -83,6 +85,26 @@ class GradScalerBridge:
             window.inv_scale[device] = inv_scale.to(device)
             window.found_inf[device] = torch.zeros((), dtype=torch.float32, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_([grad], window.found_inf[device], window.inv_scale[device])
+
+    def unscale_to_step(self, window: StepWindow, grad: torch.Tensor) -> bool:
+        """
+        After a norm pass, unscale `grad` and say whether it may step: `False` for a gradient with inf/nan that the
+        norm pass did not see, and for every gradient after it in this window. The window's published flag is then
+        set, so GradScaler skips the step and lowers the scale; gradients stepped before it keep their step.
+        """
+        # NOTE: the two passes can differ on CUDA (non-deterministic backward kernels, e.g. SDPA's), so the norm pass
+        # alone cannot vouch for the gradient stepped now. Knowing before the step costs one host read of a scalar
+        # per gradient, in fp16's second pass only.
+        if window.scaler_record is not None and window.scaler_record is self.overflowed_record:
+            return False
+        grad = _local(grad)
+        flag = torch.zeros((), dtype=torch.float32, device=grad.device)
+        torch._amp_foreach_non_finite_check_and_unscale_([grad], flag, window.inv_scale[grad.device])
+        if not flag.item():
+            return True
+        window.found_inf[grad.device].fill_(1.0)
+        self.overflowed_record = window.scaler_record
+        return False
 
     def publish(self, window: StepWindow, reduce_found_inf: Callable[[dict], None]) -> None:
         """After a norm pass: record the flags where `unscale_()` would have, for GradScaler.step / update."""
