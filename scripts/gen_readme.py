@@ -1,7 +1,10 @@
-"""Regenerate the generated sections of README.md from the code, so they cannot drift.
+"""Regenerate the generated sections of README.md and docs/*.md from the code, so they cannot drift.
 
-python scripts/gen_readme.py          # rewrite README.md
-python scripts/gen_readme.py --check  # exit 1 if README.md is stale (the test suite runs this)
+A section is the text between `<!-- key:start -->` and `<!-- key:end -->`; each key lives in exactly one of those
+files, found by its markers, so a table follows its text when the text moves to another page.
+
+python scripts/gen_readme.py          # rewrite the files whose sections are stale
+python scripts/gen_readme.py --check  # exit 1 if any is stale (the test suite runs this)
 """
 
 from __future__ import annotations
@@ -13,6 +16,11 @@ from pathlib import Path
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 MEMORY_SUITE_JSON = README.parent / "benchmarks" / "results" / "memory_suite.json"
+
+
+def doc_files() -> list[Path]:
+    """Every page that may hold a generated section: the README and the guides."""
+    return [README, *sorted((README.parent / "docs").glob("*.md"))]
 
 
 def optimizer_table() -> str:
@@ -69,27 +77,37 @@ def results_table(results: Path = MEMORY_SUITE_JSON) -> str:
 SECTIONS = {"optimizers": optimizer_table, "results": results_table}
 
 
-def render(text: str) -> str:
+def _section(key: str) -> re.Pattern:
+    return re.compile(rf"<!-- {key}:start -->\n.*?(?=<!-- {key}:end -->)", re.S)
+
+
+def render(texts: dict[Path, str]) -> dict[Path, str]:
+    """The pages with every section regenerated; each key must be in exactly one page."""
+    fresh = dict(texts)
     for key, make in SECTIONS.items():
-        match = re.search(rf"<!-- {key}:start -->\n.*?(?=<!-- {key}:end -->)", text, re.S)
-        if not match:
-            raise SystemExit(f"README.md has no <!-- {key}:start --> / <!-- {key}:end --> markers")
-        text = text[: match.start()] + f"<!-- {key}:start -->\n{make()}\n" + text[match.end() :]
-    return text
+        pages = [path for path, text in fresh.items() if _section(key).search(text)]
+        if len(pages) != 1:
+            where = ", ".join(str(p.relative_to(README.parent)) for p in pages) or "no page"
+            raise SystemExit(f"<!-- {key}:start --> / <!-- {key}:end --> must be in one page, found in {where}")
+        text = fresh[pages[0]]
+        match = _section(key).search(text)
+        fresh[pages[0]] = text[: match.start()] + f"<!-- {key}:start -->\n{make()}\n" + text[match.end() :]
+    return fresh
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="fail instead of writing when README.md is stale")
+    parser.add_argument("--check", action="store_true", help="fail instead of writing when a page is stale")
     args = parser.parse_args()
-    current = README.read_text()
+    current = {path: path.read_text() for path in doc_files()}
     fresh = render(current)
+    stale = [path for path in current if fresh[path] != current[path]]
     if args.check:
-        if fresh != current:
-            print("README.md is stale: run python scripts/gen_readme.py", file=sys.stderr)
-            return 1
-        return 0
-    README.write_text(fresh)
+        for path in stale:
+            print(f"{path.relative_to(README.parent)} is stale: run python scripts/gen_readme.py", file=sys.stderr)
+        return 1 if stale else 0
+    for path in stale:
+        path.write_text(fresh[path])
     return 0
 
 

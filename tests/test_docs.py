@@ -1,5 +1,6 @@
-"""What the README and configs claim stays true to the code."""
+"""What the README, the guides in docs/ and the configs claim stays true to the code."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -109,3 +110,90 @@ def test_architecture_table_names_every_module_where_it_lives():
         if p.name != "__init__.py" and not str(p.relative_to(package)).startswith(("estimate/", "training_args.py"))
     } | {"__init__.py"}
     assert named == actual, (sorted(named - actual), sorted(actual - named))
+
+
+GUIDES = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+
+
+def _slug(heading: str) -> str:
+    # GitHub's anchor for a heading: lower case, punctuation other than - and _ dropped, spaces to hyphens.
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_in_the_docs_resolves():
+    # Text moved between the README and the guides: a link to a file or a heading that moved elsewhere fails here.
+    broken = []
+    for doc, text in _doc_texts().items():
+        prose = re.sub(r"```.*?```", "", text, flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+            if re.match(r"\w+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (ROOT / doc).parent / path if path else ROOT / doc
+            if not file.exists():
+                broken.append(f"{doc}: {target}")
+            elif anchor and file.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", file.read_text(), flags=re.S), re.M)
+                if anchor not in {_slug(h) for h in headings}:
+                    broken.append(f"{doc}: {target} (no such heading)")
+    assert not broken, broken
+
+
+def test_readme_links_every_guide_and_each_guide_says_what_it_answers():
+    readme = (ROOT / "README.md").read_text()
+    assert {"architecture.md", "benchmarks.md", "distributed.md", "optimizers.md", "sizing.md"} <= set(GUIDES)
+    for name in GUIDES:
+        assert f"](docs/{name})" in readme, f"README.md does not link docs/{name}"
+        if name == "architecture.md":
+            continue  # a map of the code, not a guide to one question
+        text = (ROOT / "docs" / name).read_text()
+        title, first = text.split("\n\n")[:2]
+        assert title.startswith("# "), name
+        # One sentence: it ends the paragraph and is the paragraph's only full stop.
+        sentence = " ".join(first.split())
+        assert sentence.startswith("This guide answers ") and sentence.endswith("."), (name, sentence)
+        assert sentence.count(". ") == 0, (name, sentence)
+
+
+def test_readme_stays_a_front_page():
+    # What moved to the guides stays there: the README keeps the quick start, the support table, the limits, links.
+    readme = (ROOT / "README.md").read_text()
+    headings = set(re.findall(r"^## (.+)$", readme, re.M))
+    assert {"Quick start", "What is supported", "Limitations", "Guides", "Development"} <= headings
+    moved = {
+        "TRL",
+        "Distributed",
+        "Gradient clipping (`layerwise_clip`)",
+        "Checkpoints",
+        "Reliability",
+        "Memory",
+        "Fitting a large model",
+        "Supported optimizers",
+        "Compared with transformers' built-in layer-wise path",
+        "Precision",
+    }
+    assert not headings & moved, f"{sorted(headings & moved)} have a guide in docs/"
+    assert "<!--" not in readme, "generated tables live in the guides"
+
+
+def test_sizing_guide_tables_are_what_the_estimator_prints(capsys):
+    # The worked examples quote `layerwise-hf estimate-memory`: each command in the guide, run, prints the rows the
+    # guide's table under it shows (the optimizer cell may add a note in parentheses).
+    import shlex
+
+    from layerwise_hf.cli import main
+
+    text = (ROOT / "docs" / "sizing.md").read_text()
+    examples = re.findall(r"```bash\n(layerwise-hf estimate-memory [^`]*)```\n\n((?:\|.*\n)+)", text)
+    assert len(examples) == 2
+    for command, table in examples:
+        argv = shlex.split(command.replace("\\\n", " "))[1:]
+        assert main(argv) == 0, command
+        printed = [
+            [cell.strip() for cell in line.strip("│").split("│")]
+            for line in capsys.readouterr().out.splitlines()
+            if line.startswith("│") and line.count("│") > 3
+        ][1:]  # the header row
+        quoted = [[cell.strip() for cell in row.strip().strip("|").split("|")] for row in table.splitlines()[2:]]
+        quoted = [[re.sub(r"^`(\w+)`.*$", r"\1", cell) for cell in row] for row in quoted]
+        assert quoted == printed, command
