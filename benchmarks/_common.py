@@ -123,6 +123,19 @@ def random_tokens(vocab_size: int, batch_size: int, seq_len: int, seed: int):
     return torch.randint(0, vocab_size, (batch_size, seq_len), generator=g)
 
 
+class TokenRows:
+    """Random token rows (`input_ids` = `labels`), the same on every rank; Trainer's sampler splits them."""
+
+    def __init__(self, vocab_size: int, seq_len: int, rows: int, seed: int = 0):
+        self.rows = [random_tokens(vocab_size, 1, seq_len, seed + k)[0] for k in range(rows)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, k: int) -> dict:
+        return {"input_ids": self.rows[k], "labels": self.rows[k]}
+
+
 def setup_example_task(opts):
     """Torch threads set and the example task built: (model, dataset, number of parameters, start time)."""
     import torch

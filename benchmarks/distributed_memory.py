@@ -24,15 +24,10 @@ Writes `<output_dir>/distributed_memory.json` and `.png`; prints the tables and 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import json
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +39,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import _common as h  # noqa: E402
+from benchmarks import _ranks as ranks  # noqa: E402
 from benchmarks._common import MIB, local, mib, nbytes, proc_status_bytes, reset_peak_rss  # noqa: E402
 
 ENGINES = {"ddp": "configs/accelerate/cpu_ddp.yaml", "fsdp2": "configs/accelerate/cpu_fsdp2.yaml"}
@@ -60,30 +56,6 @@ KINDS = {
 TARGET_FRACTION = 0.6  # of all gradient bytes: how far (c) must be below (b)
 FULL = h.LLAMA_58M | dict(seq_len=128, batch_size=1)
 SMALL = h.LLAMA_TINY | dict(seq_len=32, batch_size=1)
-
-
-def write_gathered_and_finish(path: str, result: dict) -> None:
-    """Every rank's result in one JSON (written by rank 0), then the process group ends on every rank."""
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    # A DDP reducer freed after destroy_process_group can crash or hang the rank in gloo's destructor, now and then:
-    # fail every time instead, while the group can still say so.
-    gc.collect()
-    alive = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
-    if alive:
-        raise RuntimeError(f"{alive} DistributedDataParallel model(s) still alive at the end of the worker")
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, result)
-    if dist.get_rank() == 0:
-        Path(path).write_text(json.dumps(gathered, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
-    # Without C++ static destructors: a rank was seen to abort at interpreter teardown while gloo threads wound down
-    # (tests/helpers.finish_ranks), which would fail a run whose results are all written.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -225,7 +197,7 @@ def worker(opts: argparse.Namespace) -> None:
         )
     result = measure(opts, args, accelerator)
     accelerator.free_memory()
-    write_gathered_and_finish(opts.result, result)
+    ranks.write_gathered_and_finish(opts.result, result)
 
 
 def measure(opts: argparse.Namespace, args, accelerator) -> dict:
@@ -361,19 +333,6 @@ def measure(opts: argparse.Namespace, args, accelerator) -> dict:
 # ---- DDP through Trainer (runs inside the launched ranks) ----
 
 
-class TokenDataset:
-    """Random token rows (`input_ids` = `labels`), the same on every rank; Trainer's sampler splits them."""
-
-    def __init__(self, opts: argparse.Namespace, rows: int, seed: int = 0):
-        self.rows = [h.random_tokens(opts.vocab_size, 1, opts.seq_len, seed + k)[0] for k in range(rows)]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, k: int) -> dict:
-        return {"input_ids": self.rows[k], "labels": self.rows[k]}
-
-
 def trainer_args(opts: argparse.Namespace, optim: str, out: str, max_steps: int):
     # NOTE: built before any Accelerator: constructing TrainingArguments resets Accelerate's shared state.
     return h.training_args(
@@ -402,7 +361,7 @@ def build_trainer(opts: argparse.Namespace, kind: str, optim: str, model, out: s
     name = f"{optim}_layerwise" if kind == "layerwise" else optim
     args = trainer_args(opts, name, out, max_steps)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    dataset = TokenDataset(opts, rows=max_steps * opts.batch_size * world)
+    dataset = h.TokenRows(opts.vocab_size, opts.seq_len, rows=max_steps * opts.batch_size * world)
     cls = LayerwiseTrainer if kind == "layerwise" else Trainer
     trainer = cls(model=model, args=args, train_dataset=dataset, callbacks=list(callbacks))
     if kind == "bucket_view":
@@ -546,7 +505,7 @@ def trainer_worker(opts: argparse.Namespace) -> None:
         meter.trainer = None
         trainer.accelerator.free_memory()
         del trainer, model, meter
-    write_gathered_and_finish(opts.result, result)
+    ranks.write_gathered_and_finish(opts.result, result)
 
 
 def trainer_result(opts, trainer, model, meter: TrainMeter) -> dict:
@@ -644,9 +603,9 @@ def time_worker(opts: argparse.Namespace) -> None:
             prof = cProfile.Profile() if dist.get_rank() == 0 else None
             run(kind, optim, opts.warmup_steps + 3, profile=prof)
             if prof is not None:
-                profiles[f"{kind}:{optim}"] = profile_summary(prof, steps=opts.warmup_steps + 3)
+                profiles[f"{kind}:{optim}"] = ranks.profile_summary(prof, opts.warmup_steps + 3, PROFILE_ROWS)
     result = {"rank": dist.get_rank(), "times": times, "profiles": profiles}
-    write_gathered_and_finish(opts.result, result)
+    ranks.write_gathered_and_finish(opts.result, result)
 
 
 RUN_BACKWARD = "<method 'run_backward' of 'torch._C._EngineBase' objects>"
@@ -668,77 +627,18 @@ PROFILE_ROWS = [
 ]
 
 
-def profile_summary(prof, steps: int) -> dict:
-    """cProfile's table reduced to the rows that say where the time goes (cumulative seconds over `steps`)."""
-    import pstats
-
-    stats = pstats.Stats(prof)
-    rows = []
-    for (filename, _, func), (_cc, nc, tt, ct, _callers) in stats.stats.items():
-        rows.append({"file": filename, "func": func, "calls": nc, "tottime": tt, "cumtime": ct})
-    total = max((r["cumtime"] for r in rows if r["func"] in ("train", "_inner_training_loop")), default=0.0)
-    top = sorted(rows, key=lambda r: r["tottime"], reverse=True)[:25]
-    picked = []
-    for label, file_part, func in PROFILE_ROWS:
-        matches = [r for r in rows if file_part in r["file"] and r["func"] == func]
-        if matches:
-            best = max(matches, key=lambda r: r["cumtime"])
-            picked.append({"label": label, "calls": best["calls"], "cumtime": best["cumtime"], "func": best["func"]})
-    return {"steps": steps, "train_cumtime_s": total, "rows": picked, "top_tottime": top}
-
-
 # ---- driver ----
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, from /proc (children first found, then theirs)."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                children.append(int(stat.parent.name))
-    return children + [d for child in children for d in descendants(child)]
 
 
 def launch(opts: argparse.Namespace, engine: str, worker_args: list[str], result: Path, mmap: bool = True) -> list:
     """Run this script's `--worker ...` on 2 ranks under `engine`'s config; the ranks' results (rank 0 writes them)."""
     env = h.worker_env(threads=1, mmap_threshold=mmap)
-    env["ACCELERATE_USE_CPU"] = "true"  # the multi-process launcher does not forward use_cpu
     if engine == "fsdp2":
         env["LAYERWISE_HF_FORCE_FSDP_CPU"] = "1"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / ENGINES[engine])]
-    cmd += ["--main_process_port", str(free_port()), str(Path(__file__).resolve()), *worker_args]
-    cmd += ["--engine", engine, "--result", str(result), "--steps", str(opts.steps)]
-    cmd += h.size_args(opts, FULL)
-    label = " ".join(worker_args)
-    # Output goes to a file, not a pipe: ranks left behind by a killed launcher would hold a pipe open.
-    log = result.with_suffix(".log")
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            proc.wait(timeout=opts.timeout)
-        except subprocess.TimeoutExpired:
-            # The ranks run in sessions of their own: kill them by id, then the launcher.
-            for pid in [*descendants(proc.pid), proc.pid]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            proc.wait()
-            raise RuntimeError(f"{label} timed out after {opts.timeout}s:\n{log.read_text()[-4000:]}") from None
-    stderr = log.read_text()
-    if proc.returncode != 0 or not result.is_file():
-        # The ranks' lines carry a Python error; a rank that died without one (a signal) shows only in the
-        # launcher's closing summary, which names each rank's exit code.
-        rank_lines = [line for line in stderr.splitlines() if line.startswith("[rank")]
-        summary = stderr[stderr.rfind("Failures:") :] if "Failures:" in stderr else stderr[-3000:]
-        detail = "\n".join(rank_lines[-60:]) + "\n" + summary
-        raise RuntimeError(f"{label} failed (exit {proc.returncode}):\n{detail}")
-    return json.loads(result.read_text())
+    args = [*worker_args, "--engine", engine, "--result", str(result), "--steps", str(opts.steps)]
+    return ranks.launch_ranks(
+        Path(__file__).resolve(), ROOT / ENGINES[engine], [*args, *h.size_args(opts, FULL)], result, opts.timeout, env
+    )
 
 
 def fsdp2_checks(runs: list[dict]) -> list[dict]:
