@@ -38,7 +38,7 @@ TRAINING_DEFAULTS = {
     "per_device_train_batch_size": 8,
     "lr_scheduler_type": "cosine",
     "warmup_steps": 3,
-    # Off: exact clipping would run forward+backward twice per step (see the README's clipping section).
+    # Off: exact clipping would run forward+backward twice per step (see docs/clipping-and-precision.md).
     "max_grad_norm": 0.0,
     "logging_steps": 10,
     "disable_tqdm": True,

@@ -130,8 +130,8 @@ def test_every_other_base_matches_standard(tmp_path, base, ga, fresh_bnb_manager
 
 
 def test_every_served_base_has_a_status():
-    # The README's table says per row how a base compares with its standard form; "tested" must mean a parity test
-    # runs it: BASES above, the sweep, or test_galore.py for the low-rank ones.
+    # The optimizer table (docs/optimizers.md) says per row how a base compares with its standard form; "tested" must
+    # mean a parity test runs it: BASES above, the sweep, or test_galore.py for the low-rank ones.
     from layerwise_hf.bases.registry import describe_layerwise_optimizers
 
     swept = {p.values[0] for p in _other_bases()}

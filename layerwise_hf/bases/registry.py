@@ -77,7 +77,7 @@ _BASE_REQUIRES = {
 def describe_layerwise_optimizers() -> list[tuple[str, str, str]]:
     """
     `(layer-wise name, Trainer base name, extra package)` for every built-in layer-wise name, sorted by base name.
-    The extra package is `""` when torch and transformers suffice. The README's table is generated from it.
+    The extra package is `""` when torch and transformers suffice. docs/optimizers.md's table is generated from it.
 
     Example:
 
