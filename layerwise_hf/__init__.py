@@ -11,6 +11,10 @@ Example:
 >>> trainer = LayerwiseTrainer(model=model, args=args, train_dataset=train_dataset)
 >>> trainer.train()
 ```
+
+Or leave a script unchanged: `python -m layerwise_hf train.py --optim adamw_8bit_layerwise ...` (from Python:
+`layerwise_hf.install()`) makes transformers' own `TrainingArguments`, `HfArgumentParser` and `Trainer` (and TRL's) do
+the same.
 """
 
 import importlib
@@ -29,9 +33,11 @@ _LAZY = {
     "LayerwiseTrainerMixin": "integrations.trainer",
     "LayerwiseTrainingArguments": "integrations.training_args",
     "build_layerwise_optimizer": "optim.optimizer",
+    "install": "integrations.patching",
     "is_layerwise_name": "bases.registry",
     "list_layerwise_optimizers": "bases.registry",
     "register_layerwise_optimizer": "bases.registry",
+    "uninstall": "integrations.patching",
     "unregister_layerwise_optimizer": "bases.registry",
     "unwrap_layerwise_optimizer": "optim.optimizer",
 }

@@ -1,0 +1,129 @@
+"""`python -m layerwise_hf SCRIPT [ARGS...]`: run an unchanged training script with `install()` in effect.
+
+Like `python -m cProfile` or `coverage run`: the script runs as `__main__` with `sys.argv = [SCRIPT, *ARGS]` and its
+folder first on `sys.path`; `-m MODULE` runs a module as `python -m MODULE` would. Under several processes, put the
+launcher where the script was: `accelerate launch [--config_file F] -m layerwise_hf SCRIPT [ARGS...]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import runpy
+import sys
+
+USAGE = "python -m layerwise_hf [-h] (SCRIPT | -m MODULE) [ARGS...]"
+DESCRIPTION = (
+    "Run a training script unchanged, with layerwise_hf.install() in effect: transformers' TrainingArguments, "
+    "HfArgumentParser and Trainer, and every subclass (TRL's SFTConfig / SFTTrainer, ...), accept "
+    "--optim <base>_layerwise (command line, YAML, JSON) and train layer-wise with it, as LayerwiseTrainer does; any "
+    "other optim trains as before. Under several processes: accelerate launch [--config_file F] -m layerwise_hf "
+    "SCRIPT [ARGS...]."
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m layerwise_hf", usage=USAGE, description=DESCRIPTION)
+    parser.add_argument("-m", dest="module", metavar="MODULE", help="run a module as a script, as `python -m` does")
+    parser.add_argument("script", nargs="?", metavar="SCRIPT", help="the training script (a .py file)")
+    parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """
+    Install, then run the script (or `-m` module) as `__main__` with its own arguments. Returns the exit status: 2
+    (before anything is installed or run) when the script does not exist or the module cannot be found.
+
+    Args:
+        argv (`list[str]`, *optional*, defaults to `sys.argv[1:]`):
+            `[SCRIPT, *ARGS]` or `["-m", MODULE, *ARGS]`.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.integrations.launcher import main
+    >>> main(["train.py", "--optim", "adamw_8bit_layerwise", "--output_dir", "out"])  # as the command line does
+    0
+    ```
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    # NOTE: everything after SCRIPT / -m MODULE belongs to the script, so only the options before it are parsed here
+    # (the script's own -h, -m, --optim ... must reach it untouched).
+    head, module, script, rest = _split(argv)
+    if head:
+        parser.parse_args(head)  # -h, or an unknown launcher option: argparse prints and exits
+    if module is None and script is None:
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: give the SCRIPT to run, or -m MODULE", file=sys.stderr)
+        return 2
+    problem = _module_problem(module) if module is not None else _script_problem(script)
+    if problem:
+        print(f"{parser.prog}: error: {problem}", file=sys.stderr)
+        return 2
+
+    from .patching import UnsupportedVersionError, install
+
+    try:
+        install()
+    except UnsupportedVersionError as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 1
+    return _run(module, script, rest)
+
+
+def _split(argv: list[str]) -> tuple[list[str], str | None, str | None, list[str]]:
+    """(launcher options, module, script, the script's arguments)."""
+    for i, arg in enumerate(argv):
+        if arg == "-m":
+            if i + 1 >= len(argv):
+                return argv[: i + 1], None, None, []  # argparse reports "-m: expected one argument"
+            return argv[:i], argv[i + 1], None, argv[i + 2 :]
+        if arg.startswith("-m") and len(arg) > 2:
+            return argv[:i], arg[2:], None, argv[i + 1 :]
+        if arg == "--":
+            return argv[:i], None, (argv[i + 1] if i + 1 < len(argv) else None), argv[i + 2 :]
+        if not arg.startswith("-"):
+            return argv[:i], None, arg, argv[i + 1 :]
+    return argv, None, None, []
+
+
+def _script_problem(script: str) -> str | None:
+    if not os.path.exists(script):
+        return f"can't open file {script!r}: no such file"
+    if os.path.isdir(script) and not os.path.exists(os.path.join(script, "__main__.py")):
+        return f"can't find '__main__' module in {script!r}"
+    return None
+
+
+def _module_problem(module: str) -> str | None:
+    # NOTE: find_spec imports the parent packages (as `python -m` does); an error there is the module's own.
+    sys.path.insert(0, os.getcwd())
+    try:
+        spec = importlib.util.find_spec(module)
+    except ModuleNotFoundError as err:
+        return f"No module named {err.name!r} (while looking for -m {module})"
+    except ValueError as err:
+        return f"-m {module}: {err}"
+    finally:
+        sys.path.pop(0)
+    if spec is None:
+        return f"No module named {module!r}"
+    if spec.submodule_search_locations is not None and importlib.util.find_spec(f"{module}.__main__") is None:
+        return f"No module named {module}.__main__; {module!r} is a package and cannot be directly executed"
+    return None
+
+
+def _run(module: str | None, script: str | None, rest: list[str]) -> int:
+    if module is not None:
+        # As `python -m`: the current directory first on sys.path, sys.argv[0] the module's file.
+        sys.argv = [module, *rest]
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [script, *rest]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
+    return 0

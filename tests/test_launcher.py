@@ -1,0 +1,370 @@
+"""`python -m layerwise_hf SCRIPT` and `layerwise_hf.install()`: stock scripts, `TrainingArguments`, `HfArgumentParser`
+and `Trainer` (subclasses and TRL's included) take `--optim X_layerwise` unchanged, and train bit-identically to the
+explicit classes (`LayerwiseTrainer`, `LayerwiseTrainingArguments`, `LayerwiseSFTTrainer`), checkpoints and resume
+included."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+import torch
+from helpers import assert_params_equal, tiny_llama
+from safetensors.torch import load_file
+from transformers import HfArgumentParser, Trainer, TrainingArguments
+
+import layerwise_hf
+from layerwise_hf import LayerwiseTrainer, LayerwiseTrainerMixin, LayerwiseTrainingArguments
+from layerwise_hf.integrations import patching
+from layerwise_hf.integrations.launcher import main as launcher_main
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "scripts" / "run_clm_like.py"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("run_clm_like", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+run_clm_like = _load_script()
+
+
+@pytest.fixture
+def installed():
+    layerwise_hf.install()
+    try:
+        yield
+    finally:
+        layerwise_hf.uninstall()
+
+
+def clm_argv(output_dir, optim="adamw_torch_layerwise", *extra):
+    return [
+        "--output_dir", str(output_dir), "--optim", optim, "--max_steps", "4", "--learning_rate", "1e-2",
+        "--weight_decay", "0.1", "--lr_scheduler_type", "cosine", "--warmup_steps", "1", "--max_grad_norm", "1.0",
+        "--per_device_train_batch_size", "4", "--logging_steps", "1", "--save_steps", "2", "--report_to", "none",
+        "--use_cpu", "--seed", "0", "--data_seed", "0", "--disable_tqdm", "true", *extra,
+    ]  # fmt: skip
+
+
+def explicit_run(output_dir, *extra):
+    """The same program with the explicit classes."""
+    argv = clm_argv(output_dir, "adamw_torch_layerwise", *extra)
+    return run_clm_like.main(LayerwiseTrainer, LayerwiseTrainingArguments, argv)
+
+
+def assert_same_files(a: Path, b: Path):
+    """Weights and optimizer state bit-identical; the optimizer state is the layer-wise one."""
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    if (a / "optimizer.pt").exists():
+        sa, sb = (torch.load(p / "optimizer.pt", weights_only=True) for p in (a, b))
+        assert [g["name"] for g in sa["param_groups"]] == [g["name"] for g in sb["param_groups"]]
+        assert _flat(sa["state"]).keys() == _flat(sb["state"]).keys() and _flat(sa["state"])
+        for k, v in _flat(sa["state"]).items():
+            w = _flat(sb["state"])[k]
+            assert torch.equal(v, w) if torch.is_tensor(v) else v == w, k
+        assert (b / "layerwise_complete.json").exists()
+
+
+def _flat(tree, prefix=""):
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}{key}/").items()}
+    return {prefix: tree}
+
+
+# ---------------------------------------------------------------- install() / uninstall()
+
+
+def test_nothing_is_patched_at_import():
+    code = (
+        "import layerwise_hf, layerwise_hf.__main__, layerwise_hf.integrations.patching, "
+        "layerwise_hf.integrations.launcher\n"
+        "from transformers import HfArgumentParser, Trainer, TrainingArguments\n"
+        "assert '__new__' not in vars(Trainer)\n"
+        "for f in (TrainingArguments.__post_init__, TrainingArguments.set_optimizer, "
+        "HfArgumentParser._add_dataclass_arguments, Trainer.get_optimizer_cls_and_kwargs):\n"
+        "    assert f.__module__.startswith('transformers.'), f\n"
+        "try:\n    TrainingArguments(output_dir='o', optim='adamw_torch_layerwise')\n"
+        "except ValueError as e:\n    print('refused', e)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "refused adamw_torch_layerwise is not a valid OptimizerNames" in result.stdout
+
+
+def test_install_is_idempotent_and_uninstall_restores_every_method(tmp_path):
+    owners = {TrainingArguments: ["__post_init__", "set_optimizer"], Trainer: ["get_optimizer_cls_and_kwargs"]}
+    before = {(o, n): vars(o)[n] for o, names in owners.items() for n in names}
+    optim = TrainingArguments.__dataclass_fields__["optim"]
+    annotation, metadata = TrainingArguments.__annotations__["optim"], optim.metadata
+    layerwise_hf.install()
+    try:
+        patched = {(o, n): vars(o)[n] for o, n in before}
+        assert all(patched[k] is not before[k] for k in before)
+        layerwise_hf.install()
+        assert all(vars(o)[n] is patched[(o, n)] for o, n in before)
+        assert TrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise").optim == (
+            "adamw_torch_layerwise"
+        )
+    finally:
+        layerwise_hf.uninstall()
+    layerwise_hf.uninstall()
+    assert all(vars(o)[n] is before[(o, n)] for o, n in before)
+    assert TrainingArguments.__annotations__["optim"] is annotation and optim.metadata is metadata
+    assert not patching.is_installed()
+    with pytest.raises(ValueError, match="adamw_torch_layerwise is not a valid OptimizerNames"):
+        TrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise")
+    # A Trainer created after uninstall() is a stock one, with today's error.
+    args = LayerwiseTrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise", report_to="none")
+    trainer = Trainer(model=tiny_llama(), args=args)
+    assert type(trainer) is Trainer
+    with pytest.raises(ValueError, match=r"^Trainer cannot instantiate unsupported optimizer: adamw_torch_layerwise$"):
+        trainer.create_optimizer()
+
+
+@pytest.mark.parametrize(
+    "owner, name, replacement, expected",
+    [
+        (Trainer, "create_optimizer", lambda self: None, r"Trainer\.create_optimizer has parameters \(self\)"),
+        (Trainer, "_clip_grad_norm", None, r"Trainer\._clip_grad_norm is missing"),
+        (TrainingArguments, "set_optimizer", lambda self, name: None, r"TrainingArguments\.set_optimizer has"),
+        ("accelerate", "backward", lambda self, loss, scaler: None, r"accelerate\.Accelerator\.backward has"),
+    ],
+)
+def test_install_refuses_when_a_replaced_method_changed(monkeypatch, tmp_path, owner, name, replacement, expected):
+    if owner == "accelerate":
+        from accelerate import Accelerator as owner
+    if replacement is None:
+        monkeypatch.delattr(owner, name)
+    else:
+        monkeypatch.setattr(owner, name, replacement)
+    with pytest.raises(patching.UnsupportedVersionError, match=expected) as err:
+        layerwise_hf.install()
+    assert "transformers>=5.24,<5.25 and accelerate>=1.15,<1.16" in str(err.value)
+    assert not patching.is_installed()
+    with pytest.raises(ValueError, match="not a valid OptimizerNames"):
+        TrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise")
+
+
+def test_tested_versions_are_pyproject_pins():
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    for package, spec in patching.TESTED_VERSIONS.items():
+        assert f"{package}{spec}" in deps
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def test_parser_accepts_layerwise_names_from_command_line_yaml_and_json(installed, tmp_path):
+    from trl import SFTConfig
+
+    for cls in (TrainingArguments, SFTConfig):
+        parser = HfArgumentParser(cls)
+        argv = ["--output_dir", str(tmp_path), "--optim", "adamw_8bit_layerwise", "--use_cpu"]
+        (args,) = parser.parse_args_into_dataclasses(argv)
+        assert type(args) is cls and args.optim == "adamw_8bit_layerwise"
+    (tmp_path / "a.yaml").write_text(f"output_dir: {tmp_path}\noptim: sgd_layerwise\n")
+    values = {"output_dir": str(tmp_path), "optim": "adafactor_layerwise", "use_cpu": True}
+    (tmp_path / "a.json").write_text(json.dumps(values))
+    assert HfArgumentParser(TrainingArguments).parse_yaml_file(tmp_path / "a.yaml")[0].optim == "sgd_layerwise"
+    assert HfArgumentParser(SFTConfig).parse_json_file(tmp_path / "a.json")[0].optim == "adafactor_layerwise"
+    assert TrainingArguments(output_dir=str(tmp_path)).set_optimizer("lion_8bit_layerwise").optim == (
+        "lion_8bit_layerwise"
+    )
+    # Other names behave as before; an unknown layer-wise name is refused with the valid ones.
+    assert (
+        HfArgumentParser(TrainingArguments)
+        .parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--optim", "adamw_torch"])[0]
+        .optim
+        == "adamw_torch"
+    )
+    # As with LayerwiseTrainingArguments: the name is checked when the arguments are made, listing the valid ones.
+    with pytest.raises(ValueError, match="adamw_nope_layerwise.*adamw_torch_layerwise"):
+        HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+            ["--output_dir", str(tmp_path), "--optim", "adamw_nope_layerwise"]
+        )
+    with pytest.raises(ValueError, match="not a valid OptimizerNames"):
+        TrainingArguments(output_dir=str(tmp_path), optim="adamw_nope")
+
+
+def test_parser_refuses_layerwise_names_without_install(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+            ["--output_dir", str(tmp_path), "--optim", "adamw_8bit_layerwise"]
+        )
+    assert "invalid choice: 'adamw_8bit_layerwise'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- Trainer
+
+
+def test_other_optimizers_train_as_before(installed, tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), optim="adamw_torch", report_to="none")
+    trainer = Trainer(model=tiny_llama(), args=args)
+    assert type(trainer) is Trainer
+    assert not isinstance(trainer, LayerwiseTrainerMixin)
+
+
+def test_trainer_created_before_install_says_how_to_fix(tmp_path):
+    args = LayerwiseTrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise", report_to="none")
+    trainer = Trainer(model=tiny_llama(), args=args)
+    layerwise_hf.install()
+    try:
+        with pytest.raises(ValueError) as err:
+            trainer.create_optimizer()
+    finally:
+        layerwise_hf.uninstall()
+    message = str(err.value)
+    assert message.startswith("Trainer cannot instantiate unsupported optimizer: adamw_torch_layerwise")
+    assert "created before layerwise_hf.install()" in message and "LayerwiseTrainer" in message
+
+
+def test_run_clm_script_matches_explicit_classes_with_checkpoints_and_resume(installed, tmp_path):
+    layerwise_hf.uninstall()
+    explicit = explicit_run(tmp_path / "explicit")
+    layerwise_hf.install()
+    patched = run_clm_like.main(argv=clm_argv(tmp_path / "patched"))
+    assert type(patched).__mro__[1] is LayerwiseTrainerMixin and patched.layerwise_optimizer is not None
+    assert_params_equal(explicit.model, patched.model)
+    for name in ("checkpoint-2", "checkpoint-4", "."):
+        assert_same_files(tmp_path / "explicit" / name, tmp_path / "patched" / name)
+    # Resume the patched run from its first checkpoint: the same weights as the uninterrupted explicit run.
+    resumed = run_clm_like.main(
+        argv=clm_argv(tmp_path / "resumed", "adamw_torch_layerwise", "--resume_from_checkpoint",
+                      str(tmp_path / "patched" / "checkpoint-2"))
+    )  # fmt: skip
+    assert resumed.state.global_step == 4
+    assert_params_equal(explicit.model, resumed.model)
+
+
+def test_trainer_subclass_overriding_compute_loss_matches_explicit_subclass(installed, tmp_path):
+    extra = ("--loss", "z_loss", "--save_strategy", "no")
+    layerwise_hf.uninstall()
+    explicit = explicit_run(tmp_path / "explicit", *extra)
+    layerwise_hf.install()
+    patched = run_clm_like.main(argv=clm_argv(tmp_path / "patched", "adamw_torch_layerwise", *extra))
+    assert type(patched).__name__ == "ZLossTrainer" and isinstance(patched, LayerwiseTrainerMixin)
+    assert_params_equal(explicit.model, patched.model)
+    standard_loss = explicit_run(tmp_path / "standard_loss", "--save_strategy", "no").model
+    assert not torch.equal(standard_loss.lm_head.weight, patched.model.lm_head.weight), "the override must matter"
+
+
+# ---------------------------------------------------------------- the launcher
+
+
+def launch(*argv, cwd=ROOT, timeout=600):
+    cmd = [sys.executable, "-m", "layerwise_hf", *map(str, argv)]
+    return subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def test_launcher_runs_unchanged_script_like_explicit_classes(tmp_path):
+    result = launch(SCRIPT, *clm_argv(tmp_path / "launched"))
+    assert result.returncode == 0, result.stderr[-4000:]
+    explicit_run(tmp_path / "explicit")
+    for name in ("checkpoint-2", "checkpoint-4", "."):
+        assert_same_files(tmp_path / "explicit" / name, tmp_path / "launched" / name)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["no/such/train.py", "--optim", "x"], "can't open file 'no/such/train.py'"),
+        (["-m", "no_such_package_xyz.train"], "No module named 'no_such_package_xyz'"),
+        (["-m", "json.no_such_module"], "No module named 'json.no_such_module'"),
+        ([], "give the SCRIPT to run, or -m MODULE"),
+    ],
+)
+def test_launcher_bad_input_exits_2_naming_it(argv, message, capsys):
+    assert launcher_main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert not patching.is_installed()
+
+
+def test_launcher_exit_status_from_the_command_line(tmp_path):
+    result = launch(tmp_path / "missing.py")
+    assert result.returncode == 2
+    assert "missing.py" in result.stderr and "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------- TRL
+
+
+def _sft_inputs(tmp_path):
+    pytest.importorskip("trl")
+    from test_trl import sft_dataset, tiny_model, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tiny_model(tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    (tmp_path / "data").mkdir()
+    sft_dataset().to_json(tmp_path / "data" / "train.jsonl")
+    return tmp_path / "model", tmp_path / "data"
+
+
+SFT_RUN = dict(
+    max_steps=3, per_device_train_batch_size=4, logging_steps=1, save_steps=2, report_to="none", use_cpu=True, seed=0,
+    data_seed=0, disable_tqdm=True, max_length=32,
+)  # fmt: skip
+
+
+def test_trl_sft_script_through_launcher_matches_layerwise_sft_trainer(tmp_path):
+    from datasets import load_dataset
+
+    from layerwise_hf.integrations.trl import LayerwiseSFTConfig, LayerwiseSFTTrainer
+
+    model, data = _sft_inputs(tmp_path)
+    options = [x for k, v in SFT_RUN.items() for x in (f"--{k}", str(v).lower() if v is True else str(v))]
+    result = launch(
+        "-m", "trl.scripts.sft", "--model_name_or_path", model, "--dataset_name", data,
+        "--output_dir", tmp_path / "launched", "--optim", "adamw_torch_layerwise", *options,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    # What trl/scripts/sft.py does with these arguments, with the explicit classes.
+    args = LayerwiseSFTConfig(output_dir=str(tmp_path / "explicit"), optim="adamw_torch_layerwise", **SFT_RUN)
+    args.model_init_kwargs = dict(revision="main", trust_remote_code=False, attn_implementation=None, dtype="float32")
+    dataset = load_dataset(str(data))["train"]
+    trainer = LayerwiseSFTTrainer(model=str(model), args=args, train_dataset=dataset)
+    trainer.train()
+    trainer.save_model(args.output_dir)
+    for name in ("checkpoint-2", "checkpoint-3", "."):
+        assert_same_files(tmp_path / "explicit" / name, tmp_path / "launched" / name)
+
+
+# ---------------------------------------------------------------- accelerate launch (2 gloo ranks)
+
+
+@pytest.mark.slow
+def test_accelerate_launch_through_launcher_matches_explicit_classes(tmp_path):
+    from test_distributed import free_port
+
+    def accelerate(*argv):
+        env = {**ENV, "ACCELERATE_USE_CPU": "true", "PYTHONPATH": str(ROOT)}
+        config = str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml")
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
+        cmd += ["--main_process_port", str(free_port()), *argv]
+        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+
+    accelerate("-m", "layerwise_hf", str(SCRIPT), *clm_argv(tmp_path / "launched"))
+    explicit = tmp_path / "explicit.py"
+    explicit.write_text(
+        "import runpy, sys\nfrom layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments\n"
+        f"runpy.run_path({str(SCRIPT)!r})['main'](LayerwiseTrainer, LayerwiseTrainingArguments)\n"
+    )
+    accelerate(str(explicit), *clm_argv(tmp_path / "explicit"))
+    # Two ranks of 4 sequences a step: 4 steps are half of the 64 sequences (a quarter on one process).
+    assert json.loads((tmp_path / "launched" / "trainer_state.json").read_text())["epoch"] == 0.5
+    for name in ("checkpoint-2", "checkpoint-4", "."):
+        assert_same_files(tmp_path / "explicit" / name, tmp_path / "launched" / name)
