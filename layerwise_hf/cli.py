@@ -11,8 +11,9 @@ import sys
 
 from .estimate import cli as estimate_cli
 from .integrations import checkpoint
+from .plan import cli as plan_cli
 
-SUBCOMMANDS = (estimate_cli, checkpoint)
+SUBCOMMANDS = (estimate_cli, plan_cli, checkpoint)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,170 @@
+"""`layerwise-hf plan`: the argument parser and the run; the numbers come from `plan()`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING
+
+from ..estimate.models import list_presets
+from ..estimate.optimizers import known_names
+from ..estimate.units import DTYPE_BYTES, EstimateError, format_bytes
+
+if TYPE_CHECKING:
+    from .core import Plan
+
+from .options import CLIP_MODES, DEVICES
+
+JSON_SCHEMA = """--json prints one object:
+  model, source          the model's name and where its dimensions come from
+  setup                  seq_len, micro_batch, grad_accum, max_grad_norm, clip_mode, bf16, fp16, torch_dtype,
+                         gradient_checkpointing, lora_r, lora_targets, weight_decay, learning_rate, device
+  device_memory          bytes, or null
+  extrapolated_layers    true when 2-4 decoder layers were simulated and extended (exactly)
+  seconds                time the simulation took
+  optimizers             one object per optimizer:
+    optimizer                   the Trainer name
+    peak_bytes                  the most bytes alive at once in a steady-state step
+    categories                  {weights, gradients, optimizer_state, activations, temporaries}: bytes at that peak
+    when                        where in the step the peak falls
+    optimizer_state_from_rule   true: state from the estimator's rules (kernels that cannot run on fake tensors)
+    fits, headroom_bytes        with --device-memory: peak_bytes <= device memory, and device memory - peak_bytes
+    saving_bytes                layer-wise rows: the standard optimizer's peak minus this one (may be 0 or less)
+    max_micro_batch             with --max-batch-size: the largest micro-batch that fits (0: none)
+    advice                      what would lower the peak"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """
+    Add the `plan` subcommand to a `layerwise-hf`-style parser; it sets `func=run`.
+
+    Example:
+
+    ```python
+    >>> import argparse
+    >>> from layerwise_hf.plan import cli
+    >>> parser = argparse.ArgumentParser(prog="tool")
+    >>> _ = cli.register(parser.add_subparsers(dest="command"))
+    >>> parser.parse_args(["plan", "llama-3-8b", "--seq-len", "4096"]).seq_len
+    4096
+    ```
+    """
+    parser = subparsers.add_parser(
+        "plan",
+        help="Simulate one training step on fake tensors (activations included) and say whether it fits.",
+        description="Run one training step of the model on fake tensors (nothing allocated, nothing downloaded), with "
+        "the standard optimizer Trainer builds and with its layer-wise form, and report the peak of live memory "
+        "split into weights, gradients, optimizer state, activations and temporaries.",
+        epilog=JSON_SCHEMA,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model", help=f"A preset ({', '.join(list_presets())}) or a local config.json / directory.")
+    parser.add_argument(
+        "--optim",
+        nargs="+",
+        default=["adamw_torch"],
+        help=f"Optimizer name(s); each runs standard and layer-wise. Known: {known_names()}.",
+    )
+    parser.add_argument("--seq-len", type=int, default=512, help="Tokens per sequence (default 512).")
+    parser.add_argument("--micro-batch", type=int, default=1, help="per_device_train_batch_size (default 1).")
+    parser.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps (default 1).")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="Clipping (Trainer's default 1.0; 0: off).")
+    parser.add_argument("--clip-mode", choices=CLIP_MODES, default="exact", help="layerwise_clip (default exact).")
+    amp = parser.add_mutually_exclusive_group()
+    amp.add_argument("--bf16", action="store_true", help="Trainer's bf16 autocast.")
+    amp.add_argument("--fp16", action="store_true", help="Trainer's fp16 autocast (GradScaler not simulated).")
+    parser.add_argument("--torch-dtype", default="float32", help=f"Weights' dtype: {', '.join(DTYPE_BYTES)}.")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="Activation checkpointing (Trainer's).")
+    parser.add_argument("--lora-r", type=int, default=None, help="Train LoRA adapters of this rank (peft).")
+    parser.add_argument("--lora-target-modules", nargs="+", default=["q_proj", "v_proj"], help="LoRA's targets.")
+    parser.add_argument("--device-memory", default=None, help="e.g. 80GiB: say whether each optimizer fits.")
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cuda",
+        help="Whose optimizer defaults to simulate (cuda: foreach step temporaries).",
+    )
+    parser.add_argument(
+        "--max-batch-size",
+        action="store_true",
+        help="With --device-memory: the largest micro-batch that fits, per optimizer (bisection).",
+    )
+    parser.add_argument("--no-extrapolate", action="store_true", help="Simulate every decoder layer.")
+    parser.add_argument("--units", choices=("binary", "decimal"), default="binary", help="GiB or GB.")
+    parser.add_argument("--json", action="store_true", help="Print JSON (the schema is below).")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _options(args: argparse.Namespace) -> dict:
+    return dict(
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
+        grad_accum=args.grad_accum,
+        max_grad_norm=args.max_grad_norm,
+        clip_mode=args.clip_mode,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        torch_dtype=args.torch_dtype,
+        gradient_checkpointing=args.gradient_checkpointing,
+        lora_r=args.lora_r,
+        lora_targets=tuple(args.lora_target_modules),
+        device_memory=args.device_memory,
+        device=args.device,
+        extrapolate=not args.no_extrapolate,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """
+    Print the plan (or JSON); on bad input print `layerwise-hf plan: error: ...` and return 2, before simulating.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.cli import main
+    >>> main(["plan", "no-such-model"])  # doctest: +SKIP
+    2
+    ```
+    """
+    try:
+        print(_run(args))
+    except EstimateError as e:
+        print(f"layerwise-hf plan: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _run(args: argparse.Namespace) -> str:
+    if args.max_batch_size and args.device_memory is None:
+        raise EstimateError("--max-batch-size needs --device-memory.")
+    from .core import plan
+
+    options = _options(args)
+    result = plan(args.model, args.optim, **options)
+    batches = _max_batches(args, options, result) if args.max_batch_size else {}
+    if args.json:
+        payload = result.to_dict()
+        for row in payload["optimizers"]:
+            if row["optimizer"] in batches:
+                row["max_micro_batch"] = batches[row["optimizer"]]
+        return json.dumps(payload, indent=2)
+    text = result.format(args.units)
+    for name, batch in batches.items():
+        text += f"\n{name}: largest micro-batch that fits in {format_bytes(result.device_memory, args.units)}: {batch}"
+    return text
+
+
+def _max_batches(args: argparse.Namespace, options: dict, result: Plan) -> dict[str, int]:
+    from .batch import max_micro_batch
+    from .core import plan
+
+    out = {}
+    for row in result.rows:
+
+        def run_one(batch: int, name: str = row.optimizer) -> Plan:
+            return plan(args.model, [name], **{**options, "micro_batch": batch}, counterparts=False)
+
+        out[row.optimizer], _ = max_micro_batch(run_one, row.optimizer)
+    return out

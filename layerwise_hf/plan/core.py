@@ -1,0 +1,301 @@
+"""`plan()`: will a training run fit? Each optimizer's steady-state step simulated on fake tensors (weights,
+gradients, optimizer state, activations and temporaries at the peak), compared with the device's memory."""
+
+from __future__ import annotations
+
+import re
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..bases.support import SUFFIX
+from ..estimate.models import resolve_config
+from ..estimate.optimizers import LAYERWISE_ONLY, parse_optimizer
+from ..estimate.units import EstimateError, format_bytes
+from .advice import advise
+from .extrapolate import simulate_layers
+from .options import CLIP_MODES, DEVICES
+from .simulate import DTYPE_ALIASES, DTYPES, SimulatedStep, StepSetup, simulate
+from .tracker import CATEGORIES
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?)(b?)|b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int | float) -> int:
+    """
+    Bytes from `80GiB`, `80GB`, `80G` (binary with an `i` or a bare letter, as `nvidia-smi` sizes read), or a number.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.plan import parse_size
+    >>> parse_size("80GiB"), parse_size("1.5GB"), parse_size(1024)
+    (85899345920, 1500000000, 1024)
+    ```
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = int(text)
+    else:
+        match = _SIZE.match(str(text))
+        if not match:
+            raise EstimateError(f"--device-memory {text!r}: give a size such as 80GiB, 80GB or 85899345920.")
+        number, letter, binary, byte = match.groups()
+        power = "kmgt".index(letter.lower()) + 1 if letter else 0
+        # "GB" is decimal; "GiB" and a bare "G" binary.
+        value = int(float(number) * (1000**power if byte and not binary else 1024**power))
+    if value < 1:
+        raise EstimateError(f"--device-memory must be above 0 bytes; got {text!r}.")
+    return value
+
+
+@dataclass
+class PlanRow:
+    """
+    One optimizer's simulated step.
+
+    Args:
+        optimizer (`str`): the Trainer name.
+        peak_bytes (`int`): the most bytes alive at once during a steady-state step.
+        categories (`dict[str, int]`): the peak split into weights, gradients, optimizer_state, activations and
+            temporaries (summing to `peak_bytes`).
+        when (`str`): where in the step the peak falls.
+        optimizer_state_from_rule (`bool`): the optimizer's kernels cannot run on fake tensors; its state comes from
+            the estimator's rules and its step temporaries are not counted.
+        fits (`bool`, *optional*): `peak_bytes <= device_memory`, when a device memory was given.
+        headroom_bytes (`int`, *optional*): `device_memory - peak_bytes` (negative: short by that much).
+        saving_bytes (`int`, *optional*): a layer-wise row's peak below its standard optimizer's (zero or negative
+            included).
+        advice (`list[str]`): what would lower this peak.
+    """
+
+    optimizer: str
+    peak_bytes: int
+    categories: dict[str, int]
+    when: str
+    optimizer_state_from_rule: bool
+    fits: bool | None = None
+    headroom_bytes: int | None = None
+    saving_bytes: int | None = None
+    advice: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    """What `plan()` returns: the model, the setup and one `PlanRow` per optimizer; `to_dict()` is `--json`'s."""
+
+    model: str
+    source: str
+    setup: StepSetup
+    device_memory: int | None
+    rows: list[PlanRow]
+    extrapolated: bool
+    seconds: float
+
+    def row(self, optimizer: str) -> PlanRow:
+        return next(r for r in self.rows if r.optimizer == optimizer)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "source": self.source,
+            "setup": asdict(self.setup),
+            "device_memory": self.device_memory,
+            "extrapolated_layers": self.extrapolated,
+            "seconds": round(self.seconds, 3),
+            "optimizers": [asdict(r) for r in self.rows],
+        }
+
+    def format(self, units: str = "binary") -> str:
+        from ..estimate.cli import render_table
+
+        headers = ["optimizer", "peak", *CATEGORY_TITLES.values()]
+        if self.device_memory is not None:
+            headers += ["fits", "headroom"]
+        rows = []
+        for r in self.rows:
+            cells = [
+                r.optimizer + (" (state: rule)" if r.optimizer_state_from_rule else ""),
+                format_bytes(r.peak_bytes, units),
+            ]
+            cells += [format_bytes(r.categories[c], units) for c in CATEGORY_TITLES]
+            if self.device_memory is not None:
+                cells += ["fits" if r.fits else "does not fit", format_bytes(r.headroom_bytes, units)]
+            rows.append(cells)
+        s = self.setup
+        title = (
+            f"Peak memory of one training step of `{self.model}`: micro-batch {s.micro_batch} x {s.seq_len} tokens,"
+            f" grad accum {s.grad_accum}"
+            + (", activation checkpointing" if s.gradient_checkpointing else "")
+            + (f", device {format_bytes(self.device_memory, units)}" if self.device_memory else "")
+        )
+        lines = [render_table(title, headers, rows)]
+        for r in self.rows:
+            lines.append(f"{r.optimizer}: peak at {r.when}.")
+            if r.saving_bytes is not None:
+                lines.append(f"  layer-wise saves {format_bytes(r.saving_bytes, units)} in this run.")
+            lines += [f"  to lower it: {a}" for a in r.advice]
+        if any(r.optimizer_state_from_rule for r in self.rows):
+            lines.append(
+                "Note: (state: rule) optimizer state from the estimator's rules; its kernels do not run on "
+                "fake tensors, and their step temporaries are not counted."
+            )
+        return "\n".join(lines)
+
+
+CATEGORY_TITLES = {
+    "weights": "weights",
+    "gradients": "gradients",
+    "optimizer_state": "opt. state",
+    "activations": "activations",
+    "temporaries": "temporaries",
+}
+assert tuple(CATEGORY_TITLES) == CATEGORIES
+
+
+def expand_optimizers(names: list[str] | tuple[str, ...], counterparts: bool = True) -> list[str]:
+    """Each name and (with `counterparts`) its counterpart, standard and `_layerwise`, validated, in order, without
+    repeats."""
+    if isinstance(names, str):
+        names = [names]
+    out: list[str] = []
+    for name in names:
+        base, layerwise = parse_optimizer(name)
+        pair = [base + SUFFIX] if base in LAYERWISE_ONLY else [base, base + SUFFIX]
+        if not counterparts:
+            pair = [base + SUFFIX if layerwise else base]
+        out += [n for n in pair if n not in out]
+    if not out:
+        raise EstimateError("give at least one optimizer.")
+    return out
+
+
+def make_setup(**options: Any) -> StepSetup:
+    """A `StepSetup` from `plan()`'s keywords, each checked with a message naming it and its valid values."""
+    for key in ("seq_len", "micro_batch", "grad_accum"):
+        value = options[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise EstimateError(f"{key}={value!r} must be a whole number >= 1.")
+    if options.get("lora_r") is not None and (not isinstance(options["lora_r"], int) or options["lora_r"] < 1):
+        raise EstimateError(f"lora_r={options['lora_r']!r} must be a whole number >= 1.")
+    if options["max_grad_norm"] is None or options["max_grad_norm"] < 0:
+        raise EstimateError(f"max_grad_norm={options['max_grad_norm']!r} must be >= 0 (0: no clipping).")
+    if options["clip_mode"] not in CLIP_MODES:
+        raise EstimateError(f"clip_mode={options['clip_mode']!r}: choose one of {', '.join(CLIP_MODES)}.")
+    if options["bf16"] and options["fp16"]:
+        raise EstimateError("bf16 and fp16 are exclusive (Trainer refuses both).")
+    dtype = DTYPE_ALIASES.get(str(options["torch_dtype"]), str(options["torch_dtype"]).removeprefix("torch."))
+    if dtype not in DTYPES:
+        raise EstimateError(f"torch_dtype={options['torch_dtype']!r}: choose one of {', '.join(DTYPES)}.")
+    if options["device"] not in DEVICES:
+        raise EstimateError(f"device={options['device']!r}: choose cuda or cpu.")
+    return StepSetup(**{**options, "torch_dtype": dtype, "lora_targets": tuple(options["lora_targets"])})
+
+
+def check_causal_lm(config: Any, name: str) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise EstimateError(
+            f"{name}: transformers builds no causal language model for model_type {config.model_type!r} "
+            f"(AutoModelForCausalLM knows e.g. llama, qwen2, mistral, opt, phi, gpt2)."
+        )
+
+
+def plan(
+    model: Any,
+    optimizers: list[str] | tuple[str, ...] = ("adamw_torch",),
+    *,
+    seq_len: int = 512,
+    micro_batch: int = 1,
+    grad_accum: int = 1,
+    max_grad_norm: float = 1.0,
+    clip_mode: str = "exact",
+    bf16: bool = False,
+    fp16: bool = False,
+    torch_dtype: str = "float32",
+    gradient_checkpointing: bool = False,
+    lora_r: int | None = None,
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj"),
+    device_memory: str | int | None = None,
+    device: str = "cuda",
+    extrapolate: bool = True,
+    counterparts: bool = True,
+) -> Plan:
+    """
+    Simulate one steady-state training step per optimizer on fake tensors (nothing allocated) and say whether it fits.
+
+    Args:
+        model (`str`, `os.PathLike`, `dict` or `PretrainedConfig`):
+            A preset (`layerwise_hf.estimate.list_presets()`), a local config.json or a folder holding one.
+        optimizers (`list[str]`, *optional*, defaults to `("adamw_torch",)`):
+            Trainer optimizer names; each runs standard and layer-wise (`<name>_layerwise`).
+        seq_len, micro_batch, grad_accum (`int`): tokens per sequence, sequences per forward, micro-batches per step.
+        max_grad_norm (`float`, defaults to `1.0`), clip_mode (`str`, defaults to `"exact"`): Trainer's clipping and
+            the layer-wise `layerwise_clip` mode (exact clipping runs the norm pass, whose graph stays alive).
+        bf16, fp16 (`bool`): Trainer's autocast. torch_dtype (`str`): the weights' dtype.
+        gradient_checkpointing (`bool`): activation checkpointing as Trainer enables it (non-reentrant).
+        lora_r (`int`, *optional*), lora_targets: LoRA adapters (peft) on a frozen base.
+        device_memory (`str` or `int`, *optional*): e.g. `"80GiB"`; each row then says whether it fits.
+        device (`str`, defaults to `"cuda"`): whose optimizer defaults to use (`foreach` on CUDA).
+        extrapolate (`bool`, defaults to `True`): simulate 2-4 identical decoder layers and extend the exact line.
+        counterparts (`bool`, defaults to `True`): also run each optimizer's standard / layer-wise counterpart.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.plan import plan
+    >>> result = plan("llama-3.2-1b", ["adamw_torch"], seq_len=2048, bf16=True, device_memory="24GiB")
+    >>> [(r.optimizer, r.fits) for r in result.rows]  # doctest: +SKIP
+    [('adamw_torch', False), ('adamw_torch_layerwise', True)]
+    ```
+    """
+    started = time.perf_counter()
+    setup = make_setup(
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        max_grad_norm=max_grad_norm,
+        clip_mode=clip_mode,
+        bf16=bf16,
+        fp16=fp16,
+        torch_dtype=torch_dtype,
+        device=device,
+        gradient_checkpointing=gradient_checkpointing,
+        lora_r=lora_r,
+        lora_targets=lora_targets,
+    )
+    names = expand_optimizers(optimizers, counterparts)
+    memory = parse_size(device_memory) if device_memory is not None else None
+    config, name, source = resolve_config(model)
+    check_causal_lm(config, name)
+    steps, extrapolated = simulate_all(config, names, setup, extrapolate)
+    rows = [to_row(step, setup, memory, steps) for step in steps.values()]
+    return Plan(name, source, setup, memory, rows, extrapolated, time.perf_counter() - started)
+
+
+def simulate_all(config: Any, names: list[str], setup: StepSetup, extrapolate: bool) -> tuple[dict, bool]:
+    steps: dict[str, SimulatedStep] = {}
+    extrapolated = True
+    with tempfile.TemporaryDirectory(prefix="layerwise-hf-plan-") as out:
+        for optimizer in names:
+            if extrapolate:
+                step, used = simulate_layers(config, lambda c, o=optimizer: simulate(c, o, setup, out))
+            else:
+                step, used = simulate(config, optimizer, setup, out), False
+            steps[optimizer] = step
+            extrapolated &= used
+    return steps, extrapolated
+
+
+def to_row(step: SimulatedStep, setup: StepSetup, memory: int | None, steps: dict[str, SimulatedStep]) -> PlanRow:
+    peak = step.peak
+    row = PlanRow(step.optimizer, peak.total, dict(peak.by_category), peak.phase, step.from_rule)
+    if memory is not None:
+        row.fits = peak.total <= memory
+        row.headroom_bytes = memory - peak.total
+    standard = steps.get(step.optimizer.removesuffix(SUFFIX)) if step.optimizer.endswith(SUFFIX) else None
+    if standard is not None:
+        row.saving_bytes = standard.peak.total - peak.total
+    row.advice = advise(row, setup)
+    return row

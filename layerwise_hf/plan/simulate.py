@@ -1,0 +1,265 @@
+"""One training step as Trainer runs it, on a model of fake tensors: the model (dtype, activation checkpointing, LoRA),
+the optimizer (Trainer's standard one, or `build_layerwise_optimizer` + `attach()`), and the step (forward under
+autocast, loss / grad_accum, backward, clipping, `step()`, `zero_grad()`), with `LiveBytes` counting.
+
+The step runs twice and the second is measured: the first allocates the optimizer state, which every later step
+finds in place, so the second is the steady state a run holds for its length."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..estimate.optimizers import OPTIMIZER_RULES
+from ..estimate.units import DEFAULT_LORA_TARGETS
+from .rules import RuleOptimizer, needs_rule, tensor_spec
+from .tracker import LiveBytes, Peak
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "float32"}
+
+
+@dataclass(frozen=True)
+class StepSetup:
+    """
+    What one optimizer step trains on, in Trainer's terms.
+
+    Args:
+        seq_len (`int`): tokens per sequence.
+        micro_batch (`int`): sequences per forward (`per_device_train_batch_size`).
+        grad_accum (`int`): micro-batches per optimizer step (`gradient_accumulation_steps`).
+        max_grad_norm (`float`): clipping; `0` turns it off (layer-wise: `layerwise_clip` says how).
+        clip_mode (`str`): the layer-wise clipping mode (`exact`, `previous`, `per_param`, `off`).
+        bf16 (`bool`), fp16 (`bool`): Trainer's autocast (weights stay in `torch_dtype`).
+        torch_dtype (`str`): the weights' dtype (`float32`, `bfloat16`, `float16`).
+        gradient_checkpointing (`bool`): `gradient_checkpointing_enable(use_reentrant=False)`, as Trainer does.
+        lora_r (`int`, *optional*): train LoRA adapters of this rank (peft), the base frozen.
+        lora_targets (`tuple[str, ...]`): LoRA's target modules.
+        weight_decay (`float`), learning_rate (`float`): Trainer's arguments (weight decay allocates nothing).
+        device (`str`): `"cuda"`: torch optimizers use their CUDA default (`foreach`, which allocates step
+            temporaries across all tensors); `"cpu"`: the CPU default (a loop over tensors).
+    """
+
+    seq_len: int = 512
+    micro_batch: int = 1
+    grad_accum: int = 1
+    max_grad_norm: float = 1.0
+    clip_mode: str = "exact"
+    bf16: bool = False
+    fp16: bool = False
+    torch_dtype: str = "float32"
+    gradient_checkpointing: bool = False
+    lora_r: int | None = None
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    weight_decay: float = 0.0
+    learning_rate: float = 1e-4
+    device: str = "cuda"
+
+    def replace(self, **changes: Any) -> StepSetup:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class SimulatedStep:
+    """The measured (second) step of one optimizer: its peak and what the rule stand-in covered."""
+
+    optimizer: str
+    peak: Peak
+    from_rule: bool
+    steady_bytes: int  # live after the step (weights + optimizer state, and gradients a step keeps)
+
+
+def fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    # NOTE: FakeTensorMode fakes CPU tensors only on a CPU build of torch; a fake CUDA device needs CUDA linked in.
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def build_model(config: Any, setup: StepSetup) -> torch.nn.Module:
+    """`AutoModelForCausalLM.from_config` in `setup.torch_dtype`, prepared as Trainer prepares it (call inside the
+    fake mode to allocate nothing)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[setup.torch_dtype])
+    model.config.use_cache = False
+    if setup.lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=setup.lora_r,
+            lora_alpha=2 * setup.lora_r,
+            lora_dropout=0.0,
+            target_modules=list(setup.lora_targets),
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora)
+    if setup.gradient_checkpointing:
+        enable_checkpointing(model)
+        if setup.lora_r:
+            # NOTE: Trainer does this for PEFT models: with every base weight frozen, checkpointed inputs need grads.
+            model.enable_input_require_grads()
+    model.train()
+    return model
+
+
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Activation checkpointing as Trainer turns it on (non-reentrant, its default kwargs)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:  # transformers before 5.24
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def training_args(optimizer: str, setup: StepSetup, output_dir: str):
+    from ..integrations.training_args import LayerwiseTrainingArguments
+
+    return LayerwiseTrainingArguments(
+        output_dir=output_dir,
+        optim=optimizer,
+        report_to="none",
+        use_cpu=True,
+        learning_rate=setup.learning_rate,
+        weight_decay=setup.weight_decay,
+        max_grad_norm=setup.max_grad_norm,
+        gradient_accumulation_steps=setup.grad_accum,
+        layerwise_clip=setup.clip_mode,
+    )
+
+
+def _named_specs(model: torch.nn.Module) -> dict:
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    return {id(p): tensor_spec(n, p, id(p) in embeddings) for n, p in model.named_parameters()}
+
+
+def _cuda_defaults(optimizer: torch.optim.Optimizer, setup: StepSetup) -> torch.optim.Optimizer:
+    # NOTE: torch optimizers pick `foreach` when every tensor is on CUDA and a per-tensor loop on CPU; the fake
+    # tensors are CPU tensors, so the CUDA default is set by hand when planning for a GPU.
+    if setup.device == "cuda":
+        for group in optimizer.param_groups:
+            if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+                group["foreach"] = True
+    return optimizer
+
+
+def build_standard(model: torch.nn.Module, base: str, args: Any, setup: StepSetup) -> torch.optim.Optimizer:
+    """The optimizer `Trainer.create_optimizer` builds (its weight-decay split), or the rule stand-in."""
+    from transformers import Trainer
+
+    rule = OPTIMIZER_RULES[base]
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if needs_rule(rule):
+        return RuleOptimizer([p for _, p in named], rule, _named_specs(model), lr=setup.learning_rate)
+    groups = [
+        {"params": [p for n, p in named if n in decay], "weight_decay": setup.weight_decay},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    return _cuda_defaults(cls(groups, **kwargs), setup)
+
+
+def build_layerwise(model: torch.nn.Module, base: str, args: Any, setup: StepSetup, sync: Callable[[], bool]):
+    """`build_layerwise_optimizer(model, args)` (its factory, or the rule stand-in's), clipping configured."""
+    from ..optim.optimizer import build_layerwise_optimizer
+
+    rule = OPTIMIZER_RULES[base]
+    factory = None
+    if needs_rule(rule):
+        specs = _named_specs(model)
+
+        def factory(lp, _args):
+            return RuleOptimizer([lp.param], rule, specs, lr=setup.learning_rate)
+
+    optimizer = build_layerwise_optimizer(model, args, factory=factory, sync_gradients=sync)
+    for inner in optimizer.inner:
+        _cuda_defaults(inner, setup)
+    optimizer.configure_clipping(setup.max_grad_norm, setup.clip_mode)
+    return optimizer
+
+
+def autocast(setup: StepSetup):
+    if setup.bf16 or setup.fp16:
+        # NOTE: the fake tensors are CPU tensors: CPU autocast's op lists stand in for CUDA's (both run matmuls and
+        # linears in the low precision and losses in float32).
+        return torch.autocast("cpu", dtype=torch.bfloat16 if setup.bf16 else torch.float16)
+    return contextlib.nullcontext()
+
+
+def run_step(model, optimizer, layerwise, setup: StepSetup, tracker: LiveBytes, window: dict, vocab: int) -> None:
+    """One optimizer step: `grad_accum` micro-batches of forward, loss, backward, then clip, `step()`, `zero_grad()`.
+    `window["last"]` tells the layer-wise optimizer which backward ends the accumulation window."""
+    for k in range(setup.grad_accum):
+        window["last"] = k == setup.grad_accum - 1
+        tracker.phase = "forward: inputs"
+        ids = torch.randint(0, vocab, (setup.micro_batch, setup.seq_len))
+        with autocast(setup):
+            # NOTE: Trainer's compute_loss keeps only the loss: the outputs (logits) are gone before backward.
+            loss = model(input_ids=ids, labels=ids).loss
+        del ids
+        loss = loss / setup.grad_accum
+        tracker.phase = "backward"
+        if layerwise is not None:
+            layerwise.backward_with_norm_pass(loss, backward=_labelled_backward(tracker))
+        else:
+            loss.backward()
+        del loss
+    if layerwise is None and setup.max_grad_norm > 0:
+        tracker.phase = "clip_grad_norm_"
+        params = [p for p in model.parameters() if p.requires_grad]
+        torch.nn.utils.clip_grad_norm_(params, setup.max_grad_norm, foreach=setup.device == "cuda" or None)
+    tracker.phase = "step: optimizer.step()"
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _labelled_backward(tracker: LiveBytes):
+    def backward(loss: torch.Tensor, **kwargs) -> None:
+        # NOTE: backward_with_norm_pass retains the graph only for its measuring pass.
+        tracker.stage = "norm pass" if kwargs.get("retain_graph") else "backward"
+        try:
+            loss.backward(**kwargs)
+        finally:
+            tracker.stage = "backward"
+
+    return backward
+
+
+def simulate(
+    config: Any, optimizer: str, setup: StepSetup, output_dir: str = "/tmp/layerwise-hf-plan"
+) -> SimulatedStep:
+    """Build the fake model and `optimizer` (a Trainer name, `_layerwise` or not); run two steps, measure the 2nd."""
+    from ..estimate.optimizers import parse_optimizer
+
+    base, is_layerwise = parse_optimizer(optimizer)
+    args = training_args(optimizer, setup, output_dir)
+    tracker = LiveBytes()
+    window = {"last": True}
+    with fake_mode(), tracker:
+        model = build_model(config, setup)
+        handles = tracker.watch_model(model)
+        layerwise = None
+        if is_layerwise:
+            layerwise = build_layerwise(model, base, args, setup, sync=lambda: window["last"])
+            opt = layerwise
+            for name, inner in zip(layerwise.names, layerwise.inner):
+                handles += tracker.watch_optimizer(inner, name)
+            layerwise.attach()
+        else:
+            opt = build_standard(model, base, args, setup)
+            handles += tracker.watch_optimizer(opt, "optimizer.step()")
+        vocab = model.get_input_embeddings().num_embeddings
+        run_step(model, opt, layerwise, setup, tracker, window, vocab)
+        tracker.reset_peak()
+        run_step(model, opt, layerwise, setup, tracker, window, vocab)
+        steady = tracker.current
+        if layerwise is not None:
+            layerwise.detach()
+        for handle in handles:
+            handle.remove()
+    return SimulatedStep(optimizer, tracker.peak, needs_rule(OPTIMIZER_RULES[base]), steady)

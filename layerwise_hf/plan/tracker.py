@@ -1,0 +1,209 @@
+"""`LiveBytes`: the bytes of every live tensor storage over a training step, by category, and where their peak falls.
+
+Why not `torch.distributed._tools.mem_tracker.MemTracker`: it sorts memory by module and learns optimizer state from
+a global optimizer-step hook, and it refuses a second iteration unless `reset_mod_stats()` is called. A layer-wise
+step runs hundreds of inner optimizers inside backward, and the plan needs the steady-state step (the second one,
+when optimizer state already exists), the moment of the peak, and the split at that moment, not per module. Tracking
+storages directly does that in a few lines: a `TorchDispatchMode` sees every op's outputs; a storage it has not seen
+is counted from then on, and a `weakref.finalize` on it (storages keep one Python object while they live) uncounts
+it when autograd, an optimizer or Python frees it. The same tracker runs on fake tensors (the plan) and on real ones.
+
+Categories: a storage allocated while grad mode is on (the forward, the loss, checkpointing's recompute) is an
+activation; one allocated with grad mode off (backward kernels, the optimizer step) a temporary. A storage becomes a
+gradient when a post-accumulate-grad hook finds it in `.grad`, optimizer state when an optimizer's step post-hook
+finds it in `optimizer.state`, and weights are the parameters and buffers registered at the start.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+WEIGHTS = "weights"
+GRADIENTS = "gradients"
+OPTIMIZER_STATE = "optimizer_state"
+ACTIVATIONS = "activations"
+TEMPORARIES = "temporaries"
+CATEGORIES = (WEIGHTS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES)
+
+
+@dataclass
+class Peak:
+    """The largest sum of live storage bytes since `LiveBytes.reset_peak()`, its split and when it fell."""
+
+    total: int = 0
+    by_category: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+    phase: str = ""
+
+
+def _storages(tensors: Iterable[torch.Tensor]) -> Iterable[torch.UntypedStorage]:
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            yield t.untyped_storage()
+
+
+class LiveBytes(TorchDispatchMode):
+    """
+    Counts live storage bytes while active (`with tracker:`); see the module docstring for the categories.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.plan.tracker import LiveBytes
+    >>> tracker = LiveBytes()
+    >>> with tracker, torch.no_grad():
+    ...     a = torch.empty(1000)
+    ...     b = torch.empty(1000); del b
+    >>> tracker.current, tracker.peak.total
+    (4000, 8000)
+    ```
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._live: dict[int, list] = {}  # id(storage) -> [nbytes, category]
+        self.totals = dict.fromkeys(CATEGORIES, 0)
+        self.current = 0
+        self.phase = "start"
+        self.stage = "backward"  # what a gradient hook names: "backward", or the layer-wise norm pass
+        self.peak = Peak()
+        self._peak_is_now = False
+
+    # ---- counting ----
+
+    def track(self, storage: torch.UntypedStorage, category: str) -> None:
+        """Count `storage` (if new) and put it in `category`."""
+        key = id(storage)
+        entry = self._live.get(key)
+        if entry is None:
+            nbytes = storage.nbytes()
+            self._live[key] = [nbytes, category]
+            weakref.finalize(storage, self._free, key)
+            self.totals[category] += nbytes
+            self.current += nbytes
+            if self.current > self.peak.total:
+                self.peak = Peak(self.current, dict(self.totals), self.phase)
+                self._peak_is_now = True
+            return
+        if entry[1] != category:
+            self.totals[entry[1]] -= entry[0]
+            self.totals[category] += entry[0]
+            entry[1] = category
+            if self._peak_is_now:
+                # Nothing was allocated or freed since the peak: it is this moment, so its split follows the label.
+                self.peak.by_category = dict(self.totals)
+
+    def track_tensors(self, tensors: Iterable[torch.Tensor], category: str) -> None:
+        for storage in _storages(tensors):
+            self.track(storage, category)
+
+    def _free(self, key: int) -> None:
+        nbytes, category = self._live.pop(key)
+        self.totals[category] -= nbytes
+        self.current -= nbytes
+        self._peak_is_now = False
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is live now."""
+        self.peak = Peak(self.current, dict(self.totals), self.phase)
+        self._peak_is_now = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        category = ACTIVATIONS if torch.is_grad_enabled() else TEMPORARIES
+        flat, _ = tree_flatten(out)
+        for t in flat:
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                storage = t.untyped_storage()
+                if id(storage) not in self._live:
+                    self.track(storage, category)
+        return out
+
+    # ---- what the step's objects say ----
+
+    def watch_model(self, model: torch.nn.Module) -> list:
+        """Weights (parameters and buffers) counted now; gradients recognised in post-accumulate-grad hooks, and the
+        phase named by forward pre-hooks on the model's blocks. Register before any optimizer's hooks: a hook that
+        frees `.grad` must run after this one. Returns the hook handles."""
+        self.track_tensors(model.parameters(), WEIGHTS)
+        self.track_tensors(model.buffers(), WEIGHTS)
+        names = {id(p): n for n, p in model.named_parameters()}
+        handles = []
+        for p in model.parameters():
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(names[id(p)])))
+        for name, module in _blocks(model):
+            handles.append(module.register_forward_pre_hook(self._forward_hook(name)))
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if head is not None:
+            handles.append(head.register_forward_hook(self._loss_hook))
+        return handles
+
+    def _loss_hook(self, module, args, output) -> None:
+        if not self.phase.startswith(("backward", "norm pass")):
+            self.phase = "loss: logits and cross-entropy"
+
+    def _grad_hook(self, name: str):
+        def hook(param: torch.Tensor) -> None:
+            self.phase = f"{self.stage}: gradient of {name}"
+            if param.grad is not None:
+                self.track(param.grad.untyped_storage(), GRADIENTS)
+
+        return hook
+
+    def _forward_hook(self, name: str):
+        def hook(module, args) -> None:
+            if self.phase.startswith(("backward", "norm pass", "step")):
+                # NOTE: a forward pre-hook inside backward is activation checkpointing's recompute.
+                self.phase = f"{self.stage}: recomputing {name}"
+            else:
+                self.phase = f"forward: {name}"
+
+        return hook
+
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer, label: str) -> list:
+        """Optimizer state recognised after each step of `optimizer`; the phase named before it."""
+
+        def pre(opt, args, kwargs) -> None:
+            self.phase = f"step: {label}"
+
+        def post(opt, args, kwargs) -> None:
+            for state in opt.state.values():
+                self.track_tensors(_state_tensors(state), OPTIMIZER_STATE)
+
+        return [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+
+
+def _state_tensors(obj) -> list[torch.Tensor]:
+    """The tensors in one parameter's optimizer state (nested in dicts, lists, or objects such as projectors)."""
+    found: list[torch.Tensor] = []
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif hasattr(item, "__dict__") and not isinstance(item, type):
+            stack.extend(vars(item).values())
+    return found
+
+
+def _blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules that name a phase: each item of a `ModuleList` (decoder layers), embeddings, the output head."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    blocks = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList):
+            blocks += [(f"{name}.{i}", m) for i, m in enumerate(module)]
+        elif isinstance(module, torch.nn.Embedding) or module is head:
+            blocks.append((name, module))
+    return blocks
