@@ -198,6 +198,18 @@ def test_parser_accepts_layerwise_names_from_command_line_yaml_and_json(installe
         TrainingArguments(output_dir=str(tmp_path), optim="adamw_nope")
 
 
+@pytest.mark.parametrize(
+    "bad", [dict(gradient_accumulation_steps=0), dict(deepspeed={"zero_optimization": {"stage": 2}})], ids=str
+)
+def test_bad_arguments_refused_as_by_layerwise_training_arguments(installed, tmp_path, bad):
+    kwargs = dict(output_dir=str(tmp_path), optim="adamw_torch_layerwise", use_cpu=True, **bad)
+    with pytest.raises(ValueError) as explicit:
+        LayerwiseTrainingArguments(**kwargs)
+    with pytest.raises(ValueError) as patched:
+        TrainingArguments(**kwargs)
+    assert str(patched.value) == str(explicit.value)
+
+
 def test_parser_refuses_layerwise_names_without_install(tmp_path, capsys):
     with pytest.raises(SystemExit):
         HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
@@ -269,11 +281,36 @@ def launch(*argv, cwd=ROOT, timeout=600):
 
 
 def test_launcher_runs_unchanged_script_like_explicit_classes(tmp_path):
-    result = launch(SCRIPT, *clm_argv(tmp_path / "launched"))
+    # --layerwise_clip (a launcher option, before the script) reaches the stock arguments the script makes.
+    result = launch("--layerwise_clip", "previous", SCRIPT, *clm_argv(tmp_path / "launched"))
     assert result.returncode == 0, result.stderr[-4000:]
-    explicit_run(tmp_path / "explicit")
+    explicit_run(tmp_path / "explicit", "--layerwise_clip", "previous")
     for name in ("checkpoint-2", "checkpoint-4", "."):
         assert_same_files(tmp_path / "explicit" / name, tmp_path / "launched" / name)
+    # Not the default exact clipping: the same run clipped exactly ends elsewhere.
+    explicit_run(tmp_path / "exact", "--save_strategy", "no")
+    exact, launched = (load_file(tmp_path / d / "model.safetensors") for d in ("exact", "launched"))
+    assert any(not torch.equal(exact[k], launched[k]) for k in exact)
+
+
+def test_install_layerwise_clip_reaches_stock_arguments(tmp_path):
+    layerwise_hf.install(layerwise_clip="previous")
+    try:
+        args = TrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise", report_to="none")
+        trainer = Trainer(model=tiny_llama(), args=args)
+        assert args.layerwise_clip == "previous" and trainer.create_optimizer().clip_mode == "previous"
+        explicit = LayerwiseTrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise")
+        assert explicit.layerwise_clip == "exact", "the explicit class keeps its own field"
+        with pytest.raises(ValueError, match="layerwise_clip"):
+            layerwise_hf.install(layerwise_clip="sometimes")
+    finally:
+        layerwise_hf.uninstall()
+    layerwise_hf.install()
+    try:
+        args = TrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise", report_to="none")
+        assert not hasattr(args, "layerwise_clip"), "uninstall() forgets the setting"
+    finally:
+        layerwise_hf.uninstall()
 
 
 @pytest.mark.parametrize(
@@ -283,12 +320,19 @@ def test_launcher_runs_unchanged_script_like_explicit_classes(tmp_path):
         (["-m", "no_such_package_xyz.train"], "No module named 'no_such_package_xyz'"),
         (["-m", "json.no_such_module"], "No module named 'json.no_such_module'"),
         ([], "give the SCRIPT to run, or -m MODULE"),
+        (["--layerwise_clip", "previous", "nope.py", "--optim", "x"], "can't open file 'nope.py'"),
     ],
 )
 def test_launcher_bad_input_exits_2_naming_it(argv, message, capsys):
     assert launcher_main(argv) == 2
     assert message in capsys.readouterr().err
     assert not patching.is_installed()
+
+
+def test_launcher_bad_option_exits_2(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        launcher_main(["--layerwise_clip", "sometimes", "train.py"])
+    assert exit_.value.code == 2 and "invalid choice: 'sometimes'" in capsys.readouterr().err
 
 
 def test_launcher_exit_status_from_the_command_line(tmp_path):

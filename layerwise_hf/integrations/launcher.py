@@ -13,7 +13,9 @@ import os
 import runpy
 import sys
 
-USAGE = "python -m layerwise_hf [-h] (SCRIPT | -m MODULE) [ARGS...]"
+from ..optim.clipping import CLIP_MODES
+
+USAGE = "python -m layerwise_hf [-h] [--layerwise_clip MODE] (SCRIPT | -m MODULE) [ARGS...]"
 DESCRIPTION = (
     "Run a training script unchanged, with layerwise_hf.install() in effect: transformers' TrainingArguments, "
     "HfArgumentParser and Trainer, and every subclass (TRL's SFTConfig / SFTTrainer, ...), accept "
@@ -25,6 +27,13 @@ DESCRIPTION = (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m layerwise_hf", usage=USAGE, description=DESCRIPTION)
+    parser.add_argument(
+        "--layerwise_clip",
+        choices=list(CLIP_MODES),
+        help="how max_grad_norm is applied with a layer-wise optim, as LayerwiseTrainingArguments.layerwise_clip: "
+        "'exact' (the default: Trainer's global clipping; without gradient accumulation backward runs twice a step), "
+        "'previous' (one pass, the previous step's global norm), 'per_param' or 'off'",
+    )
     parser.add_argument("-m", dest="module", metavar="MODULE", help="run a module as a script, as `python -m` does")
     parser.add_argument("script", nargs="?", metavar="SCRIPT", help="the training script (a .py file)")
     parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments")
@@ -53,8 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: everything after SCRIPT / -m MODULE belongs to the script, so only the options before it are parsed here
     # (the script's own -h, -m, --optim ... must reach it untouched).
     head, module, script, rest = _split(argv)
-    if head:
-        parser.parse_args(head)  # -h, or an unknown launcher option: argparse prints and exits
+    options = parser.parse_args(head)  # -h, or a wrong launcher option: argparse prints and exits
     if module is None and script is None:
         parser.print_usage(sys.stderr)
         print(f"{parser.prog}: error: give the SCRIPT to run, or -m MODULE", file=sys.stderr)
@@ -67,25 +75,34 @@ def main(argv: list[str] | None = None) -> int:
     from .patching import UnsupportedVersionError, install
 
     try:
-        install()
+        install(layerwise_clip=options.layerwise_clip)
     except UnsupportedVersionError as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 1
     return _run(module, script, rest)
 
 
+_OPTIONS_WITH_VALUE = ("--layerwise_clip",)
+
+
 def _split(argv: list[str]) -> tuple[list[str], str | None, str | None, list[str]]:
     """(launcher options, module, script, the script's arguments)."""
+    takes_value = False
     for i, arg in enumerate(argv):
-        if arg == "-m":
+        if takes_value:
+            takes_value = False
+            continue
+        if arg in _OPTIONS_WITH_VALUE:
+            takes_value = True
+        elif arg == "-m":
             if i + 1 >= len(argv):
                 return argv[: i + 1], None, None, []  # argparse reports "-m: expected one argument"
             return argv[:i], argv[i + 1], None, argv[i + 2 :]
-        if arg.startswith("-m") and len(arg) > 2:
+        elif arg.startswith("-m") and len(arg) > 2:
             return argv[:i], arg[2:], None, argv[i + 1 :]
-        if arg == "--":
+        elif arg == "--":
             return argv[:i], None, (argv[i + 1] if i + 1 < len(argv) else None), argv[i + 2 :]
-        if not arg.startswith("-"):
+        elif not arg.startswith("-"):
             return argv[:i], None, arg, argv[i + 1 :]
     return argv, None, None, []
 

@@ -26,9 +26,9 @@ import threading
 import types
 
 from ..bases.registry import parse_optim_name
-from ..bases.support import check_deepspeed, check_fp16_clip_mode, check_fsdp_version, fsdp_version_of_args
+from ..optim.clipping import CLIP_MODES, ClipMode
 
-__all__ = ["UnsupportedVersionError", "install", "is_installed", "uninstall"]
+__all__ = ["CLIP_MODES", "UnsupportedVersionError", "install", "is_installed", "uninstall"]
 
 # Kept equal to pyproject.toml's dependencies by tests/test_launcher.py.
 TESTED_VERSIONS = {"transformers": ">=5.24,<5.25", "accelerate": ">=1.15,<1.16"}
@@ -64,6 +64,8 @@ _LOCK = threading.Lock()
 _UNDO: list = []
 _ABSENT = object()
 _STATE = {"installed": False}
+# install(layerwise_clip=...): given to stock arguments made with a layer-wise name (they have no such field).
+_SETTINGS: dict[str, str | None] = {"layerwise_clip": None}
 _LAYERWISE_CLASSES: dict[type, type] = {}
 _FIX = (
     "This Trainer was created before layerwise_hf.install() (or after uninstall()), so it was not made layer-wise: "
@@ -94,7 +96,7 @@ def is_installed() -> bool:
     return _STATE["installed"]
 
 
-def install() -> None:
+def install(*, layerwise_clip: str | None = None) -> None:
     """
     Make stock `TrainingArguments`, `HfArgumentParser` and `Trainer` (and every subclass: TRL's `SFTConfig` /
     `SFTTrainer`, a script's own `Trainer` subclass) accept `optim="<base>_layerwise"` and train layer-wise with it,
@@ -104,6 +106,12 @@ def install() -> None:
 
     Trainers created before `install()` are not made layer-wise: give one a layer-wise name and it raises Trainer's
     error, with how to fix it.
+
+    Args:
+        layerwise_clip (`str`, *optional*):
+            `LayerwiseTrainingArguments.layerwise_clip` for stock arguments made from now on with a layer-wise
+            `optim` (`"exact"`, `"previous"`, `"per_param"` or `"off"`); unset, they clip `"exact"`ly. A later call
+            changes it (`python -m layerwise_hf --layerwise_clip previous SCRIPT`).
 
     Raises:
         UnsupportedVersionError: a method it replaces is missing or has other parameters than in the tested
@@ -122,6 +130,8 @@ def install() -> None:
     ```
     """
     with _LOCK:
+        if layerwise_clip is not None:
+            _SETTINGS["layerwise_clip"] = ClipMode.parse(layerwise_clip).value
         if _STATE["installed"]:
             return
         from transformers import Trainer, TrainingArguments
@@ -164,6 +174,7 @@ def uninstall() -> None:
         if not _STATE["installed"]:
             return
         _STATE["installed"] = False
+        _SETTINGS["layerwise_clip"] = None
         while _UNDO:
             _UNDO.pop()()
 
@@ -277,18 +288,19 @@ def _layerwise_base(name) -> str | None:
 
 
 def _wrap_post_init(original):
-    from .training_args import _check_arguments_trainer_uses_late
+    from .training_args import LayerwiseTrainingArguments, _check_arguments_trainer_uses_late
 
     def __post_init__(self):
         name = getattr(self.optim, "value", self.optim)
         base = _layerwise_base(name)
         if base is None:
             return original(self)
-        # As LayerwiseTrainingArguments.__post_init__ does; the layerwise_* fields are absent here, so their defaults.
-        _check_arguments_trainer_uses_late(self)
-        check_fp16_clip_mode(getattr(self, "layerwise_clip", "exact"), self.fp16, self.max_grad_norm)
-        check_deepspeed(name, self.deepspeed)
-        check_fsdp_version(name, fsdp_version_of_args(self))
+        if _SETTINGS["layerwise_clip"] is not None and "layerwise_clip" not in self.__dataclass_fields__:
+            self.layerwise_clip = _SETTINGS["layerwise_clip"]  # read by the Trainer mixin and the callback
+        # The checks LayerwiseTrainingArguments makes, written once there; its layerwise_* fields at their defaults.
+        view = _WithLayerwiseDefaults(self, LayerwiseTrainingArguments)
+        _check_arguments_trainer_uses_late(view)
+        LayerwiseTrainingArguments._refuse_unsupported(view, name)
         self.optim = base or "adamw_torch"
         try:
             return original(self)
@@ -297,6 +309,18 @@ def _wrap_post_init(original):
 
     __post_init__._layerwise_original = original
     return __post_init__
+
+
+class _WithLayerwiseDefaults:
+    """Stock `TrainingArguments` read as `LayerwiseTrainingArguments`: its `layerwise_*` fields at their defaults."""
+
+    def __init__(self, args, layerwise_cls: type):
+        self._args, self._fields = args, layerwise_cls.__dataclass_fields__
+
+    def __getattr__(self, name):
+        if hasattr(self._args, name) or not name.startswith("layerwise_") or name not in self._fields:
+            return getattr(self._args, name)
+        return self._fields[name].default
 
 
 def _wrap_set_optimizer(original):
