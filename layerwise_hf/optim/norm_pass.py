@@ -1,15 +1,26 @@
 """Norm passes: how a driver gets every gradient measured (and fp16-checked) before any layer steps.
 
 Exact clipping needs the global gradient norm, and fp16 loss scaling every gradient's inf/nan check, before the
-first layer steps. Without gradient accumulation the driver therefore runs a first, measuring pass inside
-`LayerwiseOptimizer.norm_pass()`, whose hooks only measure and free, then the real one, whose hooks clip and step:
-`backward_with_norm_pass` (one forward, two backwards over the retained graph) on one process, or
-`run_with_norm_pass` (forward+backward twice, RNG replayed) where collectives run once per forward (DDP, FSDP2) or
-the backward is compiled.
+first layer steps. Without gradient accumulation there are three ways to get it, exact alike (the same weights as a
+standard optimizer, bit for bit); they differ in memory and time:
+
+- `retain`: a measuring backward over the graph kept with `retain_graph=True`, then the stepping one (1 forward,
+  2 backward); every saved activation stays alive through the whole first backward.
+- `rerun`: a measuring forward+backward, then the stepping one (`run_with_norm_pass`: 2 forward, 2 backward); each
+  backward frees the activations as it goes.
+- `hold`: one backward keeps every gradient, `step()` clips and steps them (1 forward, 1 backward); every gradient
+  is alive at once, as with a standard optimizer.
+
+`backward_with_norm_pass` measures what the graph saves and chooses (`choose_norm_pass`, whose docstring gives the
+rule and the measurements behind it); a driver that can run forward twice asks `forward_again` before the forward.
+`run_with_norm_pass` is the only way where collectives run once per forward (DDP, FSDP2) or the backward is compiled.
 """
 
 from __future__ import annotations
 
+import enum
+import logging
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -20,17 +31,189 @@ if TYPE_CHECKING:
 
     from .optimizer import LayerwiseOptimizer
 
+logger = logging.getLogger(__name__)
+
 T = TypeVar("T")
 
 
+class NormPass(str, enum.Enum):
+    """How a step gets its gradients measured before any layer steps (the module docstring lists them)."""
+
+    AUTO = "auto"
+    RETAIN = "retain"
+    RERUN = "rerun"
+    HOLD = "hold"
+
+
+# Measured (torch profiler allocation events: peak of live CPU-allocator bytes over Trainer.train(), weights not
+# counted; adamw_torch, GA 1, max_grad_norm=1.0; Llama 20.3M with vocab 8000 / hidden 384 / 6 layers, and the 58.1M
+# of benchmarks/_common.py; MiB):
+#
+# | model, tokens          |   act |    G |    L |   std | retain |  hold | rerun | chosen |
+# |------------------------|------:|-----:|-----:|------:|-------:|------:|------:|--------|
+# | 20M tied, 1 x 64       |  16.9 | 65.7 | 11.7 | 220.7 |  183.5 | 220.7 | 166.6 | retain |
+# | 20M tied, 1 x 128      |  33.8 | 65.7 | 11.7 | 220.7 |  200.4 | 220.7 | 179.5 | rerun  |
+# | 20M tied, 2 x 128      |  67.6 | 65.7 | 11.7 | 220.7 |  234.2 | 220.7 | 214.7 | hold   |
+# | 20M tied, 2 x 256      | 135.1 | 65.7 | 11.7 | 297.8 |  301.7 | 297.8 | 297.8 | hold   |
+# | 20M tied, 2 x 512      | 270.2 | 65.7 | 11.7 | 464.2 |  464.2 | 464.2 | 464.2 | hold   |
+# | 20M tied, 2 x 128, ckpt |   8.9 | 65.7 | 11.7 | 220.7 |  177.9 | 220.7 | 166.6 | retain |
+# | 20M untied, 1 x 64     |  16.9 | 77.5 | 11.7 | 258.1 |  190.4 | 255.8 | 190.4 | retain |
+# | 20M untied, 1 x 128    |  33.8 | 77.5 | 11.7 | 258.1 |  204.5 | 255.8 | 202.9 | retain |
+# | 20M untied, 2 x 128    |  67.6 | 77.5 | 11.7 | 258.1 |  242.4 | 255.8 | 238.1 | rerun  |
+# | 20M untied, 2 x 256    | 135.1 | 77.5 | 11.7 | 321.3 |  321.3 | 321.3 | 321.3 | hold   |
+# | 58M untied, 1 x 256    | 116.0 |221.5 | 62.5 | 792.3 |  653.3 | 789.6 | 632.1 | rerun  |
+# | 58M tied, 1 x 256      | 116.0 |159.0 | 62.5 | 602.1 |  621.5 | 602.1 | 505.6 | rerun  |
+#
+# act: the bytes the graph saves (`saved_activation_bytes`), G: all gradients, L: the largest gradient, std: the
+# standard optimizer (Trainer + adamw_torch, clip_grad_norm_). The retained first backward peaks at the optimizer
+# state + act + X, X = 1.3-1.7 L untied and 3.0 L tied (at the embedding's backward, the tied gradient's two parts
+# and their sum), while the standard peaks at least at state + G (every gradient before its step). Hence:
+RETAIN_EXTRA_LARGEST = 3  # X <= 3 L in every run above: retaining fits when act + 3 L <= G
+# The rerun's second pass is the one-pass layer-wise step; it lowers the peak below hold's (= the standard's) when
+# the gradients outweigh the activations, and saves nothing when they do not (both then peak at the activations, at
+# the start of backward): with act >= G, one pass (hold) costs the least time and the same memory (2 x 128 tied:
+# 6 MiB more than rerun; 2 x 256 and up: equal).
+
+
+def choose_norm_pass(activation_bytes: int, grad_bytes: int, largest_grad_bytes: int) -> NormPass:
+    """
+    The way (`NormPass`) whose peak stays at or below the standard optimizer's, fastest first, for a step whose graph
+    saves `activation_bytes` and whose trainable gradients take `grad_bytes` (the largest `largest_grad_bytes`).
+
+    - `retain` (1 forward, 2 backward) when `activation_bytes + 3 * largest_grad_bytes <= grad_bytes`: keeping the
+      graph through the first backward costs less than keeping every gradient would.
+    - `hold` (1 forward, 1 backward) when `activation_bytes >= grad_bytes`: the activations outweigh the gradients,
+      so no way peaks lower than holding the gradients does.
+    - `rerun` (2 forward, 2 backward) in between.
+
+    The numbers behind the rule are in the comment above this function (`layerwise_hf/optim/norm_pass.py`).
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.optim.norm_pass import choose_norm_pass
+    >>> mib = 2**20
+    >>> choose_norm_pass(17 * mib, 66 * mib, 12 * mib).value, choose_norm_pass(68 * mib, 66 * mib, 12 * mib).value
+    ('retain', 'hold')
+    ```
+    """
+    if activation_bytes + RETAIN_EXTRA_LARGEST * largest_grad_bytes <= grad_bytes:
+        return NormPass.RETAIN
+    if activation_bytes >= grad_bytes:
+        return NormPass.HOLD
+    return NormPass.RERUN
+
+
+_SAVED_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def saved_activation_bytes(loss: torch.Tensor, exclude: Any = ()) -> int:
+    """
+    Bytes of the distinct storages the autograd graph of `loss` saves for backward, less those of `exclude` (the
+    parameters, alive anyway): what `retain_graph=True` keeps alive through a whole backward. Read without unpacking
+    (a checkpointed or offloaded tensor counts what its pack hook kept, not what unpacking would recompute).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.optim.norm_pass import saved_activation_bytes
+    >>> w = torch.ones(4, 4, requires_grad=True)
+    >>> x = torch.ones(8, 4)
+    >>> saved_activation_bytes((x @ w).sin().sum(), exclude=[w])  # x (for w's gradient) and x @ w (for sin)
+    256
+    ```
+    """
+    if loss.grad_fn is None:
+        return 0
+    skip = {p.untyped_storage().data_ptr() for p in exclude}
+    storages: dict[int, int] = {}
+    seen: set = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names = _SAVED_NAMES.get(type(node))
+        if names is None:
+            names = _SAVED_NAMES[type(node)] = tuple(n for n in dir(node) if n.startswith("_raw_saved_"))
+        for name in names:
+            raw = getattr(node, name)
+            for saved in raw if isinstance(raw, (tuple, list)) else (raw,):
+                # NOTE: SavedTensor.data is what autograd stored (the pack hook's result when there is one),
+                # without running the unpack hook.
+                data = getattr(saved, "data", None)
+                if isinstance(data, torch.Tensor) and data.device.type != "meta":
+                    storage = data.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+        stack.extend(fn for fn, _ in node.next_functions)
+    return sum(n for ptr, n in storages.items() if ptr not in skip)
+
+
+# Per optimizer, the way its last measured step chose (`forward_again` reads it before the next forward).
+_CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _choose(optimizer: LayerwiseOptimizer, loss: torch.Tensor) -> NormPass:
+    params = optimizer.params
+    activations = saved_activation_bytes(loss, params)
+    sizes = [p.numel() * p.element_size() for p in params] or [0]
+    chosen = choose_norm_pass(activations, sum(sizes), max(sizes))
+    if _CHOSEN.get(optimizer) is not chosen:
+        logger.info(
+            "Exact clipping / fp16 check without gradient accumulation: the graph saves %.1f MiB of activations, "
+            "the gradients take %.1f MiB (largest %.1f MiB): measuring by '%s' (%s).",
+            activations / 2**20,
+            sum(sizes) / 2**20,
+            max(sizes) / 2**20,
+            chosen.value,
+            {
+                NormPass.RETAIN: "a second backward over the retained graph",
+                NormPass.RERUN: "a second forward+backward from the next step on, where the driver runs it "
+                "(LayerwiseTrainer does); this step holds the gradients",
+                NormPass.HOLD: "one backward holding every gradient, as a standard optimizer",
+            }[chosen],
+        )
+    _CHOSEN[optimizer] = chosen
+    return chosen
+
+
+def forward_again(optimizer: LayerwiseOptimizer) -> bool:
+    """
+    Whether the coming step should measure with a second forward+backward (`run_with_norm_pass`) rather than
+    `backward_with_norm_pass`: its last measured step chose `rerun` (see `choose_norm_pass`). False before any step
+    was measured.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.optim.norm_pass import backward_with_norm_pass, forward_again, run_with_norm_pass
+    >>> if forward_again(optimizer):
+    ...     run_with_norm_pass(optimizer, forward_backward, model)
+    ... else:
+    ...     backward_with_norm_pass(optimizer, model(**batch).loss)
+    ```
+    """
+    return _CHOSEN.get(optimizer) is NormPass.RERUN
+
+
 def backward_with_norm_pass(
-    optimizer: LayerwiseOptimizer, loss: torch.Tensor, backward: Callable[..., Any] | None = None, **kwargs
+    optimizer: LayerwiseOptimizer,
+    loss: torch.Tensor,
+    backward: Callable[..., Any] | None = None,
+    *,
+    norm_pass: str | NormPass = NormPass.AUTO,
+    **kwargs,
 ):
     """
-    `backward(loss)`, preceded (when exact clipping or fp16 needs every gradient first) by a measuring backward
-    over the same graph, kept with `retain_graph=True`: one forward, two backwards. Only for a single process and
-    an uncompiled model: DDP and FSDP2 run their collectives once per forward, and a torch.compile'd backward
-    refuses `retain_graph`, so use `run_with_norm_pass` there.
+    `backward(loss)`, with every gradient measured (exact clipping) or inf-checked (fp16) before any layer steps when
+    the step needs it, in the way `choose_norm_pass` picks from what this graph saves: `retain` (a measuring backward
+    over the graph kept with `retain_graph=True`, then the stepping one), or `hold` (this one backward keeps the
+    gradients; `step()` clips and steps them). Where the rule picks `rerun`, this step holds and `forward_again`
+    tells the driver to run the next one with `run_with_norm_pass`. Only for a single process and an uncompiled
+    model: DDP and FSDP2 run their collectives once per forward, and a torch.compile'd backward refuses
+    `retain_graph`, so use `run_with_norm_pass` there.
 
     Args:
         optimizer (`LayerwiseOptimizer`):
@@ -39,6 +222,8 @@ def backward_with_norm_pass(
             The micro-batch's loss.
         backward (`Callable[..., Any]`, *optional*):
             Runs the backward, e.g. `accelerator.backward`; defaults to `loss.backward`.
+        norm_pass (`str` or `NormPass`, *optional*, defaults to `"auto"`):
+            `"auto"` (the rule), or `"retain"` / `"hold"` to force one way.
         **kwargs:
             Passed to `backward`.
 
@@ -51,11 +236,12 @@ def backward_with_norm_pass(
     >>> w = torch.nn.Parameter(torch.ones(4))
     >>> optimizer = LayerwiseOptimizer([LayerwiseParam("w", w, 0.0)], lambda lp, _: torch.optim.SGD([lp.param], lr=1))
     >>> optimizer.configure_clipping(1.0, "exact"); optimizer.attach()
-    >>> backward_with_norm_pass(optimizer, (2 * w).sum())  # measures the norm (4), then clips and steps
+    >>> backward_with_norm_pass(optimizer, (2 * w).sum(), norm_pass="retain")  # measures the norm (4), then steps
     >>> w.data
     tensor([0.5000, 0.5000, 0.5000, 0.5000])
     ```
     """
+    way = _norm_pass_arg(norm_pass)
     backward = backward or (lambda tensor, **kw: tensor.backward(**kw))
     # First: a window GradScaler skipped must be closed before this one notes its accumulation.
     optimizer.close_skipped_window()
@@ -64,11 +250,30 @@ def backward_with_norm_pass(
         return backward(loss, **kwargs)
     if not optimizer.needs_norm_pass():
         return backward(loss, **kwargs)
+    if way is NormPass.AUTO:
+        way = _choose(optimizer, loss)
+    if way is not NormPass.RETAIN:
+        # No norm pass: every gradient is held (the step window's HOLD), and step() clips and steps them.
+        return backward(loss, **kwargs)
     with optimizer.norm_pass():
         result = backward(loss, retain_graph=True, **kwargs)
     if optimizer.step_will_be_skipped:
         return result  # nothing will step: the second backward would be wasted
     return backward(loss, **kwargs)
+
+
+def _norm_pass_arg(value: str | NormPass) -> NormPass:
+    valid = (NormPass.AUTO, NormPass.RETAIN, NormPass.HOLD)
+    try:
+        way = NormPass(value)
+    except ValueError:
+        way = None
+    if way not in valid:
+        raise ValueError(
+            f"norm_pass={value!r} is not valid here; use one of {[v.value for v in valid]} ('rerun' is "
+            "run_with_norm_pass: it must run the forward too)."
+        )
+    return way
 
 
 def run_with_norm_pass(
