@@ -1,19 +1,24 @@
 """The GPU check's CPU dry run: `benchmarks/gpu_check.py --tiny` runs every check's code path on CPU (tiny models, the
-CPU GradScaler, memory not measured) and writes the JSON a GPU run would; and `gpu_check.sh` is valid bash that
-refuses to start without CUDA. Nothing here needs or uses a GPU."""
+CPU GradScaler, FSDP2 on gloo ranks, memory not measured) and writes the JSON a GPU run would; its parity comparison
+fails a clip that is 1% off, which the former tolerance let pass; and `gpu_check.sh` picks the project's .venv, hands
+its preflight's findings to the check, and refuses to start without CUDA. Nothing here needs or uses a GPU."""
 
+import importlib.util
 import json
 import math
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+SHELL = ROOT / "benchmarks" / "gpu_check.sh"
 
 
 def env():
@@ -27,15 +32,48 @@ def env():
     }
 
 
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def executable(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
 def test_gpu_check_sh_is_valid_bash():
-    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")], check=True)
+    subprocess.run(["bash", "-n", str(SHELL)], check=True)
 
 
-@pytest.mark.skipif(shutil.which("timeout") is None, reason="coreutils timeout not found")
+def test_gpu_check_sh_uses_the_venv_python_unless_python_is_set(tmp_path):
+    # A checkout with gpu_check.sh and a .venv whose python only says who it is (and fails the preflight).
+    shutil.copy(SHELL, executable(tmp_path / "benchmarks" / "gpu_check.sh", ""))
+    executable(tmp_path / ".venv" / "bin" / "python", '#!/bin/sh\necho "venv python: $0" >&2\nexit 3\n')
+    other = executable(tmp_path / "other" / "python", '#!/bin/sh\necho "other python: $0" >&2\nexit 3\n')
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    for extra, chosen in (({}, tmp_path / ".venv" / "bin" / "python"), ({"PYTHON": str(other)}, other)):
+        result = subprocess.run(
+            ["bash", str(tmp_path / "benchmarks" / "gpu_check.sh")],
+            cwd=tmp_path / "other",
+            env={**clean, **extra},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 2, result.stdout + result.stderr  # the preflight failed: exit 2, nothing ran
+        assert f"with {chosen}" in result.stdout
+        assert f"python: {chosen}" in result.stderr
+
+
 @pytest.mark.slow
 def test_gpu_check_sh_refuses_to_start_without_cuda():
     result = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh")],
+        ["bash", str(SHELL)],
         env={**env(), "PYTHON": sys.executable},
         capture_output=True,
         text=True,
@@ -43,21 +81,89 @@ def test_gpu_check_sh_refuses_to_start_without_cuda():
     )
     assert result.returncode == 2, result.stdout + result.stderr
     assert "torch.cuda.is_available() is False" in result.stderr
+    # The preflight names the torch build it found, so a CPU wheel is told apart from a missing GPU.
+    build = "CPU build" if torch.version.cuda is None else "CUDA build"
+    assert f"torch {torch.__version__}, {build}" in result.stderr
 
 
 @pytest.mark.slow
-def test_gpu_check_py_refuses_cuda_without_cuda(tmp_path):
+def test_gpu_check_sh_hands_its_preflight_to_the_check(tmp_path):
+    # A python whose preflight reports two GPUs, then the real interpreter runs the check (on CPU: --device cpu).
+    stub = executable(
+        tmp_path / "python",
+        f'#!/bin/sh\nif [ "$1" = "-" ]; then cat >/dev/null; echo GPU_CHECK_DEVICE_COUNT=2; exit 0; fi\n'
+        f'exec "{sys.executable}" "$@"\n',
+    )
     out = tmp_path / "gpu_check.json"
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cuda", "--output", str(out)],
+        ["bash", str(SHELL), "--device", "cpu", "--tiny", "--checks", "fp16_norm_pass", "--output", str(out)],
+        env={**env(), "PYTHON": str(stub), "CUDA_VISIBLE_DEVICES": "3,5", "GPU_CHECK_TIMEOUT": "300"},
+        capture_output=True,
+        text=True,
+        timeout=320,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    environment = report["environment"]
+    assert environment["cuda_visible_devices"] == "3"  # the checks run on one device ...
+    # ... and the FSDP2 launches get back what the script saw.
+    assert environment["gpu_check_sh"] == {"GPU_CHECK_DEVICE_COUNT": "2", "GPU_CHECK_CUDA_VISIBLE_DEVICES": "3,5"}
+    assert report["argv"][report["argv"].index("--time_limit") + 1] == "290"
+    assert report["checks"]["fp16_norm_pass"]["status"] == "PASS"
+
+
+def test_update_comparison_sees_a_clip_that_is_one_percent_off():
+    check = gpu_check()
+    before, standard, layerwise = (torch.nn.Linear(64, 64) for _ in range(3))
+    layerwise.load_state_dict(before.state_dict())
+    standard.load_state_dict(before.state_dict())
+    with torch.no_grad():
+        update = torch.randn(64, 64) * 1e-5  # an SGD-sized step: far below a 1e-4 tolerance on the weights
+        standard.weight += update
+        layerwise.weight += 0.99 * update
+    diff = check.update_diff(before, standard, layerwise)
+    assert diff["update_worst_param"] == "weight"
+    assert diff["update_max_rel_diff"] == pytest.approx(0.01, rel=1e-3)
+    assert check.param_diff(standard, layerwise)[0] < 1e-6
+    same = check.update_diff(before, standard, standard)
+    assert same["update_max_rel_diff"] == 0.0 and same["update_model_rel_diff"] == 0.0
+
+
+def test_fsdp2_launches_see_what_gpu_check_sh_saw(monkeypatch):
+    check = gpu_check()
+    monkeypatch.setenv("GPU_CHECK_DEVICE_COUNT", "2")
+    monkeypatch.setenv("GPU_CHECK_CUDA_VISIBLE_DEVICES", "3,5")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert check.visible_devices("cuda") == (2, "3,5")
+    assert check.visible_devices("cpu") == (2, None)  # gloo ranks need no device
+
+
+@pytest.mark.slow
+def test_a_clip_one_percent_off_fails_parity_and_passed_the_former_tolerance(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--checks", "parity", "--parity_optims", "adamw_torch,sgd"]
+        + ["--inject_clip_error", "0.01", "--output", str(out)],
+        cwd=ROOT,
         env=env(),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
     )
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "torch.cuda.is_available() is False" in result.stderr
-    assert not out.exists()
+    assert result.returncode == 1, result.stdout[-4000:] + result.stderr[-4000:]
+    parity = json.loads(out.read_text())["checks"]["parity"]
+    assert parity["inject_clip_error"] == 0.01 and parity["status"] == "FAIL"
+    assert {(c["optim"], c["ga"]) for c in parity["cases"]} == {
+        (o, ga) for o in ("adamw_torch", "sgd") for ga in (1, 2)
+    }
+    for c in parity["cases"]:
+        assert "error" not in c, c
+        assert c["passed_former_atol"] and c["max_abs_param_diff"] <= parity["former_atol"], c  # the old check passed
+        assert not c["passed"] and not c["exact"], c  # the new one fails
+        assert c["update_max_rel_diff"] > 1e-6, c  # and so would a comparison of the updates
+        assert c["clipped_steps"] > 0
+    sgd = [c for c in parity["cases"] if c["optim"] == "sgd"]
+    assert all(c["update_max_rel_diff"] > 1e-3 for c in sgd)  # SGD's update moves by about the clip's error
 
 
 @pytest.mark.slow
@@ -69,7 +175,7 @@ def test_gpu_check_tiny_dry_run_on_cpu(tmp_path):
         env=env(),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "all passed: True" in result.stdout
@@ -77,19 +183,23 @@ def test_gpu_check_tiny_dry_run_on_cpu(tmp_path):
 
     assert report["tiny"] is True and report["passed"] is True
     assert report["environment"]["device"] == "cpu"
-    assert set(report["checks"]) == {"parity", "fp16", "memory"}
+    assert report["environment"]["torch_build"] == ("CUDA" if torch.version.cuda else "CPU")
+    assert set(report["checks"]) == {"parity", "fp16", "fp16_norm_pass", "fsdp2_8bit", "memory", "step_time"}
     for name, check in report["checks"].items():
         assert check["status"] == "PASS", (name, check)
         assert "error" not in check
 
     # Parity: every optimizer x GA, bit-identical on CPU, with the same logged norms, and clipping really applied.
-    cases = report["checks"]["parity"]["cases"]
+    parity = report["checks"]["parity"]
+    assert parity["inject_clip_error"] == 0.0
+    cases = parity["cases"]
     assert {(c["optim"], c["ga"]) for c in cases} == {
         (o, ga) for o in ("adamw_torch", "adamw_8bit", "sgd") for ga in (1, 2)
     }
     for c in cases:
-        assert c["passed"] and c["exact"], c
+        assert c["passed"] and c["exact"] and c["criterion"] == "bit-exact", c
         assert c["max_abs_param_diff"] == 0.0 and c["grad_norm_max_abs_diff"] == 0.0
+        assert c["update_max_rel_diff"] == 0.0
         assert c["grad_norm_layerwise"] == c["grad_norm_standard"]
         assert len(c["grad_norm_standard"]) == report["sizes"]["parity_steps"]
         assert c["clipped_steps"] > 0
@@ -100,6 +210,7 @@ def test_gpu_check_tiny_dry_run_on_cpu(tmp_path):
     assert [c["ga"] for c in fp16["cases"]] == [1, 2]
     for c in fp16["cases"]:
         assert c["passed"] and c["overflow_step_skipped"] and c["exact"] and c["scales_equal"], c
+        assert c["criterion"] == "update_rtol" and c["update_max_rel_diff"] == 0.0
         assert c["max_abs_param_diff"] == 0.0
         for kind in ("standard", "layerwise"):
             run = c[kind]
@@ -108,6 +219,30 @@ def test_gpu_check_tiny_dry_run_on_cpu(tmp_path):
             assert isinstance(run["grad_norm"][at], str) and math.isnan(float(run["grad_norm"][at]))
         finite = sum(isinstance(n, float) for n in c["layerwise"]["grad_norm"])
         assert c["layerwise"]["inner_steps_taken"] == finite  # the skipped step never reached a layer's optimizer
+
+    # fp16, overflow in the stepping backward only: what stepped before it stays, nothing after it steps, no nan/inf.
+    second = report["checks"]["fp16_norm_pass"]
+    at = second["overflow_step"]
+    assert second["hook_calls_on_overflow_step"] == 2
+    stepped, changed = second["stepped_on_overflow_step"], second["params_changed_on_overflow_step"]
+    assert stepped and set(changed) == set(stepped)
+    assert set(stepped) <= set(second["computed_before_overflow"]) and second["overflow_param"] not in changed
+    assert len(changed) < second["params"] - 1
+    assert second["scales"][at] == second["scales"][at - 1] / 2
+    assert second["nonfinite_params_at_end"] == [] and second["nonfinite_params_after_overflow_step"] == []
+    assert second["lr_held_on_skipped_step"]
+
+    # FSDP2 + bitsandbytes on gloo: 1 and 2 ranks, each rank's shards equal the same optimizer stepped by hand.
+    fsdp = report["checks"]["fsdp2_8bit"]
+    assert [r["world_size"] for r in fsdp["runs"]] == [1, 2]
+    for run in fsdp["runs"]:
+        assert run["passed"] and not run.get("skipped"), run
+        assert {c["case"] for c in run["cases"]} == {"ga1 exact clip", "ga2 no clip"}
+        for c in run["cases"]:
+            assert c["route"] == "fsdp2" and c["fsdp_version"] == 2 and c["wrapped_local_shard"], c
+            assert c["hand_bit_exact"] and c["hand_max_diff"] == 0.0, c
+            assert 0 < c["eight_bit_states_rank0"] < c["states_rank0"], c  # 8-bit shards, and small ones in 32-bit
+            assert c["stepped_params"] == run["world_size"] * c["states_rank0"]
 
     # Memory: both runs finished, not measured on CPU, the estimator's terms next to them.
     memory = report["checks"]["memory"]
@@ -124,3 +259,16 @@ def test_gpu_check_tiny_dry_run_on_cpu(tmp_path):
     assert lw["optimizer_state_bytes_measured"] == lw["estimate"]["optimizer_state_bytes"]
     assert std["optimizer_state_bytes_measured"] == std["estimate"]["optimizer_state_bytes"]
     assert memory["grad_norm_max_abs_diff"] == 0.0
+
+    # Step time: bitsandbytes' per-parameter syncs where they belong (counted; the CPU times mean nothing).
+    step_time = report["checks"]["step_time"]
+    by = {c["run"]: c for c in step_time["cases"]}
+    steps = report["sizes"]["step_time_steps"]
+    tensors = by["adamw_8bit"]["num_tensors"]
+    assert by["adamw_8bit"]["bnb_device_syncs"] == steps * tensors
+    assert by["adamw_8bit_layerwise"]["bnb_device_syncs"] == 0
+    assert by["adamw_8bit_layerwise bnb sync"]["bnb_device_syncs"] == steps * tensors
+    assert by["adamw_8bit_layerwise bnb sync"]["LAYERWISE_HF_BNB_DEVICE_SYNC"] == "1"
+    for c in by.values():
+        assert c["steps_run"] == steps and c["median_step_ms"] > 0
+    assert step_time["syncs_where_expected"] and "sync_removed_saves_ms" in step_time
