@@ -154,17 +154,26 @@ def _layerwise_comm_hook(state, bucket):
     buffer = bucket.buffer()
     work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
     used = used_work = None
+    read_used = False
     if state.check_unused:
         # Locally used <=> .grad defined when DDP marks the parameter ready (it zero-fills the slot otherwise); only
         # used-on-no-rank parameters are skipped, exactly as DDP leaves their .grad None.
-        used = torch.tensor([p.grad is not None for p in bucket.parameters()], dtype=torch.int32, device=buffer.device)
+        local = [p.grad is not None for p in bucket.parameters()]
+        # Every rank must join the flags' all-reduce, but only a bucket this rank did not fill itself can hold a
+        # parameter no rank used: a full bucket's flags are filled on the device and never read back (on CUDA a
+        # tensor built from a list is a blocking host-to-device copy, and reading it back a host sync).
+        read_used = not all(local)
+        if read_used:
+            used = torch.tensor(local, dtype=torch.int32, device=buffer.device)
+        else:
+            used = torch.ones(len(local), dtype=torch.int32, device=buffer.device)
         used_work = dist.all_reduce(used, group=state.process_group, async_op=True)
     # Waiting here keeps every step on the autograd thread, in bucket order (as torch's optimizer-in-backward does).
     work.wait()
     if used_work is not None:
         used_work.wait()
     future = torch.futures.Future()
-    future.set_result(_finish(state, bucket, used))
+    future.set_result(_finish(state, bucket, used if read_used else None))
     return future
 
 
