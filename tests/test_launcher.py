@@ -91,7 +91,7 @@ def test_nothing_is_patched_at_import():
         "import layerwise_hf, layerwise_hf.__main__, layerwise_hf.integrations.patching, "
         "layerwise_hf.integrations.launcher\n"
         "from transformers import HfArgumentParser, Trainer, TrainingArguments\n"
-        "assert '__new__' not in vars(Trainer)\n"
+        "assert '__new__' not in vars(Trainer) and TrainingArguments.__annotations__['optim'] is not str\n"
         "for f in (TrainingArguments.__post_init__, TrainingArguments.set_optimizer, "
         "HfArgumentParser._add_dataclass_arguments, Trainer.get_optimizer_cls_and_kwargs):\n"
         "    assert f.__module__.startswith('transformers.'), f\n"
