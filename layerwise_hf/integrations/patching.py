@@ -8,7 +8,8 @@ object it reached them through):
   checks it, the parent validates the base name, the layer-wise name is restored. Other names: untouched.
 - `TrainingArguments.optim` is typed `str` (as `LayerwiseTrainingArguments` re-declares it), so `HfArgumentParser` (and
   TRL's copy of it) no longer turns it into argparse `choices` without the layer-wise names; `__post_init__` validates
-  the name, from the command line, YAML or JSON alike.
+  the name, from the command line, YAML or JSON alike (a wrong name: `ValueError` listing the valid ones, where
+  argparse said "invalid choice").
 - `Trainer.__new__`: a `Trainer` (or subclass `T`) created with a layer-wise `optim` is made an instance of
   `(LayerwiseTrainerMixin, T)`, the class the explicit API is made of, so it trains exactly like `LayerwiseTrainer` /
   `LayerwiseSFTTrainer`. With any other `optim` it stays a `T`.
