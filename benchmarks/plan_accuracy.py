@@ -78,10 +78,12 @@ class Config(NamedTuple):
     grad_accum: int = 1
     checkpointing: bool = False
     bf16: bool = False
+    lora_r: int | None = None
 
     @property
     def name(self) -> str:
         extra = "".join([" ckpt" if self.checkpointing else "", " bf16" if self.bf16 else ""])
+        extra += f" lora{self.lora_r}" if self.lora_r else ""
         return f"{self.model} {self.optim} s{self.seq_len} b{self.micro_batch} ga{self.grad_accum}{extra}"
 
 
@@ -99,6 +101,7 @@ def configurations() -> list[Config]:
             Config("qwen2", optim, seq_len=512, micro_batch=4, checkpointing=True),
             Config("opt", optim, seq_len=512, grad_accum=4),
             Config("llama", optim, seq_len=512, bf16=True),
+            Config("llama", optim, seq_len=512, checkpointing=True, lora_r=8),
         ]
     return out
 
@@ -121,8 +124,16 @@ def build_model(cfg: Config):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**MODELS[cfg.model]))
     model.config.use_cache = False
+    if cfg.lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=cfg.lora_r, lora_alpha=2 * cfg.lora_r, lora_dropout=0.0,
+                          target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")  # fmt: skip
+        model = get_peft_model(model, lora)
     if cfg.checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.lora_r:
+            model.enable_input_require_grads()
     model.train()
     return model
 
@@ -132,19 +143,28 @@ def real_step(model, optimizer, layerwise, cfg: Config, window: dict, max_grad_n
 
     import torch
 
+    from layerwise_hf.optim.norm_pass import forward_again
+
     vocab = model.get_input_embeddings().num_embeddings
     amp = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.bf16 else contextlib.nullcontext()
     for k in range(cfg.grad_accum):
         window["last"] = k == cfg.grad_accum - 1
-        ids = torch.randint(0, vocab, (cfg.micro_batch, cfg.seq_len))
-        with amp:
-            loss = model(input_ids=ids, labels=ids).loss / cfg.grad_accum
-        del ids
-        if layerwise:
-            optimizer.backward_with_norm_pass(loss)
+
+        def forward_backward():
+            ids = torch.randint(0, vocab, (cfg.micro_batch, cfg.seq_len))
+            with amp:
+                loss = model(input_ids=ids, labels=ids).loss / cfg.grad_accum
+            del ids
+            if layerwise:
+                optimizer.backward_with_norm_pass(loss)
+            else:
+                loss.backward()
+
+        # The plain-loop protocol of `forward_again`: a step whose last one chose `rerun` runs forward twice.
+        if layerwise and forward_again(optimizer):
+            optimizer.run_with_norm_pass(forward_backward, model)
         else:
-            loss.backward()
-        del loss
+            forward_backward()
     if not layerwise and max_grad_norm > 0:
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
     optimizer.step()
@@ -205,6 +225,7 @@ def planned(cfg: Config, max_grad_norm: float) -> dict:
         max_grad_norm=max_grad_norm,
         bf16=cfg.bf16,
         gradient_checkpointing=cfg.checkpointing,
+        lora_r=cfg.lora_r,
         device="cpu",
         counterparts=False,
     )

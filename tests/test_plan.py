@@ -47,18 +47,27 @@ def real_peak(model_cfg: dict, optim: str, **setup) -> int:
 
 
 @pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_layerwise"])
-def test_plan_matches_the_real_run(optim):
-    result = plan(LLAMA, [optim], seq_len=64, micro_batch=2, device="cpu", counterparts=False)
+@pytest.mark.parametrize(
+    "model, setup",
+    [
+        (LLAMA, dict(seq_len=64, micro_batch=2)),  # activations dominate
+        (WIDE, dict(seq_len=8, checkpointing=True)),  # gradients dominate: where layer-wise changes the peak
+    ],
+    ids=["activations", "gradients"],
+)
+def test_plan_matches_the_real_run(optim, model, setup):
+    options = {k: v for k, v in setup.items() if k != "checkpointing"}
+    result = plan(model, [optim], **options, gradient_checkpointing=setup.get("checkpointing", False), device="cpu",
+                  counterparts=False)  # fmt: skip
     row = result.rows[0]
-    real = real_peak(LLAMA, optim, seq_len=64, micro_batch=2)
+    real = real_peak(model, optim, **setup)
     assert abs(row.peak_bytes / real - 1) < 0.03, (row.peak_bytes, real)
     assert sum(row.categories.values()) == row.peak_bytes
     # Buffers (rotary frequencies) count as weights too.
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**LLAMA))
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    assert (
-        row.categories["weights"] == estimate(LLAMA, optimizer="adamw_torch", dtype="float32").weight_bytes + buffers
-    )
+    built = AutoModelForCausalLM.from_config(AutoConfig.for_model(**model))
+    buffers = sum(b.numel() * b.element_size() for b in built.buffers())
+    weights = estimate(model, optimizer="adamw_torch", dtype="float32").weight_bytes
+    assert row.categories["weights"] == weights + buffers
 
 
 def test_layerwise_gradients_smaller_where_gradients_dominate():
@@ -71,6 +80,26 @@ def test_layerwise_gradients_smaller_where_gradients_dominate():
     all_grads = estimate(WIDE, optimizer="adamw_torch", dtype="float32").gradient_bytes
     assert standard.categories["gradients"] == all_grads
     assert "gradients dominate" in " ".join(standard.advice)
+
+
+def test_lora_trains_only_the_adapters():
+    result = plan(LLAMA, ["adamw_torch"], seq_len=32, lora_r=4, device="cpu")
+    full = plan(LLAMA, ["adamw_torch"], seq_len=32, device="cpu", counterparts=False).rows[0]
+    expected = estimate(LLAMA, optimizer="adamw_torch", dtype="float32", lora_rank=4)
+    for row in result.rows:
+        # PEFT's adapters in float32 with AdamW's two moments and step: byte-exact with the estimator.
+        assert row.categories["optimizer_state"] == expected.optimizer_state_bytes
+        assert row.categories["gradients"] <= expected.gradient_bytes
+        assert row.peak_bytes < full.peak_bytes
+
+
+def test_activation_checkpointing_lowers_activations():
+    options = dict(seq_len=256, device="cpu", counterparts=False, max_grad_norm=0.0)
+    plain = plan(LLAMA, ["adamw_torch"], **options).rows[0]
+    checkpointed = plan(LLAMA, ["adamw_torch"], gradient_checkpointing=True, **options).rows[0]
+    assert checkpointed.categories["activations"] < plain.categories["activations"] / 2
+    assert any("activation checkpointing" in a for a in plain.advice)
+    assert not any("activation checkpointing" in a for a in checkpointed.advice)
 
 
 def test_rule_only_optimizer_takes_the_estimators_state():

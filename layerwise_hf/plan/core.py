@@ -140,6 +140,11 @@ class Plan:
                 "Note: (state: rule) optimizer state from the estimator's rules; its kernels do not run on "
                 "fake tensors, and their step temporaries are not counted."
             )
+        if self.setup.fp16:
+            lines.append(
+                "Note: fp16 is simulated as autocast without GradScaler: a layer-wise optimizer under fp16 runs a "
+                "norm pass for the inf check in training even without clipping, which this plan does not."
+            )
         return "\n".join(lines)
 
 

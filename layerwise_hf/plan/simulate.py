@@ -81,24 +81,26 @@ def fake_mode():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def build_model(config: Any, setup: StepSetup) -> torch.nn.Module:
-    """`AutoModelForCausalLM.from_config` in `setup.torch_dtype`, prepared as Trainer prepares it (call inside the
-    fake mode to allocate nothing)."""
+def build_model(config: Any, setup: StepSetup, mode: Any) -> torch.nn.Module:
+    """`AutoModelForCausalLM.from_config` in `setup.torch_dtype` with fake tensors of `mode` (nothing allocated),
+    LoRA adapters added by peft, prepared as Trainer prepares it."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[setup.torch_dtype])
-    model.config.use_cache = False
-    if setup.lora_r:
+    if not setup.lora_r:
+        with mode:
+            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[setup.torch_dtype])
+    else:
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(
-            r=setup.lora_r,
-            lora_alpha=2 * setup.lora_r,
-            lora_dropout=0.0,
-            target_modules=list(setup.lora_targets),
-            task_type="CAUSAL_LM",
-        )
+        # NOTE: peft moves each adapter with `.to()`, which swaps a fake parameter and fails ("Cannot swap t1 because
+        # it has weakref associated with it"): build on the meta device, then give every tensor a fake twin.
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[setup.torch_dtype])
+        lora = LoraConfig(r=setup.lora_r, lora_alpha=2 * setup.lora_r, lora_dropout=0.0,
+                          target_modules=list(setup.lora_targets), task_type="CAUSAL_LM")  # fmt: skip
         model = get_peft_model(model, lora)
+        to_fake(model, mode)
+    model.config.use_cache = False
     if setup.gradient_checkpointing:
         enable_checkpointing(model)
         if setup.lora_r:
@@ -106,6 +108,22 @@ def build_model(config: Any, setup: StepSetup) -> torch.nn.Module:
             model.enable_input_require_grads()
     model.train()
     return model
+
+
+def to_fake(model: torch.nn.Module, mode: Any) -> None:
+    """Replace every parameter and buffer of a meta-device model by a fake tensor of its shape and dtype (tied
+    parameters stay tied)."""
+    twins: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table, is_param in ((module._parameters, True), (module._buffers, False)):
+            for name, t in list(table.items()):
+                if t is None:
+                    continue
+                if id(t) not in twins:
+                    with mode:
+                        fake = torch.empty(t.shape, dtype=t.dtype)
+                    twins[id(t)] = torch.nn.Parameter(fake, requires_grad=t.requires_grad) if is_param else fake
+                table[name] = twins[id(t)]
 
 
 def enable_checkpointing(model: torch.nn.Module) -> None:
@@ -194,21 +212,31 @@ def autocast(setup: StepSetup):
 def run_step(model, optimizer, layerwise, setup: StepSetup, tracker: LiveBytes, window: dict, vocab: int) -> None:
     """One optimizer step: `grad_accum` micro-batches of forward, loss, backward, then clip, `step()`, `zero_grad()`.
     `window["last"]` tells the layer-wise optimizer which backward ends the accumulation window."""
+    from ..optim.norm_pass import forward_again
+
     for k in range(setup.grad_accum):
         window["last"] = k == setup.grad_accum - 1
-        tracker.phase = "forward: inputs"
-        ids = torch.randint(0, vocab, (setup.micro_batch, setup.seq_len))
-        with autocast(setup):
-            # NOTE: Trainer's compute_loss keeps only the loss: the outputs (logits) are gone before backward.
-            loss = model(input_ids=ids, labels=ids).loss
-        del ids
-        loss = loss / setup.grad_accum
-        tracker.phase = "backward"
-        if layerwise is not None:
-            layerwise.backward_with_norm_pass(loss, backward=_labelled_backward(tracker))
+
+        def forward_backward() -> None:
+            tracker.phase = "forward: inputs"
+            ids = torch.randint(0, vocab, (setup.micro_batch, setup.seq_len))
+            with autocast(setup):
+                # NOTE: Trainer's compute_loss keeps only the loss: the outputs (logits) are gone before backward.
+                loss = model(input_ids=ids, labels=ids).loss / setup.grad_accum
+            del ids
+            tracker.phase = "backward: start, before any weight gradient"
+            if layerwise is not None:
+                layerwise.backward_with_norm_pass(loss, backward=_labelled_backward(tracker))
+            else:
+                loss.backward()
+
+        if layerwise is not None and forward_again(layerwise):
+            # The plain-loop protocol of `norm_pass.forward_again`: the last step chose a second forward+backward.
+            tracker.stage = "norm pass (second forward)"
+            layerwise.run_with_norm_pass(forward_backward, model)
+            tracker.stage = "backward"
         else:
-            loss.backward()
-        del loss
+            forward_backward()
     if layerwise is None and setup.max_grad_norm > 0:
         tracker.phase = "clip_grad_norm_"
         params = [p for p in model.parameters() if p.requires_grad]
@@ -240,8 +268,9 @@ def simulate(
     args = training_args(optimizer, setup, output_dir)
     tracker = LiveBytes()
     window = {"last": True}
-    with fake_mode(), tracker:
-        model = build_model(config, setup)
+    mode = fake_mode()
+    model = build_model(config, setup, mode)
+    with mode, tracker:
         handles = tracker.watch_model(model)
         layerwise = None
         if is_layerwise:
