@@ -8,12 +8,13 @@ a hook firing twice in test_optimizer.py; FSDP2 with a non-elementwise optimizer
 import hashlib
 import logging
 import os
+import re
 
 import pytest
 import torch
 from helpers import TokenDataset, assert_params_equal, clone, tiny_llama, train, training_args
 
-from layerwise_hf import LayerwiseTrainer
+from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments, build_layerwise_optimizer
 
 SAVE = dict(max_steps=4, save_strategy="steps", save_steps=2)
 
@@ -161,3 +162,60 @@ def test_layerwise_state_into_standard_optimizer_with_other_parameters(saved_run
     with pytest.raises(ValueError, match=r"Unexpected: \['lm_head.weight'\]"):
         trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
     assert_no_step(trainer)
+
+
+CLIP_MODES = "exact, previous, per_param, off"
+BAD_FIELDS = [
+    ("layerwise_clip", None, CLIP_MODES),
+    ("layerwise_clip", 1, CLIP_MODES),
+    ("layerwise_clip", "EXACT", CLIP_MODES),
+    ("layerwise_clip", "global", CLIP_MODES),
+    ("layerwise_accept_nonfinite_state", None, "True or False"),
+    ("layerwise_accept_nonfinite_state", "no", "True or False"),  # truthy: it would have accepted NaN state
+    ("layerwise_accept_nonfinite_state", 1, "True or False"),
+    ("max_grad_norm", "1.0", "a number"),
+    ("max_grad_norm", None, None),  # None is allowed: no clipping
+]
+
+
+def names_field(field, value, valid):
+    return rf"^{field}={re.escape(repr(value))} .*{re.escape(valid)}"
+
+
+@pytest.mark.parametrize(("field", "value", "valid"), BAD_FIELDS)
+def test_bad_layerwise_argument_is_named_with_its_valid_values_when_made(tmp_path, field, value, valid):
+    if valid is None:
+        LayerwiseTrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise", **{field: value})
+        return
+    with pytest.raises(ValueError, match=names_field(field, value, valid)):
+        LayerwiseTrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise", **{field: value})
+
+
+@pytest.mark.parametrize(("field", "value", "valid"), [f for f in BAD_FIELDS if f[0] != "max_grad_norm"])
+def test_bad_layerwise_argument_set_after_construction_is_named_by_build_layerwise_optimizer(
+    tmp_path, field, value, valid
+):
+    args = training_args(tmp_path, "adamw_torch_layerwise")
+    setattr(args, field, value)  # a dataclass field can be reassigned after __post_init__ checked it
+    with pytest.raises(ValueError, match=names_field(field, value, valid)):
+        build_layerwise_optimizer(tiny_llama(), args)
+
+
+def test_bad_clipping_arguments_are_named_by_configure_clipping(tmp_path):
+    optimizer = build_layerwise_optimizer(tiny_llama(), training_args(tmp_path, "adamw_torch_layerwise"))
+    with pytest.raises(ValueError, match=names_field("layerwise_clip", None, CLIP_MODES)):
+        optimizer.configure_clipping(1.0, None)
+    with pytest.raises(ValueError, match=names_field("max_grad_norm", "1.0", "a number")):
+        optimizer.configure_clipping("1.0", "exact")
+    optimizer.configure_clipping(None, "previous")  # None: no clipping
+    assert optimizer.clip_mode == "off"
+
+
+def test_bad_layerwise_clip_set_between_train_calls_is_named_before_any_step(tmp_path):
+    model = tiny_llama()
+    trainer = train(model, training_args(tmp_path, "adamw_torch_layerwise", max_steps=2, max_grad_norm=1.0))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.args.layerwise_clip = None
+    with pytest.raises(ValueError, match=names_field("layerwise_clip", None, CLIP_MODES)):
+        trainer.train()
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())

@@ -85,6 +85,75 @@ def test_auto_find_batch_size_retries_like_stock_trainer(tmp_path):
     assert logged(runs["adamw_torch"], "grad_norm") == logged(runs["adamw_torch_layerwise"], "grad_norm")
 
 
+class OOMInBackward:
+    """A backward that runs out of memory above a batch size in the middle (at the first decoder layer, after the
+    upper layers' gradients are done): with layer-wise steps in backward, the upper layers could have stepped."""
+
+    def __init__(self, model, limit: int):
+        self.limit, self.raised = limit, 0
+        model.model.layers[0].register_full_backward_hook(self._check)
+
+    def _check(self, module, grad_input, grad_output):
+        if grad_output[0].shape[0] > self.limit:
+            self.raised += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+
+
+class StepsBeforeLayer0Backward(TrainerCallback):
+    """Per training step, how many inner optimizers had stepped when backward reached the first decoder layer."""
+
+    def __init__(self, model, optimizer):
+        self.counts, self.steps = [], 0
+        for inner in optimizer.inner:
+            inner.register_step_post_hook(self._count)
+        model.model.layers[0].register_full_backward_pre_hook(lambda *_: self.counts.append(self.steps))
+
+    def _count(self, *_):
+        self.steps += 1
+
+    def on_step_begin(self, *_, **__):
+        self.steps = 0
+
+
+@pytest.mark.parametrize("clip", ["off", "per_param"])
+def test_auto_find_batch_size_after_oom_in_backward_retries_from_weights_like_stock(tmp_path, clip):
+    # One-pass steps: every layer steps in backward. The reference retries from untouched weights: stock Trainer
+    # without clipping; with per-parameter clipping (stock has none), a layer-wise run at the final batch size from the
+    # start, without auto_find_batch_size.
+    runs, ooms, initial = {}, {}, tiny_llama()
+    reference = "adamw_torch" if clip == "off" else "adamw_torch_layerwise"
+    for run in ("reference", "oom"):
+        optim = "adamw_torch_layerwise" if run == "oom" else reference
+        model = clone(initial)
+        oom = ooms[run] = OOMInBackward(model, limit=4)
+        auto = run == "oom" or clip == "off"
+        args = training_args(
+            tmp_path / run,
+            optim,
+            per_device_train_batch_size=8 if auto else 4,
+            auto_find_batch_size=auto,
+            max_steps=3,
+            max_grad_norm=0.0 if clip == "off" else 0.05,
+            layerwise_clip=clip,
+        )
+        trainer_cls = LayerwiseTrainer if optim.endswith("_layerwise") else Trainer
+        trainer = trainer_cls(model=model, args=args, train_dataset=TokenDataset())
+        if run == "oom":
+            trainer.create_optimizer()
+            seen = StepsBeforeLayer0Backward(model, trainer.layerwise_optimizer)
+            trainer.add_callback(seen)
+        trainer.train()
+        assert oom.raised >= auto and trainer._train_batch_size == 4  # accelerate retries at smaller batches
+        runs[run] = trainer
+    assert_params_equal(runs["reference"].model, runs["oom"].model)
+    assert logged(runs["reference"], "grad_norm") == logged(runs["oom"], "grad_norm")
+    # Each attempt's first step (those that ran out of memory, and the one that fit) stepped nothing in backward;
+    # the steps after it step the upper layers in backward again, before it reaches layer 0.
+    attempts = ooms["oom"].raised + 1
+    assert seen.counts[:attempts] == [0] * attempts
+    assert len(seen.counts) == attempts + 2 and all(count > 0 for count in seen.counts[attempts:])
+
+
 def test_clipping_arguments_changed_between_train_calls_are_followed(tmp_path):
     runs = {}
     base = tiny_llama()
@@ -100,19 +169,70 @@ def test_clipping_arguments_changed_between_train_calls_are_followed(tmp_path):
     assert logged(runs["adamw_torch"], "grad_norm") == logged(runs["adamw_torch_layerwise"], "grad_norm")
 
 
-@pytest.mark.parametrize("change", ["freeze", "unfreeze"])
-def test_trainable_set_changed_between_train_calls_is_refused_naming_it(tmp_path, change):
+FROZEN = "model.layers.0.mlp.up_proj.weight"
+
+
+def optimizer_state(trainer, name) -> dict[str, torch.Tensor]:
+    """The optimizer state of one parameter, from the standard optimizer or from its layer-wise inner optimizer."""
+    param = trainer.model.get_parameter(name)
+    layerwise = getattr(trainer, "layerwise_optimizer", None)
+    if layerwise is not None:
+        return dict(layerwise.inner[layerwise.names.index(name)].state[param])
+    return dict(trainer.optimizer.state[param])
+
+
+def assert_states_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(torch.as_tensor(a[key]).float(), torch.as_tensor(b[key]).float()), key
+
+
+@pytest.mark.parametrize("base", ["adamw_torch", "adamw_8bit"])
+def test_tensor_frozen_between_train_calls_trains_on_like_stock(tmp_path, base):
+    pytest.importorskip("bitsandbytes") if base == "adamw_8bit" else None
+    runs = {}
+    initial = tiny_llama()
+    for optim in (base, f"{base}_layerwise"):
+        model = clone(initial)
+        args = training_args(tmp_path / optim, optim, max_steps=3, save_strategy="steps", save_steps=3)
+        trainer_cls = LayerwiseTrainer if optim.endswith("_layerwise") else Trainer
+        trainer = trainer_cls(model=model, args=args, train_dataset=TokenDataset())
+        trainer.train()
+        param = model.get_parameter(FROZEN)
+        param.requires_grad_(False)
+        weight, state = param.detach().clone(), optimizer_state(trainer, FROZEN)
+        steps = []
+        if optim.endswith("_layerwise"):
+            inner = trainer.layerwise_optimizer.inner[trainer.layerwise_optimizer.names.index(FROZEN)]
+            inner.register_step_pre_hook(lambda *_, steps=steps: steps.append(1))
+        trainer.train()  # the same trainer, as a user would
+        assert torch.equal(param, weight) and steps == []  # not stepped: no decay, no momentum
+        assert_states_equal(optimizer_state(trainer, FROZEN), state)
+        runs[optim] = trainer
+    stock, layerwise = runs[base], runs[f"{base}_layerwise"]
+    assert_params_equal(stock.model, layerwise.model)
+    for name, _ in stock.model.named_parameters():
+        assert_states_equal(optimizer_state(stock, name), optimizer_state(layerwise, name))
+    assert logged(stock, "grad_norm") == logged(layerwise, "grad_norm")
+    # The checkpoint saved after the freeze resumes on the same trainer, as stock Trainer's does.
+    for trainer in runs.values():
+        trainer.args.max_steps = 5
+        trainer.train(resume_from_checkpoint=str(trainer.args.output_dir) + "/checkpoint-3")
+    assert_params_equal(stock.model, layerwise.model)
+    assert torch.equal(layerwise.model.get_parameter(FROZEN), stock.model.get_parameter(FROZEN))
+
+
+def test_tensor_unfrozen_between_train_calls_is_refused_naming_it(tmp_path):
     model = tiny_llama()
-    if change == "unfreeze":
-        model.lm_head.weight.requires_grad_(False)
+    model.lm_head.weight.requires_grad_(False)
     trainer = LayerwiseTrainer(
         model=model, args=training_args(tmp_path, "adamw_torch_layerwise", max_steps=2), train_dataset=TokenDataset()
     )
     trainer.train()
-    model.lm_head.weight.requires_grad_(change == "unfreeze")
+    model.lm_head.weight.requires_grad_(True)
     before = params(model)
-    which = "frozen since" if change == "freeze" else "trainable since"
-    with pytest.raises(ValueError, match=rf"{which}: \['lm_head.weight'\].*trainer.optimizer = None"):
+    # Stock Trainer silently never trains it: its optimizer was built without it.
+    with pytest.raises(ValueError, match=r"trainable since: \['lm_head.weight'\].*trainer.optimizer = None"):
         trainer.train()
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
     # What the message says works: a new optimizer and scheduler for the new set.

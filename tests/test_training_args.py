@@ -31,6 +31,19 @@ def test_command_line(tmp_path):
     assert "sgd_layerwise" in help_text
 
 
+def test_switches_from_the_command_line_and_yaml_are_bools(tmp_path):
+    # The strict bool check must not refuse what HfArgumentParser turns into bools.
+    parser = HfArgumentParser(LayerwiseTrainingArguments)
+    for flags, expected in (([], False), (["--layerwise_accept_nonfinite_state"], True),
+                            (["--layerwise_accept_nonfinite_state", "false"], False)):  # fmt: skip
+        (args,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), *flags])
+        assert args.layerwise_accept_nonfinite_state is expected
+    config = {"output_dir": str(tmp_path), "optim": "sgd_layerwise", "layerwise_accept_nonfinite_state": True}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    (from_yaml,) = parser.parse_yaml_file(str(tmp_path / "c.yaml"))
+    assert from_yaml.layerwise_accept_nonfinite_state is True
+
+
 def test_yaml_and_json(tmp_path):
     parser = HfArgumentParser(LayerwiseTrainingArguments)
     config = {"output_dir": str(tmp_path), "optim": "lion_32bit_layerwise", "learning_rate": 1e-4}

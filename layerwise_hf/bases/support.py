@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -323,6 +324,57 @@ def check_fsdp_version(name: str, fsdp_version: int) -> None:
         )
 
 
+def check_bool_argument(argument: str, value: Any) -> bool:
+    """
+    A switch must be `True` or `False`: a string such as `"no"` or `"false"` is truthy and would turn it on.
+
+    Args:
+        argument (`str`):
+            The argument's name, for the message.
+        value (`Any`):
+            What was given.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.bases.support import check_bool_argument
+    >>> check_bool_argument("layerwise_accept_nonfinite_state", False)
+    False
+    >>> check_bool_argument("layerwise_accept_nonfinite_state", "no")
+    Traceback (most recent call last):
+        ...
+    ValueError: layerwise_accept_nonfinite_state='no' must be True or False (a bool), got str.
+    ```
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"{argument}={value!r} must be True or False (a bool), got {type(value).__name__}.")
+    return value
+
+
+def check_max_grad_norm(max_grad_norm: Any) -> float | None:
+    """
+    `max_grad_norm` must be a number (`<= 0` or `None`: no clipping); the layer-wise clippers compare and divide by it.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.bases.support import check_max_grad_norm
+    >>> check_max_grad_norm(1.0), check_max_grad_norm(None)
+    (1.0, None)
+    >>> check_max_grad_norm("1.0")
+    Traceback (most recent call last):
+        ...
+    ValueError: max_grad_norm='1.0' must be a number (a float; <= 0 or None: no clipping), got str.
+    ```
+    """
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real)):
+        raise ValueError(
+            f"max_grad_norm={max_grad_norm!r} must be a number (a float; <= 0 or None: no clipping), got "
+            f"{type(max_grad_norm).__name__}."
+        )
+    return max_grad_norm
+
+
 def check_fp16_clip_mode(clip_mode: str, fp16: bool, max_grad_norm: float | None) -> None:
     """
     One-pass clipping steps layers before later gradients are checked for inf/nan.
@@ -408,10 +460,12 @@ def check_ddp_comm_hook(comm_hook: Any) -> None:
         )
 
 
-def check_trainable_unchanged(names: Sequence[str], model: Any) -> None:
+def check_no_new_trainable(names: Sequence[str], model: Any) -> list[str]:
     """
-    The parameters a layer-wise optimizer was built for must be the ones that train: a parameter frozen since would
-    get a hook it cannot take, and one unfrozen since would silently never step.
+    A parameter made trainable since the layer-wise optimizer was built has no optimizer: refuse it, since it would
+    silently never step (a standard optimizer never trains it either, without a word). A parameter frozen since is
+    fine, as with a standard optimizer: it gets no gradient, so it is not stepped, and its optimizer state stays as
+    it was.
 
     Args:
         names (`Sequence[str]`):
@@ -419,30 +473,35 @@ def check_trainable_unchanged(names: Sequence[str], model: Any) -> None:
         model (`torch.nn.Module`):
             The model about to train.
 
+    Returns the names frozen since the optimizer was built.
+
     Example:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.bases.support import check_trainable_unchanged
+    >>> from layerwise_hf.bases.support import check_no_new_trainable
     >>> model = torch.nn.Linear(2, 2)
-    >>> model.bias.requires_grad = False  # frozen after the optimizer was built
-    >>> check_trainable_unchanged(["weight", "bias"], model)
+    >>> model.bias.requires_grad = False  # frozen after the optimizer was built: trains on without it
+    >>> check_no_new_trainable(["weight", "bias"], model)
+    ['bias']
+    >>> check_no_new_trainable(["weight"], torch.nn.Linear(2, 2))  # bias made trainable since
     Traceback (most recent call last):
         ...
-    ValueError: The trainable parameters changed since the layer-wise optimizer was built (frozen since: ['bias']; ...
+    ValueError: A parameter was made trainable since the layer-wise optimizer was built (trainable since: ['bias']) ...
     ```
     """
     trainable = {canonical_name(n) for n, p in model.named_parameters() if p.requires_grad}
     built = {canonical_name(n) for n in names}
-    frozen = sorted(built - trainable)
     new = sorted(trainable - built)
-    if frozen or new:
+    if new:
         raise ValueError(
-            "The trainable parameters changed since the layer-wise optimizer was built "
-            f"(frozen since: {frozen or 'none'}; trainable since: {new or 'none'}). Nothing was stepped. To train "
-            "the new set, build a new optimizer and scheduler: set trainer.optimizer = None and "
-            "trainer.lr_scheduler = None before train(), or create a new Trainer."
+            "A parameter was made trainable since the layer-wise optimizer was built "
+            f"(trainable since: {new}): it has no optimizer, so it would never step (a standard optimizer would "
+            "silently not train it either). Nothing was stepped. To train the new set, build a new optimizer and "
+            "scheduler: set trainer.optimizer = None and trainer.lr_scheduler = None before train(), or create a new "
+            "Trainer. (Freezing a parameter between train() calls needs none of this.)"
         )
+    return sorted(built - trainable)
 
 
 def check_fsdp2_optimizers(name: str | None, optimizers: Sequence[Any]) -> None:

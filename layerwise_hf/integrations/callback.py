@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from transformers import TrainerCallback
 
-from ..bases.support import check_trainable_unchanged
+from ..bases.support import check_no_new_trainable
 from ..optim.optimizer import unwrap_layerwise_optimizer
+
+logger = logging.getLogger(__name__)
 
 MIB = 2**20
 
@@ -46,13 +50,26 @@ class LayerwiseCallback(TrainerCallback):
         self.optimizer = unwrap_layerwise_optimizer(optimizer)
         if self.optimizer is not None:
             if model is not None:
-                check_trainable_unchanged(self.optimizer.names, model)
+                frozen = check_no_new_trainable(self.optimizer.names, model)
+                if frozen:
+                    logger.info(
+                        "%d parameter(s) frozen since the optimizer was built get no gradient, so they are not "
+                        "stepped and keep their optimizer state, as with a standard optimizer: %s",
+                        len(frozen),
+                        frozen,
+                    )
             # Follow the arguments of this train() call, as Trainer does for a standard optimizer.
             self.optimizer.configure_clipping(args.max_grad_norm, getattr(args, "layerwise_clip", "exact"))
             # NOTE: `is None`, not `or`: truth-testing a torch.compile'd module calls len(), which it refuses.
             wrapped = getattr(self.trainer, "model_wrapped", None)
             accelerator = getattr(self.trainer, "accelerator", None)
-            self.optimizer.connect(model if wrapped is None else wrapped, accelerator=accelerator)
+            # auto_find_batch_size reruns training at a smaller batch after an out-of-memory error, from the weights
+            # as they are; the first step is the one that finds the batch too large. Held until its backward is done,
+            # an OOM there leaves every weight as stock Trainer leaves it: untouched.
+            hold = bool(getattr(args, "auto_find_batch_size", False))
+            self.optimizer.connect(
+                model if wrapped is None else wrapped, accelerator=accelerator, hold_first_step=hold
+            )
             # fp16: Accelerate's GradScaler decides skips and the scale from what the hooks find (None otherwise).
             self.optimizer.use_grad_scaler(getattr(accelerator, "scaler", None))
 

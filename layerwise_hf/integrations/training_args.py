@@ -7,8 +7,15 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from ..bases.registry import list_layerwise_optimizers, parse_optim_name
-from ..bases.support import check_deepspeed, check_fp16_clip_mode, check_fsdp_version, fsdp_version_of_args
+from ..bases.support import (
+    check_deepspeed,
+    check_fp16_clip_mode,
+    check_fsdp_version,
+    check_max_grad_norm,
+    fsdp_version_of_args,
+)
 from ..optim.clipping import CLIP_MODES, ClipMode
+from ..optim.optimizer import check_layerwise_arguments
 
 
 @dataclass
@@ -70,6 +77,7 @@ class LayerwiseTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
+        check_layerwise_arguments(self)
         self.layerwise_clip = ClipMode.parse(self.layerwise_clip).value
         _check_arguments_trainer_uses_late(self)
         name = getattr(self.optim, "value", self.optim)
@@ -87,6 +95,7 @@ class LayerwiseTrainingArguments(TrainingArguments):
             self.optim = name
 
     def _refuse_unsupported(self, name: str) -> None:
+        check_max_grad_norm(self.max_grad_norm)  # the layer-wise clippers compare and divide by it
         check_fp16_clip_mode(self.layerwise_clip, self.fp16, self.max_grad_norm)
         check_deepspeed(name, self.deepspeed)
         check_fsdp_version(name, fsdp_version_of_args(self))

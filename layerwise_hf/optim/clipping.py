@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..bases.support import check_max_grad_norm
+
 
 class ClipMode(str, enum.Enum):
     """
@@ -42,12 +44,31 @@ class ClipMode(str, enum.Enum):
     OFF = "off"
 
     @classmethod
-    def parse(cls, mode: str | ClipMode) -> ClipMode:
-        try:
-            return cls(getattr(mode, "value", mode))
-        except ValueError:
-            choices = ", ".join(m.value for m in cls)
-            raise ValueError(f"Unknown clipping mode {mode!r}; choose one of {choices}.") from None
+    def parse(cls, mode: str | ClipMode, argument: str = "layerwise_clip") -> ClipMode:
+        """
+        The mode a string (or a `ClipMode`) names; anything else raises `ValueError` naming `argument` and the valid
+        values.
+
+        Example:
+
+        ```python
+        >>> from layerwise_hf.optim.clipping import ClipMode
+        >>> ClipMode.parse("previous")
+        <ClipMode.PREVIOUS: 'previous'>
+        >>> ClipMode.parse(None)
+        Traceback (most recent call last):
+            ...
+        ValueError: layerwise_clip=None is not a clipping mode: choose one of exact, previous, per_param, off ...
+        ```
+        """
+        value = getattr(mode, "value", mode)
+        if isinstance(value, str) and value in cls._value2member_map_:
+            return cls(value)
+        choices = ", ".join(m.value for m in cls)
+        raise ValueError(
+            f"{argument}={mode!r} is not a clipping mode: choose one of {choices} (how max_grad_norm is applied with "
+            "a layer-wise optimizer; max_grad_norm <= 0 turns clipping off whatever the mode)."
+        )
 
 
 CLIP_MODES = tuple(m.value for m in ClipMode)
@@ -230,6 +251,6 @@ def make_clipper(max_grad_norm: float | None, mode: str | ClipMode = ClipMode.EX
     ```
     """
     mode = ClipMode.parse(mode)
-    max_grad_norm = float(max_grad_norm or 0.0)
+    max_grad_norm = float(check_max_grad_norm(max_grad_norm) or 0.0)
     resolved = mode if max_grad_norm > 0 else ClipMode.OFF
     return _CLIPPERS[resolved](max_grad_norm)

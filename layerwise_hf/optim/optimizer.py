@@ -25,11 +25,13 @@ from torch import nn
 
 from ..bases.params import LayerwiseFactory, LayerwiseParam, canonical_name
 from ..bases.registry import resolve_factory
+from ..bases.support import check_bool_argument
 from ..routes.distributed import choose_route
 from ..routes.hooks import GradientRoute, LocalHooks
 from ..routes.local_shard import wrap_local_shards
 from . import norm_pass
 from .clipping import CLIP_MODES as CLIP_MODES
+from .clipping import ClipMode
 from .gate import GradientGate
 from .grad_scaler import GradScalerBridge
 from .memory import tensor_bytes
@@ -101,9 +103,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         _check_params(params)
         self.names = [canonical_name(lp.name) for lp in params]
         self.optimizer_name = optimizer_name
-        self.in_decay_group = (
-            list(in_decay_group) if in_decay_group is not None else [lp.weight_decay != 0 for lp in params]
-        )
+        decay = in_decay_group if in_decay_group is not None else [lp.weight_decay != 0 for lp in params]
+        self.in_decay_group = list(decay)
         self.inner: list[torch.optim.Optimizer] = [_build_inner(factory, lp, args) for lp in params]
         self._params = [lp.param for lp in params]
         self._index = {id(p): i for i, p in enumerate(self._params)}
@@ -131,10 +132,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
         self.rebind()
         self._gate.step_pending()
         self.steps_taken += 1
@@ -212,7 +211,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self.detach()
         # A window cut short by an exception (Ctrl-C, OOM, a callback) must not carry into the next step.
         self._gate.reset_window()
-        route.attach(self)
+        with _hookable(self._params):
+            route.attach(self)
         self._route = route
 
     def attach(self, sync_gradients: Callable[[], bool] | None = None) -> None:
@@ -222,11 +222,13 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if not self.attached:
             self.set_route(LocalHooks())
 
-    def connect(self, model: nn.Module | None = None, accelerator: Any = None) -> str:
-        """Attach to `model` as Accelerate prepared it (local hooks, DDP comm hook, FSDP2); returns the route."""
+    def connect(self, model: nn.Module | None = None, accelerator: Any = None, hold_first_step: bool = False) -> str:
+        """Attach to `model` as Accelerate prepared it (local hooks, DDP comm hook, FSDP2); returns the route. With
+        `hold_first_step`, an exception in the first step's backward (OOM) steps nothing: it holds every gradient."""
         self.rebind()
         route = choose_route(self, model, accelerator)
         self.set_route(route)
+        self._gate.window.hold_all = hold_first_step
         return route.name
 
     def detach(self) -> None:
@@ -252,6 +254,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def grad_ready(self, i: int) -> None:
         """Parameter `i`'s reduced gradient is in `.grad`: routes call this, the only way gradients come in."""
+        if _frozen_since_built(self._params[i]):
+            return
         self._gate.grad_ready(i)
 
     def grad_held(self, i: int) -> None:
@@ -259,7 +263,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._gate.meter.hold(i, self._params[i].grad)
 
     def configure_clipping(self, max_grad_norm: float | None, mode: str = "exact") -> None:
-        """Apply `max_grad_norm` (`<= 0` or `None`: no clipping) the way `mode` says; see `ClipMode`."""
+        """Apply `max_grad_norm` (`<= 0` or `None`: no clipping) the way `mode` (a `layerwise_clip` value) says."""
         self._gate.configure_clipping(max_grad_norm, mode)
 
     @property
@@ -348,6 +352,30 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         return f"LayerwiseOptimizer({self.optimizer_name or '/'.join(kinds)}, {len(self.inner)} parameters)"
 
 
+@contextlib.contextmanager
+def _hookable(params: Sequence[torch.Tensor]) -> Iterator[None]:
+    # NOTE: torch refuses to register a hook on a tensor that does not require grad. A parameter frozen since the
+    # optimizer was built keeps its place, and its state, as in a standard optimizer; its hook never fires while it
+    # stays frozen (autograd accumulates no gradient into it), so it does no work and nothing steps it.
+    frozen = [p for p in params if not p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
+
+
+def _frozen_since_built(param: torch.Tensor) -> bool:
+    # Not stepped, as a standard optimizer skips a parameter without a gradient (its hook does not fire, see
+    # `_hookable`); only the data-parallel route's zero-filled bucket slot hands one over: dropped.
+    if param.requires_grad:
+        return False
+    param.grad = None
+    return True
+
+
 def _check_params(params: Sequence[LayerwiseParam]) -> None:
     if not params:
         raise ValueError("LayerwiseOptimizer got no trainable parameters (every parameter has requires_grad=False).")
@@ -378,6 +406,30 @@ def _build_inner(factory: LayerwiseFactory, lp: LayerwiseParam, args: Any) -> to
         )
     groups[0]["name"] = canonical_name(lp.name)
     return inner
+
+
+def check_layerwise_arguments(args: Any) -> None:
+    """
+    Refuse a bad `layerwise_*` field of `args` (`None`, a wrong type or value) naming the field and its valid values,
+    before anything is built: `LayerwiseTrainingArguments` checks them when made, and `build_layerwise_optimizer`
+    again, since a dataclass field can be reassigned later. Arguments without these fields pass.
+
+    Example:
+
+    ```python
+    >>> from types import SimpleNamespace
+    >>> from layerwise_hf.optim.optimizer import check_layerwise_arguments
+    >>> check_layerwise_arguments(SimpleNamespace(layerwise_clip="previous"))
+    >>> check_layerwise_arguments(SimpleNamespace(layerwise_clip=None))
+    Traceback (most recent call last):
+        ...
+    ValueError: layerwise_clip=None is not a clipping mode: choose one of exact, previous, per_param, off ...
+    ```
+    """
+    if hasattr(args, "layerwise_clip"):
+        ClipMode.parse(args.layerwise_clip, argument="layerwise_clip")
+    if hasattr(args, "layerwise_accept_nonfinite_state"):
+        check_bool_argument("layerwise_accept_nonfinite_state", args.layerwise_accept_nonfinite_state)
 
 
 def build_layerwise_optimizer(
@@ -422,6 +474,9 @@ def build_layerwise_optimizer(
     >>> optimizer.attach()  # plain loop: loss.backward() steps every layer; then optimizer.step()
     ```
     """
+    check_layerwise_arguments(args)
+    for argument, value in (("track_grad_norm", track_grad_norm), ("local_shards", local_shards)):
+        check_bool_argument(argument, value)
     if decay_parameter_names is None:
         from transformers import Trainer
 

@@ -43,7 +43,8 @@ class StepWindow:
     | not the window's last (`sync` is False)    | `ACCUMULATE` | leave the gradient in `.grad`                     |
     | a norm pass                                | `MEASURE`    | unscale/inf-check, measure the norm, free it      |
     | last, the step needs every gradient first  | `HOLD`       | keep it; `step()` clips (and unscales) and steps  |
-    | (exact clipping or fp16, no norm pass ran) |              |                                                  |
+    | (exact clipping or fp16, no norm pass ran; |              |                                                  |
+    | or `hold_all`)                             |              |                                                  |
     | last, otherwise                            | `STEP`       | (unscale,) clip, step this parameter, free it     |
     | the same parameter twice in one backward   | `REPEATED`   | refuse: it would be stepped twice                 |
 
@@ -83,6 +84,8 @@ class StepWindow:
         self.found_inf: dict[torch.device, torch.Tensor] = {}
         self.inv_scale: dict[torch.device, torch.Tensor] = {}
         self.scaler_record: dict[str, Any] | None = None
+        # Hold every gradient for step() even where the step needs none first (`LayerwiseOptimizer.hold_next_step`).
+        self.hold_all = False
 
     def reset(self) -> None:
         """Forget the window: after a step, a skipped step, or an exception in the middle of one."""
@@ -101,7 +104,7 @@ class StepWindow:
         if self.stepped[i] or self.fired[i]:
             return Action.REPEATED
         self.fired[i] = True
-        if whole_step and not self.measured:
+        if (whole_step or self.hold_all) and not self.measured:
             return Action.HOLD
         return Action.STEP
 
