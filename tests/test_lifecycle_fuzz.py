@@ -3,9 +3,10 @@ stock Trainer + AdamW and LayerwiseTrainer + adamw_torch_layerwise, with every p
 sequence.
 
 Operations: train; an exception mid-backward (or in the forward when nothing clips: then no layer has stepped in
-either run); a change of `max_grad_norm`; freezing or unfreezing a parameter (the layer-wise run must refuse it
-naming the parameter and change nothing; then both build a new optimizer, as the refusal advises); resuming from
-the newest checkpoint in a new trainer; a second trainer on the same model.
+either run); a change of `max_grad_norm`; freezing a parameter (both train on with the same optimizer) or unfreezing
+one (when the optimizer was built without it, the layer-wise run must refuse it naming the parameter and change
+nothing; then both build a new optimizer, as the refusal advises); resuming from the newest checkpoint in a new
+trainer; a second trainer on the same model.
 """
 
 import os
@@ -82,7 +83,7 @@ def apply(op: str, run: Run, rng_choice) -> None:
     trainer = run.trainer
     if op == "train":
         trainer.train()
-        run.checkpoint_current = True
+        run.checkpoint_current = optimizer_covers_trainable_set(run)
     elif op == "exception":
         run.raiser.where = "backward" if run.max_grad_norm > 0 else "forward"
         with pytest.raises(Interrupt):
@@ -92,15 +93,23 @@ def apply(op: str, run: Run, rng_choice) -> None:
     elif op == "freeze":
         param = dict(run.model.named_parameters())[rng_choice["param"]]
         param.requires_grad_(not param.requires_grad)
-        if isinstance(trainer, LayerwiseTrainer) and trainer.optimizer is not None:
-            before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
-            with pytest.raises(ValueError, match=rng_choice["param"]):
-                trainer.train()
-            assert all(torch.equal(before[n], p) for n, p in run.model.named_parameters())
-        trainer.optimizer, trainer.lr_scheduler = None, None  # what the refusal advises, on both sides
+        # Frozen: both train on with the same optimizer (no gradient: not stepped, its state kept). Unfrozen after
+        # the optimizer was built without it: stock Trainer would never train it; the layer-wise run refuses.
+        unknown = trainer.optimizer is not None and all(
+            p is not param for group in trainer.optimizer.param_groups for p in group["params"]
+        )
+        if param.requires_grad and unknown:
+            if isinstance(trainer, LayerwiseTrainer):
+                before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+                with pytest.raises(ValueError, match=rng_choice["param"]):
+                    trainer.train()
+                assert all(torch.equal(before[n], p) for n, p in run.model.named_parameters())
+            trainer.optimizer, trainer.lr_scheduler = None, None  # what the refusal advises, on both sides
         run.checkpoint_current = False
     elif op == "resume":
         if not run.checkpoint_current:
+            if trainer.optimizer is not None and not optimizer_covers_trainable_set(run):
+                trainer.optimizer, trainer.lr_scheduler = None, None  # a checkpoint a new trainer can resume
             trainer.train()
         last = get_last_checkpoint(str(trainer.args.output_dir))
         step = int(last.rsplit("-", 1)[1])
@@ -111,6 +120,13 @@ def apply(op: str, run: Run, rng_choice) -> None:
         run.trainer = run.new_trainer()
         run.trainer.train()
         run.checkpoint_current = True
+
+
+def optimizer_covers_trainable_set(run) -> bool:
+    # Stock Trainer resumes only an optimizer state saved over the trainable set a new trainer builds for (after a
+    # freeze, the optimizer that trains on still holds the frozen tensor, as its checkpoints do).
+    in_optimizer = {id(p) for group in run.trainer.optimizer.param_groups for p in group["params"]}
+    return in_optimizer == {id(p) for p in run.model.parameters() if p.requires_grad}
 
 
 @pytest.mark.slow

@@ -194,7 +194,9 @@ class GradientGate:
     def steps_now(self) -> bool:
         # What `action` would decide for a gradient arriving now, without noting anything: STEP or not.
         window = self.window
-        return self.sync() and not window.in_norm_pass and (window.measured or not self.whole_step())
+        return (
+            self.sync() and not window.in_norm_pass and (window.measured or not (self.whole_step() or window.hold_all))
+        )
 
     def wants_norms(self) -> bool:
         return self.track_grad_norm or self.clipper.needs_param_norm

@@ -211,8 +211,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self.detach()
         # A window cut short by an exception (Ctrl-C, OOM, a callback) must not carry into the next step.
         self._gate.reset_window()
-        with _hookable(self._params):
-            route.attach(self)
+        route.attach(self)
         self._route = route
 
     def attach(self, sync_gradients: Callable[[], bool] | None = None) -> None:
@@ -352,24 +351,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         return f"LayerwiseOptimizer({self.optimizer_name or '/'.join(kinds)}, {len(self.inner)} parameters)"
 
 
-@contextlib.contextmanager
-def _hookable(params: Sequence[torch.Tensor]) -> Iterator[None]:
-    # NOTE: torch refuses to register a hook on a tensor that does not require grad. A parameter frozen since the
-    # optimizer was built keeps its place, and its state, as in a standard optimizer; its hook never fires while it
-    # stays frozen (autograd accumulates no gradient into it), so it does no work and nothing steps it.
-    frozen = [p for p in params if not p.requires_grad]
-    for p in frozen:
-        p.requires_grad_(True)
-    try:
-        yield
-    finally:
-        for p in frozen:
-            p.requires_grad_(False)
-
-
 def _frozen_since_built(param: torch.Tensor) -> bool:
-    # Not stepped, as a standard optimizer skips a parameter without a gradient (its hook does not fire, see
-    # `_hookable`); only the data-parallel route's zero-filled bucket slot hands one over: dropped.
+    # Not stepped, as a standard optimizer skips a parameter without a gradient (the routes hook no frozen tensor);
+    # only the data-parallel route's zero-filled bucket slot hands one over: dropped.
     if param.requires_grad:
         return False
     param.grad = None

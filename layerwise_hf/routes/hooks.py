@@ -113,6 +113,10 @@ class LocalHooks(GradientRoute):
         ready = self._entry(optimizer)
         self._params = list(optimizer.params)
         for i, p in enumerate(self._params):
+            if not p.requires_grad:
+                # Frozen since the optimizer was built: autograd gives it no gradient, so no hook (torch refuses one
+                # on a tensor that does not require grad); nothing steps it, as a standard optimizer skips it.
+                continue
             self._handles.append(p.register_post_accumulate_grad_hook(_Hook(ready, i)))
             _OWNERS[id(p)] = optimizer
         self._owner = weakref.ref(optimizer)
