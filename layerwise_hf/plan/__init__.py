@@ -10,7 +10,8 @@ gradients, optimizer state, activations and temporaries. Optimizers whose kernel
 
 Layout: `tracker` (live storage bytes), `rules` (the stand-in for rule-only optimizers), `simulate` (model, optimizer,
 step), `extrapolate`, `advice`, `core` (`plan()`, validation, results), `batch` (the largest micro-batch that fits),
-`cli` (the `plan` subcommand). Only `layerwise_hf.cli` imports this package.
+`options` (the choices the command line lists), `cli` (the `plan` subcommand). Only `layerwise_hf.cli` imports this
+package.
 
 Example:
 
