@@ -179,6 +179,22 @@ def _choose(optimizer: LayerwiseOptimizer, loss: torch.Tensor) -> NormPass:
     return chosen
 
 
+def last_norm_pass(optimizer: LayerwiseOptimizer) -> NormPass | None:
+    """
+    The way `optimizer`'s last step measured by the rule chose (`backward_with_norm_pass` with `norm_pass="auto"`),
+    or None before any.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.optim.norm_pass import last_norm_pass
+    >>> last_norm_pass(optimizer)  # after a step of an activation-dominated model
+    <NormPass.HOLD: 'hold'>
+    ```
+    """
+    return _CHOSEN.get(optimizer)
+
+
 def forward_again(optimizer: LayerwiseOptimizer) -> bool:
     """
     Whether the coming step should measure with a second forward+backward (`run_with_norm_pass`) rather than
@@ -195,7 +211,7 @@ def forward_again(optimizer: LayerwiseOptimizer) -> bool:
     ...     backward_with_norm_pass(optimizer, model(**batch).loss)
     ```
     """
-    return _CHOSEN.get(optimizer) is NormPass.RERUN
+    return last_norm_pass(optimizer) is NormPass.RERUN
 
 
 def backward_with_norm_pass(
