@@ -126,7 +126,9 @@ def saved_activation_bytes(loss: torch.Tensor, exclude: Any = ()) -> int:
     """
     if loss.grad_fn is None:
         return 0
-    skip = {p.untyped_storage().data_ptr() for p in exclude}
+    # NOTE: a storage is keyed by its StorageImpl (`_cdata`), not its data pointer: a FakeTensor's is 0 (the memory
+    # planner walks fake graphs), and views of one tensor share one StorageImpl.
+    skip = {p.untyped_storage()._cdata for p in exclude}
     storages: dict[int, int] = {}
     seen: set = set()
     stack = [loss.grad_fn]
@@ -146,7 +148,7 @@ def saved_activation_bytes(loss: torch.Tensor, exclude: Any = ()) -> int:
                 data = getattr(saved, "data", None)
                 if isinstance(data, torch.Tensor) and data.device.type != "meta":
                     storage = data.untyped_storage()
-                    storages[storage.data_ptr()] = storage.nbytes()
+                    storages[storage._cdata] = storage.nbytes()
         stack.extend(fn for fn, _ in node.next_functions)
     return sum(n for ptr, n in storages.items() if ptr not in skip)
 
