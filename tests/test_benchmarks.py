@@ -97,7 +97,7 @@ def test_memory_suite_small(tmp_path):
         report
     )
     assert [c["name"] for c in report["configs"]] == report["settings"]["configs"]
-    assert len(report["configs"]) == 12
+    assert len(report["configs"]) == 18
     for c in report["configs"]:
         if "error" in c:
             # GaLore may be refused while its routing through the registry changes; the suite reports and goes on.

@@ -20,6 +20,7 @@ from layerwise_hf import (
     LayerwiseTrainingArguments,
     build_layerwise_optimizer,
 )
+from layerwise_hf.optim.norm_pass import last_norm_pass
 
 MAX_NORM = 0.5
 # lr and max_norm chosen so the pre-clip norm exceeds max_norm on every step: clipping really acts.
@@ -47,28 +48,36 @@ class AppliedGradRecorder(LayerwiseTrainer):
         return optimizer
 
 
-@pytest.mark.parametrize("ga", [1, 2])
+@pytest.mark.parametrize(
+    "ga,norm_pass", [(1, "retain"), (1, "rerun"), (1, "hold"), (1, "auto"), (2, "auto")], ids=lambda v: str(v)
+)
 @pytest.mark.parametrize("base", ["adamw_torch", "sgd"])
-def test_exact_clipping_matches_trainer(tmp_path, base, ga):
+def test_exact_clipping_matches_trainer(tmp_path, base, ga, norm_pass):
     model = tiny_llama()
     standard = train(clone(model), training_args(tmp_path, base, gradient_accumulation_steps=ga, **CLIP))
     layerwise = train(
         clone(model),
-        training_args(tmp_path, f"{base}_layerwise", gradient_accumulation_steps=ga, **CLIP),
+        training_args(
+            tmp_path, f"{base}_layerwise", gradient_accumulation_steps=ga, layerwise_norm_pass=norm_pass, **CLIP
+        ),
         trainer_cls=ForwardCounter,
     )
     norms = logged(standard, "grad_norm")
     assert min(norms) > MAX_NORM, "clipping must trigger for this test to mean anything"
     assert logged(layerwise, "grad_norm") == norms
     assert_params_equal(standard.model, layerwise.model)
-    # One forward per micro-batch: without accumulation the measuring backward reuses the retained graph.
-    assert layerwise.forwards == 6 * ga
     optimizer = layerwise.layerwise_optimizer
-    if ga == 1:
+    way = norm_pass if norm_pass != "auto" or ga > 1 else last_norm_pass(optimizer).value
+    # One forward per micro-batch, but two where the norm pass reruns it.
+    assert layerwise.forwards == (12 if way == "rerun" else 6 * ga)
+    if ga == 1 and way in ("retain", "rerun"):
         # Measured first, then stepped and freed one by one (lm_head's step held): never all gradients at once.
         assert optimizer.peak_grad_bytes == held_grad_bound(layerwise.model) < optimizer.full_grad_bytes()
     else:
+        # Held for step() (accumulation, or 'hold': this tiny model's activations outweigh its gradients).
         assert optimizer.peak_grad_bytes == optimizer.full_grad_bytes()
+    if norm_pass == "auto" and ga == 1:
+        assert way == "hold", "activations outweigh the gradients of this tiny model: the rule holds"
 
 
 def test_exact_clipping_without_norm_pass_holds_gradients_and_stays_exact():

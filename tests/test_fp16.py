@@ -112,7 +112,10 @@ def run_pair(tmp_path, ga, max_grad_norm, base="adamw_torch", inject_at=None, **
 @pytest.mark.parametrize("max_grad_norm", [MAX_NORM, 0.0], ids=["exact_clip", "no_clip"])
 @pytest.mark.parametrize("ga", [1, 2])
 def test_fp16_matches_standard_gradscaler(tmp_path, ga, max_grad_norm):
-    (standard, (std_scales,)), (layerwise, (lw_scales,)) = run_pair(tmp_path, ga, max_grad_norm)
+    # 'retain': checked in a norm pass, then stepped in backward (the rule would hold this activation-heavy model).
+    (standard, (std_scales,)), (layerwise, (lw_scales,)) = run_pair(
+        tmp_path, ga, max_grad_norm, layerwise_norm_pass="retain"
+    )
     norms = logged(standard, "grad_norm")
     finite = [n for n in norms if math.isfinite(n)]
     # The run must exercise what it claims: skipped steps, a growing scale, and (with clipping) real clipping.
@@ -282,11 +285,19 @@ class SecondPassOverflow(Overflow):
         super().on_step_end(args, state, control, optimizer=optimizer, **kwargs)
 
 
-def test_fp16_overflow_in_the_stepping_pass_only_steps_nothing_after_it(tmp_path):
+@pytest.mark.parametrize("norm_pass", ["retain", "rerun"])
+def test_fp16_overflow_in_the_stepping_pass_only_steps_nothing_after_it(tmp_path, norm_pass):
     model = tiny_llama()
     names = [n for n, _ in model.named_parameters()]
     target = "model.layers.0.mlp.down_proj.weight"
-    args = training_args(tmp_path, "adamw_torch_layerwise", fp16=True, max_grad_norm=MAX_NORM, learning_rate=5e-2)
+    args = training_args(
+        tmp_path,
+        "adamw_torch_layerwise",
+        fp16=True,
+        max_grad_norm=MAX_NORM,
+        learning_rate=5e-2,
+        layerwise_norm_pass=norm_pass,
+    )
     overflow, scales = SecondPassOverflow(model, 2, target), ScaleRecorder()
     # A scale that never overflows by itself here: the only inf/nan is the injected one.
     trainer = fp16_train(model, args, [overflow, scales], scaler=dict(init_scale=2.0**8, growth_interval=1000))
@@ -300,3 +311,28 @@ def test_fp16_overflow_in_the_stepping_pass_only_steps_nothing_after_it(tmp_path
     assert scales.scales[2] == scales.scales[1] / 2
     lrs = logged(trainer, "learning_rate")
     assert lrs[3] == lrs[2], "the scheduler does not advance on a skipped step"
+
+
+def test_fp16_stepping_pass_flags_are_reduced_again_after_its_backward(tmp_path, monkeypatch):
+    # Under FSDP2 each rank checks only its own shards: after the stepping backward the flags go through the route's
+    # reduction again (on every rank), so a shard-local overflow there makes every rank's GradScaler skip.
+    from layerwise_hf.routes.hooks import LocalHooks
+
+    seen = []
+    monkeypatch.setattr(
+        LocalHooks, "reduce_found_inf", lambda self, flags: seen.append(sum(float(f) for f in flags.values()))
+    )
+    model = tiny_llama()
+    args = training_args(
+        tmp_path,
+        "adamw_torch_layerwise",
+        fp16=True,
+        max_grad_norm=MAX_NORM,
+        learning_rate=5e-2,
+        layerwise_norm_pass="retain",
+        max_steps=4,
+    )
+    overflow = SecondPassOverflow(model, 2, "model.layers.0.mlp.down_proj.weight")
+    fp16_train(model, args, [overflow], scaler=dict(init_scale=2.0**8, growth_interval=1000))
+    # Per step: after the norm pass (0: finite there), after the stepping pass (1 at the injected step only).
+    assert seen == [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0]

@@ -148,3 +148,9 @@ def test_training_args_pickled_by_0_1_still_load(tmp_path, monkeypatch):
     loaded = pickle.loads(data)
     assert type(loaded) is LayerwiseTrainingArguments
     assert loaded.optim == "adamw_torch_layerwise" and loaded.learning_rate == 3e-4
+
+
+@pytest.mark.parametrize("value", [None, "twice", 2])
+def test_a_bad_layerwise_norm_pass_names_the_field_and_the_ways(tmp_path, value):
+    with pytest.raises(ValueError, match=r"layerwise_norm_pass=.* choose one of auto, retain, rerun, hold"):
+        LayerwiseTrainingArguments(str(tmp_path), optim="adamw_torch_layerwise", layerwise_norm_pass=value)

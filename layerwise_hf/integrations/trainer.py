@@ -14,6 +14,7 @@ from transformers import Trainer, TrainingArguments
 from ..bases.params import canonical_name
 from ..bases.registry import is_layerwise_name
 from ..bases.support import check_deepspeed, check_fsdp2_optimizers, check_fsdp_version, fsdp_version_of_args
+from ..optim.norm_pass import NormPass, forward_again, parse_norm_pass
 from ..optim.optimizer import build_layerwise_optimizer, unwrap_layerwise_optimizer
 from ..routes.data_parallel import DataParallelConfig
 from ..routes.local_shard import local_shards_of
@@ -136,15 +137,22 @@ class LayerwiseTrainerMixin:
         if optimizer is None:
             return super().training_step(model, inputs, num_items_in_batch)
         route = optimizer.gradient_route
+        way = parse_norm_pass(getattr(self.args, "layerwise_norm_pass", "auto"), argument="layerwise_norm_pass")
         # Collectives run once per forward, and a compiled backward cannot run over a retained graph: there a norm
-        # pass is a whole second forward+backward; on one process, a measuring backward over the retained graph.
-        whole_pass = (route is not None and route.collective_per_forward) or self._layerwise_compiled(model)
+        # pass is a whole second forward+backward. On one process the way is chosen per step from what the graph
+        # saves (norm_pass.choose_norm_pass); a 'rerun' choice applies from the next step's forward on.
+        rerun = (
+            (route is not None and route.collective_per_forward)
+            or self._layerwise_compiled(model)
+            or way is NormPass.RERUN
+            or (way is NormPass.AUTO and forward_again(optimizer))
+        )
 
         def forward_backward():
-            with _extra_backwards_accumulate(self, optimizer, norm_pass=not whole_pass):
+            with _extra_backwards_accumulate(self, optimizer, None if rerun else way):
                 return super(LayerwiseTrainerMixin, self).training_step(model, inputs, num_items_in_batch)
 
-        return optimizer.run_with_norm_pass(forward_backward, model) if whole_pass else forward_backward()
+        return optimizer.run_with_norm_pass(forward_backward, model) if rerun else forward_backward()
 
     def _layerwise_compiled(self, model) -> bool:
         cached = getattr(self, "_layerwise_compiled_cache", None)
@@ -252,20 +260,21 @@ def _fsdp_version(trainer) -> int:
 
 
 @contextlib.contextmanager
-def _extra_backwards_accumulate(trainer, optimizer, norm_pass: bool):
+def _extra_backwards_accumulate(trainer, optimizer, norm_pass: NormPass | None):
     """
     Within one `training_step`, only Trainer's own `accelerator.backward` of the loss ends the micro-batch (on one
-    process, after a measuring backward when `norm_pass`). Any other backward, such as one `compute_loss` runs itself
-    for an auxiliary loss (`loss.backward()` or `accelerator.backward`, with `retain_graph=True`), only accumulates,
-    as with the standard optimizer: stepping there would change weights that Trainer's backward still needs.
+    process, measured the `norm_pass` way when one is given). Any other backward, such as one `compute_loss` runs
+    itself for an auxiliary loss (`loss.backward()` or `accelerator.backward`, with `retain_graph=True`), only
+    accumulates, as with the standard optimizer: stepping there would change weights that Trainer's backward still
+    needs.
     """
     backward, compute_loss = trainer.accelerator.backward, trainer.compute_loss
     in_compute_loss = [False]
 
     def trainer_backward(loss, **kwargs):
         with optimizer.extra_backward(in_compute_loss[0]):
-            if norm_pass:
-                return optimizer.backward_with_norm_pass(loss, backward, **kwargs)
+            if norm_pass is not None:
+                return optimizer.backward_with_norm_pass(loss, backward, norm_pass=norm_pass, **kwargs)
             return backward(loss, **kwargs)
 
     def marked_compute_loss(*args, **kwargs):
@@ -362,9 +371,10 @@ def _explain_clipping(max_grad_norm: float, mode: str, gradient_accumulation_ste
     clips = bool(max_grad_norm) and max_grad_norm > 0
     if fp16 and gradient_accumulation_steps == 1 and not (clips and mode == "exact"):
         logger.warning(
-            "fp16 loss scaling with a layer-wise optimizer and no gradient accumulation: each step runs backward "
-            "twice (the first pass unscales every gradient and checks it for inf/nan, so an overflowing step changes "
-            "nothing, as with GradScaler and a standard optimizer)."
+            "fp16 loss scaling with a layer-wise optimizer and no gradient accumulation: every gradient is unscaled "
+            "and checked for inf/nan before any layer steps (so an overflowing step changes nothing, as with "
+            "GradScaler and a standard optimizer), by a second backward or forward+backward, or by holding every "
+            "gradient for step() where activations outweigh the gradients (layerwise_norm_pass)."
         )
     if not clips:
         return
@@ -377,9 +387,11 @@ def _explain_clipping(max_grad_norm: float, mode: str, gradient_accumulation_ste
         )
     elif mode == "exact" and gradient_accumulation_steps == 1:
         logger.warning(
-            "max_grad_norm=%s with layerwise_clip='exact' and no gradient accumulation: each step runs backward twice "
-            "(the first pass measures the global norm%s; under DDP/FSDP2/torch.compile forward too) to clip exactly "
-            "like Trainer. %s",
+            "max_grad_norm=%s with layerwise_clip='exact' and no gradient accumulation: every gradient is measured "
+            "(the global norm%s) before any layer steps, to clip exactly like Trainer: by a second backward over the "
+            "retained graph when activations are small next to the gradients, a second forward+backward when they "
+            "are not (always under DDP/FSDP2/torch.compile), or one backward holding every gradient when activations "
+            "outweigh them (layerwise_norm_pass). %s",
             max_grad_norm,
             " and checks for fp16 inf/nan" if fp16 else "",
             "" if fp16 else "layerwise_clip='previous' clips in one pass with the previous step's norm.",

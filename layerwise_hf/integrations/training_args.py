@@ -68,6 +68,18 @@ class LayerwiseTrainingArguments(TrainingArguments):
         },
     )
 
+    layerwise_norm_pass: str = field(
+        default="auto",
+        metadata={
+            "help": "With layerwise_clip='exact' (or fp16) and no gradient accumulation, how every gradient is "
+            "measured before any layer steps: 'auto' (per step, the fastest way whose peak stays at or below the "
+            "standard optimizer's), 'retain' (a second backward over the retained graph), 'rerun' (a second "
+            "forward+backward) or 'hold' (one backward holding every gradient, as a standard optimizer). DDP, FSDP2 "
+            "and torch.compile always rerun.",
+            "choices": ["auto", "retain", "rerun", "hold"],
+        },
+    )
+
     layerwise_accept_nonfinite_state: bool = field(
         default=False,
         metadata={

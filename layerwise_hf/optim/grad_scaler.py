@@ -49,8 +49,11 @@ class GradScalerBridge:
     def __init__(self, scaler: Any, owner: Any):
         self.scaler = scaler
         self.owner_id = id(owner)
-        # The scaler record of the window in which a gradient overflowed only in the stepping pass.
+        # The scaler record of the window in which a gradient overflowed only in the stepping pass, and of the one
+        # whose stepping pass will make the ranks' flags agree.
         self.overflowed_record: dict[str, Any] | None = None
+        self.agreed_record: dict[str, Any] | None = None
+        self.reduce_found_inf: Callable[[dict], None] = lambda flags: None
 
     def _record(self) -> dict[str, Any]:
         return self.scaler._per_optimizer_states[self.owner_id]
@@ -95,6 +98,12 @@ class GradScalerBridge:
         # NOTE: the two passes can differ on CUDA (non-deterministic backward kernels, e.g. SDPA's), so the norm pass
         # alone cannot vouch for the gradient stepped now. Knowing before the step costs one host read of a scalar
         # per gradient, in fp16's second pass only.
+        if window.scaler_record is not self.agreed_record and torch._C._current_graph_task_id() != -1:
+            # NOTE: under FSDP2 each rank checks only its own shards: after this backward, on every rank (an
+            # autograd-engine callback), the flags are reduced again so that every GradScaler skips alike.
+            self.agreed_record = window.scaler_record
+            flags, reduce = window.found_inf, self.reduce_found_inf
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: reduce(flags))
         if window.scaler_record is not None and window.scaler_record is self.overflowed_record:
             return False
         grad = _local(grad)
@@ -116,6 +125,7 @@ class GradScalerBridge:
             device = self.scaler._scale.device
             window.found_inf[device] = torch.zeros((), dtype=torch.float32, device=device)
         reduce_found_inf(window.found_inf)
+        self.reduce_found_inf = reduce_found_inf
         record = self._record()
         if record["stage"] is OptState.UNSCALED and record["found_inf_per_device"] is not window.found_inf:
             raise RuntimeError("GradScaler.unscale_() was called on the layer-wise optimizer during its norm pass.")

@@ -75,6 +75,18 @@ RETAIN_EXTRA_LARGEST = 3  # X <= 3 L in every run above: retaining fits when act
 # 6 MiB more than rerun; 2 x 256 and up: equal).
 
 
+def parse_norm_pass(value: Any, argument: str = "norm_pass") -> NormPass:
+    """`value` as a `NormPass`, or a `ValueError` naming `argument` and the valid ways."""
+    try:
+        return NormPass(value)
+    except ValueError:
+        raise ValueError(
+            f"{argument}={value!r} is not a way to measure gradients before a step: choose one of "
+            f"{', '.join(v.value for v in NormPass)} ('auto' picks per step the fastest whose peak stays at or below "
+            "the standard optimizer's)."
+        ) from None
+
+
 def choose_norm_pass(activation_bytes: int, grad_bytes: int, largest_grad_bytes: int) -> NormPass:
     """
     The way (`NormPass`) whose peak stays at or below the standard optimizer's, fastest first, for a step whose graph

@@ -414,6 +414,8 @@ def check_layerwise_arguments(args: Any) -> None:
         ClipMode.parse(args.layerwise_clip, argument="layerwise_clip")
     if hasattr(args, "layerwise_accept_nonfinite_state"):
         check_bool_argument("layerwise_accept_nonfinite_state", args.layerwise_accept_nonfinite_state)
+    if hasattr(args, "layerwise_norm_pass"):
+        norm_pass.parse_norm_pass(args.layerwise_norm_pass, argument="layerwise_norm_pass")
 
 
 def build_layerwise_optimizer(
