@@ -13,7 +13,7 @@ and clip to max_grad_norm 1.0 (lr `--learning_rate`, weight decay 0.1):
 - `standard`: `torch.optim.AdamW` over all parameters; `scaler.scale(loss).backward()` per micro-batch, then at the
   window end `scaler.unscale_`, `clip_grad_norm_`, `scaler.step`, `scaler.update`, `zero_grad(set_to_none=True)`.
 - `layerwise`: `adamw_torch_layerwise` with `configure_clipping(1.0, "exact")` and `use_grad_scaler(scaler)`;
-  `backward_with_norm_pass(scaler.scale(loss))` per micro-batch, then `grad_norm()`, `scaler.step`,
+  `backward_with_norm_pass(scaler.scale(loss), norm_pass="retain")` per micro-batch, then `grad_norm()`, `scaler.step`,
   `scaler.update`, `zero_grad()`.
 
 Timing: every configuration (optimizer x GA) has its own model copy, optimizer and scaler; one optimizer step of
@@ -115,7 +115,8 @@ class Run(h.TimedRun):
             self.sync = k == len(micro_batches) - 1
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = self.model(**batch).loss / len(micro_batches)
-            self.optimizer.backward_with_norm_pass(self.scaler.scale(loss))
+            # 'retain', the way whose cost this measures ('auto' holds instead where activations outweigh gradients).
+            self.optimizer.backward_with_norm_pass(self.scaler.scale(loss), norm_pass="retain")
         grad_norm = self.optimizer.grad_norm()
         self.scaler.step(self.optimizer)
         self.scaler.update()

@@ -964,6 +964,10 @@ def run_case(spec: dict, sizes: dict, device: str) -> dict:
             per_device_train_batch_size=batch,
             activation_checkpointing=True,
             activation_checkpointing_kwargs={"use_reentrant": False},
+            # The estimator's layer-wise gradient term is the streamed one (measured, then stepped one by one): pin
+            # the norm pass that streams. 'auto' would hold every gradient where activations outweigh them (the
+            # tiny CPU dry run), which the estimator does not model; `layerwise-hf plan` does.
+            **({"layerwise_norm_pass": "retain"} if optim.endswith("_layerwise") else {}),
         )
         trainer = make_trainer(model, args, dataset, [timer], device=device)
         cleanup(device)

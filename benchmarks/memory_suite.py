@@ -44,16 +44,13 @@ each target. scripts/gen_readme.py turns the JSON into the README's results tabl
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import NamedTuple
 
@@ -489,28 +486,7 @@ def memory_server(opts) -> None:
             pass  # the configuration that needs it reports the error
     # The imported objects are never garbage: keep the collector (run between phases) off them, which makes it fast
     # and leaves the pages shared with the forked processes untouched.
-    gc.collect()
-    gc.freeze()
-    out_dir = Path(opts.result)
-    for name in names:
-        path = out_dir / f"{name}.json"
-        started = time.perf_counter()
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                signal.alarm(opts.timeout)  # a hung configuration is killed, the next one still runs
-                payload = measure_memory(BY_NAME[name], opts)
-            except BaseException as err:  # noqa: B036 - the child reports everything, then exits
-                payload = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-4000:]}
-                code = 1
-            path.write_text(json.dumps(payload, indent=1))
-            sys.stdout.flush()
-            os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        if not path.is_file():
-            path.write_text(json.dumps({"error": f"the measuring process died (wait status {status})"}))
-        print(f"  memory {name:<28} {time.perf_counter() - started:5.1f}s", flush=True)
+    h.fork_each(names, Path(opts.result), lambda name: measure_memory(BY_NAME[name], opts), opts.timeout, "memory")
 
 
 class TimedRun(h.TimedRun):

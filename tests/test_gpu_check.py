@@ -114,6 +114,7 @@ def test_gpu_check_sh_hands_its_preflight_to_the_check(tmp_path):
 
 def test_update_comparison_sees_a_clip_that_is_one_percent_off():
     check = gpu_check()
+    torch.manual_seed(0)
     before, standard, layerwise = (torch.nn.Linear(64, 64) for _ in range(3))
     layerwise.load_state_dict(before.state_dict())
     standard.load_state_dict(before.state_dict())
@@ -123,7 +124,8 @@ def test_update_comparison_sees_a_clip_that_is_one_percent_off():
         layerwise.weight += 0.99 * update
     diff = check.update_diff(before, standard, layerwise)
     assert diff["update_worst_param"] == "weight"
-    assert diff["update_max_rel_diff"] == pytest.approx(0.01, rel=1e-3)
+    # 1% off, up to float32 rounding of updates this small (the weights are ~0.1, the updates ~1e-5).
+    assert diff["update_max_rel_diff"] == pytest.approx(0.01, rel=1e-2)
     assert check.param_diff(standard, layerwise)[0] < 1e-6
     same = check.update_diff(before, standard, standard)
     assert same["update_max_rel_diff"] == 0.0 and same["update_model_rel_diff"] == 0.0
