@@ -21,7 +21,6 @@ import contextlib
 import importlib
 import importlib.util
 import logging
-import os
 from collections.abc import Iterator
 from itertools import chain
 from typing import Any
@@ -30,7 +29,7 @@ import torch
 from torch import nn
 
 from .params import LayerwiseParam, isolate_bnb_overrides
-from .streams import KEEP_DEVICE_SYNC_ENV
+from .streams import keeps_device_sync
 from .support import LOW_RANK_BASES
 
 logger = logging.getLogger(__name__)
@@ -253,7 +252,7 @@ def optimizer_class(base: str) -> type[torch.optim.Optimizer]:
         @torch.no_grad()
         def step(self, closure=None):
             upstream_step = _unhooked(upstream.step)
-            if torch.cuda.is_available() and (self.is_paged or os.environ.get(KEEP_DEVICE_SYNC_ENV) == "1"):
+            if torch.cuda.is_available() and keeps_device_sync(self):
                 return upstream_step(self, closure)
             with _cuda_synchronize_is_a_no_op():
                 return upstream_step(self, closure)

@@ -84,6 +84,14 @@ def ordered_on_default_stream(device: torch.device) -> Iterator[None]:
     current.wait_stream(default)
 
 
+def keeps_device_sync(optimizer: Any) -> bool:
+    """Whether a bitsandbytes step inside backward keeps its whole-device sync per parameter: paged optimizers, and
+    every one while `LAYERWISE_HF_BNB_DEVICE_SYNC=1` (for measuring what removing it saves)."""
+    # NOTE: paged states are prefetched and written back asynchronously by the driver; the sync is what makes them
+    # consistent before the next use, so paged optimizers keep it.
+    return bool(getattr(optimizer, "is_paged", False)) or os.environ.get(KEEP_DEVICE_SYNC_ENV) == "1"
+
+
 @contextlib.contextmanager
 def without_device_sync(optimizer: Any) -> Iterator[None]:
     """
@@ -100,9 +108,7 @@ def without_device_sync(optimizer: Any) -> Iterator[None]:
     ...     optimizer.step()
     ```
     """
-    if getattr(optimizer, "is_paged", False) or os.environ.get(KEEP_DEVICE_SYNC_ENV) == "1":
-        # NOTE: paged states are prefetched and written back asynchronously by the driver; the sync is what makes
-        # them consistent before the next use, so paged optimizers keep it.
+    if keeps_device_sync(optimizer):
         yield
         return
     import bitsandbytes.optim.optimizer as bnb_optimizer

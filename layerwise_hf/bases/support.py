@@ -7,7 +7,7 @@ made twice in two ways.
 Example:
 
 ```python
->>> from layerwise_hf import support
+>>> from layerwise_hf.bases import support
 >>> support.fsdp2_supports_base("adamw_torch"), support.fsdp2_supports_base("adafactor")
 (True, False)
 ```

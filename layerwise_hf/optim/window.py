@@ -84,7 +84,7 @@ class StepWindow:
         self.found_inf: dict[torch.device, torch.Tensor] = {}
         self.inv_scale: dict[torch.device, torch.Tensor] = {}
         self.scaler_record: dict[str, Any] | None = None
-        # Hold every gradient for step() even where the step needs none first (`LayerwiseOptimizer.hold_next_step`).
+        # Hold every gradient for step() even where the step needs none first (`connect(hold_first_step=True)`).
         self.hold_all = False
 
     def reset(self) -> None:
