@@ -8,6 +8,7 @@ from transformers import TrainingArguments
 
 from ..bases.registry import list_layerwise_optimizers, parse_optim_name
 from ..bases.support import (
+    check_bool_argument,
     check_deepspeed,
     check_fp16_clip_mode,
     check_fsdp_version,
@@ -36,6 +37,10 @@ class LayerwiseTrainingArguments(TrainingArguments):
             clipped alone) or `"off"`. With `fp16=True` only `"exact"` and `"off"` run: fp16 loss scaling checks every
             gradient for inf/nan before any layer steps, which costs the same second backward as `"exact"` (none
             with gradient accumulation).
+        layerwise_preflight (`bool`, *optional*, defaults to `False`):
+            Plan this run's step before the first one (`layerwise_hf.integrations.preflight`) and warn, naming the
+            planned peak and the device's free memory, when it will not fit; on CUDA log the first step's
+            `max_memory_allocated` next to the plan. It never stops training.
 
     Every other argument is `TrainingArguments`'; an unknown `optim` raises `ValueError` listing the valid names.
 
@@ -88,8 +93,19 @@ class LayerwiseTrainingArguments(TrainingArguments):
         },
     )
 
+    layerwise_preflight: bool = field(
+        default=False,
+        metadata={
+            "help": "Before the first step, plan this run's step (layerwise_hf.plan: the model's config, the first "
+            "batch's size, optim, GA, clipping, bf16/fp16, activation checkpointing, LoRA, world size and sharding) "
+            "and log a warning naming the planned peak and the device's free memory when it will not fit; on CUDA, "
+            "log the first step's max_memory_allocated next to the plan. Never stops training."
+        },
+    )
+
     def __post_init__(self):
         check_layerwise_arguments(self)
+        check_bool_argument("layerwise_preflight", self.layerwise_preflight)
         self.layerwise_clip = ClipMode.parse(self.layerwise_clip).value
         _check_arguments_trainer_uses_late(self)
         name = getattr(self.optim, "value", self.optim)
