@@ -1,29 +1,50 @@
-"""How close `layerwise-hf plan` comes to real runs: small real CPU trainings, their peak of live tensor bytes, and the
-plan of the same setup (`plan(..., device="cpu")`, fake tensors).
+"""How close `layerwise-hf plan` comes to real runs: the peak of live tensor bytes and the RSS training peak of small
+real CPU trainings, against the plan of the same setup (`plan(..., device="cpu")`, fake tensors).
 
 Launch:
 
-    python benchmarks/plan_accuracy.py                                # every configuration below (a few minutes)
-    python benchmarks/plan_accuracy.py --small --output_dir /tmp/b    # four configurations, seconds
+    python benchmarks/plan_accuracy.py                                  # every configuration below (minutes)
+    python benchmarks/plan_accuracy.py --quick --output_dir /tmp/b      # two tiny configurations, seconds
+    python benchmarks/plan_accuracy.py --only 'qwen2 .*8bit' --only ddp # the configurations whose name matches
+    python benchmarks/plan_accuracy.py --list                           # their names
 
 The real run is a plain loop written here, as Trainer runs a step (forward under autocast, loss / grad accum,
-backward, clip, `step()`, `zero_grad()`), with the optimizers the benchmark harness builds
-(`_common.trainer_optimizer`, `_common.layerwise_optimizer`): one step to create the optimizer state, then a second
-one measured. The measurement does not use the plan's tracker: torch's profiler (`profile_memory=True`) records
-every allocation and free of the CPU allocator during the second step; the peak is the bytes alive when it starts
-(weights, buffers and optimizer state, by their storages) plus the highest running sum of those events. Goal: the
-plan within 5% of it. bitsandbytes' CPU step allocates temporaries its CUDA kernels do not; the plan, made for a GPU,
-counts none (its state comes from the estimator's rules): those rows show the gap, and the state columns show the
-state itself agrees.
+backward, clip, `step()`, `zero_grad()`; fp16 through `torch.amp.GradScaler("cpu")`), with the optimizers the
+benchmark harness builds (`_common.trainer_optimizer`, `_common.layerwise_optimizer`). Each configuration runs in a
+process of its own (forked; 2-rank ones under `accelerate launch`, gloo) with `M_MMAP_THRESHOLD` at 64 KiB, so freed
+tensors go back to the OS and RSS follows live memory. Three steps:
 
-Writes `<output_dir>/plan_accuracy.json` and prints the table.
+1. step 1 creates the optimizer state; step 2 is the one measured, as the plan measures its second step. Both run
+   under torch's profiler (`profile_memory=True`), started before the model is built: it records every allocation
+   and free of the CPU allocator, so the running sum of its events is the bytes allocated at each moment (the CPU
+   counterpart of `torch.cuda.memory_allocated`), and the **tensor peak** is its highest value during step 2 (the
+   counterpart of `max_memory_allocated` reset before the step). Nothing is guessed: weights, state, DDP buckets
+   and anything else alive count because their allocation was seen.
+2. step 3, without the profiler: the **RSS training peak** is VmHWM during the step (reset by writing 5 to
+   /proc/self/clear_refs) less the process's footprint without tensors (its RSS at rest before the step less the
+   bytes the allocator holds then, from the profile's final sum, checked against the storages of every live tensor).
+3. `--split`: step 4 under the plan's own tracker (`LiveBytes`) on the real tensors, which splits the real peak into
+   the plan's categories: where a row misses, this says which category is off.
+
+Goal: the plan within 5% of the tensor peak and within 10% of the RSS training peak. bitsandbytes' CPU step
+allocates temporaries its CUDA kernels do not; the plan counts the state from the estimator's rules and no kernel
+temporaries (see the JSON's `plan.optimizer_state_from_rule`).
+
+Writes `<output_dir>/plan_accuracy.json` and `.png` (planned against measured, one point per configuration, the
+goal's bands) and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import gc
+import inspect
+import json
+import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -34,7 +55,10 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import _common as h  # noqa: E402
 
-GOAL = 0.05
+GOAL = 0.05  # planned peak against the tensor peak
+RSS_GOAL = 0.10  # planned peak against the RSS training peak
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc malloc.h)
+MARK = "plan_accuracy: measured step"  # the profiler range of the measured step
 MODELS = {
     # An untied Llama, a Qwen2 with tied embeddings, and OPT (learned positions, biases, LayerNorm, ReLU).
     "llama": dict(
@@ -67,7 +91,19 @@ MODELS = {
         word_embed_proj_dim=256,
         max_position_embeddings=1024,
     ),
+    # --quick's model: a smoke run in seconds.
+    "tiny": dict(
+        model_type="llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
 }
+ACCELERATE_CONFIGS = {"ddp": "configs/accelerate/cpu_ddp.yaml", "fsdp2": "configs/accelerate/cpu_fsdp2.yaml"}
 
 
 class Config(NamedTuple):
@@ -79,17 +115,25 @@ class Config(NamedTuple):
     checkpointing: bool = False
     bf16: bool = False
     lora_r: int | None = None
+    fp16: bool = False
+    sharding: str = "none"  # "ddp" or "fsdp2": 2 gloo ranks
+
+    @property
+    def world_size(self) -> int:
+        return 1 if self.sharding == "none" else 2
 
     @property
     def name(self) -> str:
         extra = "".join([" ckpt" if self.checkpointing else "", " bf16" if self.bf16 else ""])
+        extra += " fp16" if self.fp16 else ""
         extra += f" lora{self.lora_r}" if self.lora_r else ""
+        extra += f" {self.sharding}x{self.world_size}" if self.world_size > 1 else ""
         return f"{self.model} {self.optim} s{self.seq_len} b{self.micro_batch} ga{self.grad_accum}{extra}"
 
 
 def configurations() -> list[Config]:
     out = []
-    for model in MODELS:
+    for model in ("llama", "qwen2", "opt"):
         for optim in ("adamw_torch", "adamw_8bit", "adafactor"):
             out += [Config(model, optim), Config(model, optim + "_layerwise")]
     for optim in ("adamw_torch", "adamw_torch_layerwise"):
@@ -102,16 +146,26 @@ def configurations() -> list[Config]:
             Config("opt", optim, seq_len=512, grad_accum=4),
             Config("llama", optim, seq_len=512, bf16=True),
             Config("llama", optim, seq_len=512, checkpointing=True, lora_r=8),
+            Config("llama", optim, fp16=True),
         ]
+    out += [
+        Config("qwen2", "adamw_8bit_layerwise", micro_batch=4, grad_accum=4),
+        Config("opt", "adafactor_layerwise", seq_len=512, checkpointing=True),
+    ]
+    for sharding in ACCELERATE_CONFIGS:
+        out += [Config("llama", optim, sharding=sharding) for optim in ("adamw_torch", "adamw_torch_layerwise")]
     return out
 
 
+# `--small` (tests/test_plan.py): four configurations of the benchmark's models, each expected within the goal.
 SMALL = [
     Config("llama", "adamw_torch"),
     Config("llama", "adamw_torch_layerwise"),
     Config("qwen2", "adamw_8bit_layerwise"),
     Config("opt", "adafactor", checkpointing=True),
 ]
+# `--quick`: the smoke run of tests/test_benchmarks.py.
+QUICK = [Config("tiny", "adamw_torch"), Config("tiny", "adamw_torch_layerwise", grad_accum=2)]
 
 
 # ---- the real run ----
@@ -138,84 +192,204 @@ def build_model(cfg: Config):
     return model
 
 
-def real_step(model, optimizer, layerwise, cfg: Config, window: dict, max_grad_norm: float) -> None:
-    import contextlib
+class Run(NamedTuple):
+    """What one real step needs: the model, the optimizer, the layer-wise one (or None), the accumulation window,
+    fp16's scaler and, on 2 ranks, the Accelerator."""
 
+    model: object
+    optimizer: object
+    layerwise: object
+    window: dict
+    scaler: object = None
+    accelerator: object = None
+
+
+def build_run(cfg: Config, max_grad_norm: float) -> Run:
+    """The model and the optimizer, as Trainer would build them for `cfg` on one process."""
+    import torch
+
+    model = build_model(cfg)
+    args = h.training_args(cfg.optim, max_grad_norm=max_grad_norm, gradient_accumulation_steps=cfg.grad_accum)
+    window = {"last": True}
+    scaler = torch.amp.GradScaler("cpu") if cfg.fp16 else None
+    if cfg.optim.endswith("_layerwise"):
+        optimizer = h.layerwise_optimizer(
+            model, args, clip=(max_grad_norm, "exact"), sync_gradients=lambda: window["last"]
+        )
+        if scaler is not None:
+            optimizer.use_grad_scaler(scaler)
+        return Run(model, optimizer, optimizer, window, scaler)
+    return Run(model, h.trainer_optimizer(model, args), None, window, scaler)
+
+
+def real_step(run: Run, cfg: Config, max_grad_norm: float) -> None:
+    """One optimizer step as Trainer takes it: `grad_accum` micro-batches, then clipping, `step()`, `zero_grad()`."""
     import torch
 
     from layerwise_hf.optim.norm_pass import forward_again
 
+    model, optimizer, layerwise, scaler = run.model, run.optimizer, run.layerwise, run.scaler
     vocab = model.get_input_embeddings().num_embeddings
-    amp = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.bf16 else contextlib.nullcontext()
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else None
+    amp = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
     for k in range(cfg.grad_accum):
-        window["last"] = k == cfg.grad_accum - 1
+        run.window["last"] = k == cfg.grad_accum - 1
 
         def forward_backward():
             ids = torch.randint(0, vocab, (cfg.micro_batch, cfg.seq_len))
             with amp:
                 loss = model(input_ids=ids, labels=ids).loss / cfg.grad_accum
             del ids
-            if layerwise:
-                optimizer.backward_with_norm_pass(loss)
+            if scaler is not None:
+                loss = scaler.scale(loss)
+            if layerwise is not None:
+                layerwise.backward_with_norm_pass(loss, backward=backward_of(run))
             else:
-                loss.backward()
+                backward_of(run)(loss)
 
         # The plain-loop protocol of `forward_again`: a step whose last one chose `rerun` runs forward twice.
-        if layerwise and forward_again(optimizer):
-            optimizer.run_with_norm_pass(forward_backward, model)
+        if layerwise is not None and forward_again(layerwise):
+            layerwise.run_with_norm_pass(forward_backward, model)
         else:
             forward_backward()
-    if not layerwise and max_grad_norm > 0:
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
-    optimizer.step()
+    if layerwise is None and max_grad_norm > 0:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if run.accelerator is not None:
+            run.accelerator.clip_grad_norm_(params, max_grad_norm)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
-def measure_real(cfg: Config, max_grad_norm: float) -> dict:
-    """The peak of live tensor bytes of the second step, from the CPU allocator's events."""
+def backward_of(run: Run):
+    if run.accelerator is None:
+        return lambda loss, **kwargs: loss.backward(**kwargs)
+    return lambda loss, **kwargs: run.accelerator.backward(loss, **kwargs)
+
+
+def allocator_peak(prof, marker: str) -> dict:
+    """From the profile's allocator events: the bytes allocated at the end, and the highest running sum inside the
+    `marker` range (a `record_function`)."""
+    events = prof.profiler.kineto_results.events()
+    ranges = [(e.start_ns(), e.end_ns()) for e in events if e.name() == marker]
+    if len(ranges) != 1:
+        raise RuntimeError(f"expected one {marker!r} range in the profile, found {len(ranges)}")
+    start, end = ranges[0]
+    running = highest = 0
+    at_start = None
+    for when, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+        if at_start is None and when >= start:
+            at_start = highest = running
+        running += nbytes
+        if start <= when <= end:
+            highest = max(highest, running)
+    return {"peak_bytes": highest, "start_bytes": at_start, "end_bytes": running}
+
+
+def live_tensor_bytes() -> int:
+    """The storages of every tensor Python can reach (distinct, in full)."""
+    import torch
+
+    return h.storage_bytes([o for o in gc.get_objects() if isinstance(o, torch.Tensor)])
+
+
+def measure_real(cfg: Config, max_grad_norm: float, split: bool = False) -> dict:
+    """The tensor peak of step 2 (allocator events from before the model existed) and the RSS training peak of step
+    3; with `split`, step 4's peak split into the plan's categories. See the module docstring."""
+    from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
-    model = build_model(cfg)
-    layerwise = cfg.optim.endswith("_layerwise")
-    args = h.training_args(cfg.optim, max_grad_norm=max_grad_norm, gradient_accumulation_steps=cfg.grad_accum)
-    window = {"last": True}
-    if layerwise:
-        optimizer = h.layerwise_optimizer(
-            model, args, clip=(max_grad_norm, "exact"), sync_gradients=lambda: window["last"]
-        )
-    else:
-        optimizer = h.trainer_optimizer(model, args)
-    real_step(model, optimizer, layerwise, cfg, window, max_grad_norm)
-    gc.collect()
-    state = h.storage_bytes(h.optimizer_state_tensors(optimizer))
-    held = [*model.parameters(), *model.buffers(), *h.optimizer_state_tensors(optimizer).values()]
-    baseline = h.storage_bytes(held)
-    del held
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        real_step(model, optimizer, layerwise, cfg, window, max_grad_norm)
-    events = sorted(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    )
-    running = highest = 0
-    for _, nbytes in events:
-        running += nbytes
-        highest = max(highest, running)
-    if layerwise:
-        optimizer.detach()
+        run = build_run(cfg, max_grad_norm)
+        real_step(run, cfg, max_grad_norm)
+        with record_function(MARK):
+            real_step(run, cfg, max_grad_norm)
+    out = allocator_peak(prof, MARK)
+    del prof
+    out["optimizer_state_bytes"] = h.storage_bytes(h.optimizer_state_tensors(run.optimizer))
+    out.update(rss_step(run, cfg, max_grad_norm, held_bytes=out["end_bytes"]))
+    if split:
+        out["split"] = split_step(run, cfg, max_grad_norm)
+    if run.layerwise is not None:
+        out["norm_pass"] = norm_pass_name(run.layerwise)
+        run.layerwise.detach()
+    return out
+
+
+def rss_step(run: Run, cfg: Config, max_grad_norm: float, held_bytes: int) -> dict:
+    h.settle()
+    live = live_tensor_bytes()
+    rss_rest = h.proc_status_bytes("VmRSS")
+    h.reset_peak_rss()
+    real_step(run, cfg, max_grad_norm)
+    rss_peak = h.proc_status_bytes("VmHWM")
+    return rss_fields(rss_rest, rss_peak, held_bytes, live)
+
+
+def rss_fields(rss_rest: int, rss_peak: int, held_bytes: int, live: int) -> dict:
+    # The runtime (libraries, interpreter, heap slack): the RSS at rest less the tensors held then. The allocator's
+    # sum counts the C++-only ones too (DDP buckets); the Python scan is the check that nothing was missed.
+    runtime = rss_rest - max(held_bytes, live)
     return {
-        "peak_bytes": baseline + highest,
-        "start_bytes": baseline,
-        "end_bytes": baseline + running,
-        "optimizer_state_bytes": state,
+        "rss_rest_bytes": rss_rest,
+        "rss_peak_bytes": rss_peak,
+        "rss_runtime_bytes": runtime,
+        "rss_training_peak_bytes": rss_peak - runtime,
+        "live_tensor_bytes_at_rest": live,
+        "held_bytes_at_rest": held_bytes,
     }
+
+
+def split_step(run: Run, cfg: Config, max_grad_norm: float) -> dict:
+    """One more step under the plan's `LiveBytes` on real tensors: the real peak by category and when it falls."""
+    from layerwise_hf.plan.tracker import OPTIMIZER_STATE, LiveBytes
+
+    tracker = LiveBytes()
+    lw = run.layerwise
+    if lw is not None:
+        lw.detach()  # the tracker's gradient hooks must run before the ones that free `.grad`
+    handles = tracker.watch_model(run.model)
+    tracker.track_tensors(h.optimizer_state_tensors(run.optimizer).values(), OPTIMIZER_STATE)
+    inner = list(zip(lw.names, lw.inner)) if lw is not None else [("optimizer.step()", run.optimizer)]
+    for name, opt in inner:
+        handles += tracker.watch_optimizer(getattr(opt, "optimizer", opt), name)
+    if lw is not None:
+        lw.attach() if run.accelerator is None else lw.connect(run.model, run.accelerator)
+    tracker.reset_peak()
+    with tracker:
+        real_step(run, cfg, max_grad_norm)
+    for handle in handles:
+        handle.remove()
+    return {"peak_bytes": tracker.peak.total, "categories": tracker.peak.by_category, "when": tracker.peak.phase}
+
+
+def norm_pass_name(layerwise) -> str | None:
+    from layerwise_hf.optim.norm_pass import last_norm_pass
+
+    chosen = last_norm_pass(layerwise)
+    return None if chosen is None else chosen.value
 
 
 # ---- the plan ----
 
 
+def plan_supports_sharding() -> bool:
+    from layerwise_hf.plan import plan
+
+    return {"world_size", "sharding"} <= set(inspect.signature(plan).parameters)
+
+
 def planned(cfg: Config, max_grad_norm: float) -> dict:
     from layerwise_hf.plan import plan
 
+    sharding = {} if cfg.world_size == 1 else dict(world_size=cfg.world_size, sharding=cfg.sharding)
     result = plan(
         MODELS[cfg.model],
         [cfg.optim],
@@ -224,10 +398,12 @@ def planned(cfg: Config, max_grad_norm: float) -> dict:
         grad_accum=cfg.grad_accum,
         max_grad_norm=max_grad_norm,
         bf16=cfg.bf16,
+        fp16=cfg.fp16,
         gradient_checkpointing=cfg.checkpointing,
         lora_r=cfg.lora_r,
         device="cpu",
         counterparts=False,
+        **sharding,
     )
     row = result.rows[0]
     return {
@@ -239,52 +415,309 @@ def planned(cfg: Config, max_grad_norm: float) -> dict:
     }
 
 
-def main(argv=None) -> int:
+# ---- 2 ranks: Trainer under `accelerate launch` (runs inside the launched ranks) ----
+
+
+def rank_worker(opts: argparse.Namespace) -> None:
+    """One rank of a 2-rank configuration: Trainer (or LayerwiseTrainer) for 3 steps; step 2 under the profiler, step
+    3 measured by RSS, as `measure_real` does on one process."""
+    import torch
+    from accelerate.utils import DistributedType
+
+    import layerwise_hf  # noqa: F401  (applies LAYERWISE_HF_FORCE_FSDP_CPU before the first Accelerator)
+    from benchmarks import _ranks as ranks
+
+    limit_mmap_threshold()
+    torch.set_num_threads(1)
+    cfg = Config(**json.loads(opts.config))
+    probe = StepProbe()
+    probe.prof.start()  # before the model exists: every allocation of the run is seen
+    trainer = build_trainer(cfg, opts.max_grad_norm, Path(opts.result).parent / "trainer_output", probe)
+    expected = DistributedType.FSDP if cfg.sharding == "fsdp2" else DistributedType.MULTI_CPU
+    accelerator = trainer.accelerator
+    if accelerator.distributed_type != expected or accelerator.num_processes != cfg.world_size:
+        raise RuntimeError(
+            f"{cfg.name}: got {accelerator.distributed_type} with {accelerator.num_processes} processes; a silent "
+            "fallback would measure the wrong thing (ACCELERATE_USE_CPU / LAYERWISE_HF_FORCE_FSDP_CPU missing?)"
+        )
+    trainer.train()
+    lw = getattr(trainer, "layerwise_optimizer", None)
+    peak = allocator_peak(probe.prof, MARK)
+    rss = probe.rss
+    result = {
+        "rank": accelerator.process_index,
+        **peak,
+        **rss_fields(rss["rss_rest_bytes"], rss["rss_peak_bytes"], peak["end_bytes"], rss["live_tensor_bytes"]),
+        "optimizer_state_bytes": h.storage_bytes(h.optimizer_state_tensors(trainer.optimizer)),
+        "route": None if lw is None else lw.route,
+        "norm_pass": None if lw is None else norm_pass_name(lw),
+    }
+    del probe.prof
+    trainer.accelerator.free_memory()
+    del trainer
+    ranks.write_gathered_and_finish(opts.result, result)
+
+
+def build_trainer(cfg: Config, max_grad_norm: float, out: Path, probe):
+    """The model and its Trainer (or LayerwiseTrainer), `probe` among its callbacks."""
+    from transformers import Trainer
+
+    from layerwise_hf import LayerwiseTrainer
+
+    args = h.training_args(
+        cfg.optim,
+        str(out),
+        per_device_train_batch_size=cfg.micro_batch,
+        gradient_accumulation_steps=cfg.grad_accum,
+        max_steps=3,
+        max_grad_norm=max_grad_norm,
+        bf16=cfg.bf16,
+        fp16=cfg.fp16,
+        gradient_checkpointing=cfg.checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        logging_steps=1000,
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    model = build_model(cfg)
+    rows = cfg.world_size * cfg.micro_batch * cfg.grad_accum * 4
+    data = h.TokenRows(MODELS[cfg.model]["vocab_size"], cfg.seq_len, rows)
+    trainer_cls = LayerwiseTrainer if cfg.optim.endswith("_layerwise") else Trainer
+    return trainer_cls(model=model, args=args, train_dataset=data, callbacks=[probe])
+
+
+def StepProbe():  # noqa: N802 - a class made where transformers is imported
+    """A callback: step 2 inside the `MARK` range (the profiler stops at its end), step 3's RSS peak."""
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import TrainerCallback
+
+    class Probe(TrainerCallback):
+        def __init__(self):
+            self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self.range = record_function(MARK)
+            self.rss: dict = {}
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            # NOTE: Trainer counts finished steps: global_step is 1 when the second step begins.
+            if state.global_step == 1:
+                self.range.__enter__()
+            elif state.global_step == 2:
+                h.settle()
+                self.rss = {"live_tensor_bytes": live_tensor_bytes(),
+                            "rss_rest_bytes": h.proc_status_bytes("VmRSS")}  # fmt: skip
+                h.reset_peak_rss()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                self.range.__exit__(None, None, None)
+                self.prof.stop()
+            elif state.global_step == 3:
+                self.rss["rss_peak_bytes"] = h.proc_status_bytes("VmHWM")
+
+    return Probe()
+
+
+# ---- one configuration, the table, the figure ----
+
+
+def limit_mmap_threshold() -> None:
+    # NOTE: glibc serves allocations above the threshold by mmap and returns them to the OS on free, so RSS follows
+    # live tensors instead of heap slack; set by mallopt it also stops the threshold from growing (MALLOC_MMAP_
+    # THRESHOLD_ in the environment does the same, but only for processes started with it).
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 65536)
+
+
+def measure_config(cfg: Config, opts: argparse.Namespace) -> dict:
+    """The real run (this process, or 2 launched ranks) and the plan of `cfg`."""
+    started = time.perf_counter()
+    if cfg.world_size == 1:
+        limit_mmap_threshold()
+        real = measure_real(cfg, opts.max_grad_norm, split=opts.split)
+    else:
+        real = launch_ranks(cfg, opts)
+    real["seconds"] = time.perf_counter() - started
+    out = {"config": cfg._asdict(), "name": cfg.name, "real": real}
+    if cfg.world_size > 1 and not plan_supports_sharding():
+        out["plan"] = None
+        out["plan_missing"] = "layerwise_hf.plan.plan() takes no world_size / sharding in this version"
+        return out
+    out["plan"] = planned(cfg, opts.max_grad_norm)
+    out["error"] = out["plan"]["peak_bytes"] / real["peak_bytes"] - 1
+    out["rss_error"] = out["plan"]["peak_bytes"] / real["rss_training_peak_bytes"] - 1
+    return out
+
+
+def launch_ranks(cfg: Config, opts: argparse.Namespace) -> dict:
+    """`cfg` on 2 gloo ranks under its Accelerate config; the rank with the higher tensor peak, and both ranks."""
+    from benchmarks import _ranks as ranks
+
+    env = h.worker_env(threads=1)
+    if cfg.sharding == "fsdp2":
+        env["LAYERWISE_HF_FORCE_FSDP_CPU"] = "1"
+    with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as tmp:
+        result = Path(tmp) / "ranks.json"
+        args = ["--worker", "--config", json.dumps(cfg._asdict()), "--result", str(result)]
+        args += ["--max_grad_norm", str(opts.max_grad_norm)]
+        config_file = ROOT / ACCELERATE_CONFIGS[cfg.sharding]
+        per_rank = ranks.launch_ranks(Path(__file__).resolve(), config_file, args, result, opts.timeout, env)
+    return {**max(per_rank, key=lambda r: r["peak_bytes"]), "ranks": per_rank}
+
+
+def selected(opts: argparse.Namespace) -> list[Config]:
+    configs = SMALL if opts.small else QUICK if opts.quick else configurations()
+    if opts.only:
+        patterns = [re.compile(p) for p in opts.only]
+        configs = [c for c in configs if any(p.search(c.name) for p in patterns)]
+    if not configs:
+        raise SystemExit(f"--only {opts.only}: no configuration matches (see --list)")
+    return configs
+
+
+COLUMNS = [("configuration", 50), ("plan MiB", 9), ("tensor MiB", 10), ("error", 7), ("RSS MiB", 8),
+           ("RSS error", 9), ("state real", 10), ("state plan", 10), ("plan: peak falls at", 44, "<")]  # fmt: skip
+
+
+def table_row(r: dict) -> tuple:
+    real, plan_ = r["real"], r.get("plan")
+    if "error" in real or plan_ is None:
+        why = real.get("error") or r.get("plan_missing", "")
+        return (r["name"], "-", h.mib(real.get("peak_bytes")), "-", h.mib(real.get("rss_training_peak_bytes")), "-",
+                "-", "-", why[:44])  # fmt: skip
+    state = plan_["categories"]["optimizer_state"]
+    return (r["name"], h.mib(plan_["peak_bytes"]), h.mib(real["peak_bytes"]), h.pct(r["error"]),
+            h.mib(real["rss_training_peak_bytes"]), h.pct(r["rss_error"]), h.mib(real["optimizer_state_bytes"]),
+            h.mib(state) + ("*" if plan_["optimizer_state_from_rule"] else ""), plan_["when"][:44])  # fmt: skip
+
+
+def summary(rows: list[dict]) -> dict:
+    scored = [r for r in rows if r.get("error") is not None]
+    return {
+        "configurations": len(rows),
+        "compared": len(scored),
+        "within_goal": sum(abs(r["error"]) <= GOAL for r in scored),
+        "within_rss_goal": sum(abs(r["rss_error"]) <= RSS_GOAL for r in scored),
+        "within_both": sum(abs(r["error"]) <= GOAL and abs(r["rss_error"]) <= RSS_GOAL for r in scored),
+        "largest_error": max((abs(r["error"]) for r in scored), default=None),
+        "largest_rss_error": max((abs(r["rss_error"]) for r in scored), default=None),
+    }
+
+
+def print_report(rows: list[dict], stats: dict) -> None:
+    title = (f"\nplanned peak vs the real run (CPU, steady-state step): tensor peak (allocator events), goal within "
+             f"{GOAL:.0%}; RSS training peak, goal within {RSS_GOAL:.0%}")  # fmt: skip
+    h.print_table(COLUMNS, [table_row(r) for r in rows], title=title)
+    print("* optimizer state from the estimator's rules (bitsandbytes); its kernels' temporaries are not planned")
+    print(
+        f"{stats['within_goal']}/{stats['compared']} within {GOAL:.0%} of the tensor peak, {stats['within_rss_goal']}/"
+        f"{stats['compared']} within {RSS_GOAL:.0%} of the RSS training peak, {stats['within_both']} both"
+    )
+    for r in rows:
+        if r.get("plan_missing"):
+            print(f"not planned: {r['name']}: {r['plan_missing']}")
+
+
+def plot(report: dict, path: Path) -> None:
+    plt = h.pyplot()
+    rows = [r for r in report["rows"] if r.get("error") is not None]
+    fig, axes = plt.subplots(1, 2, figsize=(15, 6.5))
+    for ax, key, goal, label in (
+        (axes[0], "peak_bytes", GOAL, "measured peak of live tensor bytes (MiB)"),
+        (axes[1], "rss_training_peak_bytes", RSS_GOAL, "measured RSS training peak (MiB)"),
+    ):
+        xs = [r["real"][key] / h.MIB for r in rows]
+        ys = [r["plan"]["peak_bytes"] / h.MIB for r in rows]
+        top = max(xs + ys) * 1.08
+        line = [0, top]
+        ax.plot(line, line, color="black", lw=0.8)
+        ax.fill_between(line, [0, top * (1 - goal)], [0, top * (1 + goal)], color="tab:green", alpha=0.15,
+                        label=f"within {goal:.0%}")  # fmt: skip
+        for kind, color, marker in KINDS:
+            picked = [(x, y) for x, y, r in zip(xs, ys, rows) if kind_of(r) == kind]
+            if picked:
+                ax.scatter(*zip(*picked), color=color, marker=marker, s=28, label=kind, zorder=3)
+        for x, y, r in zip(xs, ys, rows):
+            if abs(y / x - 1) > goal:
+                ax.annotate(r["name"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.set(xlim=(0, top), ylim=(0, top), xlabel=label, ylabel="planned peak (MiB)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    s = report["summary"]
+    title = (f"layerwise-hf plan vs real CPU runs, one point per configuration: {s['within_goal']}/{s['compared']} "
+             f"within {GOAL:.0%} of the tensor peak, {s['within_rss_goal']}/{s['compared']} within {RSS_GOAL:.0%} of "
+             f"the RSS training peak")  # fmt: skip
+    h.save_figure(fig, path, title)
+
+
+KINDS = [
+    ("standard", "tab:blue", "o"),
+    ("layer-wise", "tab:orange", "s"),
+    ("bitsandbytes (state: rule)", "tab:red", "^"),
+    ("2 ranks", "tab:purple", "D"),
+]
+
+
+def kind_of(r: dict) -> str:
+    if r["config"]["sharding"] != "none":
+        return "2 ranks"
+    if r["plan"]["optimizer_state_from_rule"]:
+        return "bitsandbytes (state: rule)"
+    return "layer-wise" if r["config"]["optim"].endswith("_layerwise") else "standard"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output_dir", default=str(h.RESULTS))
-    parser.add_argument("--small", action="store_true", help="four configurations (smoke run)")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--quick", action="store_true", help="two tiny configurations (smoke run)")
+    group.add_argument("--small", action="store_true", help="four configurations of the benchmark's models")
+    parser.add_argument("--only", action="append", metavar="REGEX", help="configurations whose name matches (repeat)")
+    parser.add_argument("--list", action="store_true", help="print the selected configurations' names and stop")
+    parser.add_argument("--split", action="store_true", help="also split the real peak into the plan's categories")
     parser.add_argument("--max_grad_norm", type=float, default=1.0, help="Trainer's default clipping")
-    opts = parser.parse_args(argv)
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per configuration")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    if opts.worker:
+        rank_worker(opts)
+        return 0
+    configs = selected(opts)
+    if opts.list:
+        print("\n".join(c.name for c in configs))
+        return 0
     import torch
+
+    import layerwise_hf.plan.core  # noqa: F401  (imported once, before the forks)
 
     torch.set_num_threads(1)
     started = time.perf_counter()
-    rows = []
-    for cfg in SMALL if opts.small else configurations():
-        real = measure_real(cfg, opts.max_grad_norm)
-        plan_ = planned(cfg, opts.max_grad_norm)
-        error = plan_["peak_bytes"] / real["peak_bytes"] - 1
-        rows.append({"config": cfg._asdict(), "name": cfg.name, "real": real, "plan": plan_, "error": error})
-        print(
-            f"{cfg.name:<52} real {h.mib(real['peak_bytes']):>8} MiB  plan {h.mib(plan_['peak_bytes']):>8} MiB  "
-            f"{h.pct(error)}",
-            flush=True,
-        )
-    within = sum(abs(r["error"]) <= GOAL for r in rows)
-    columns = [("configuration", 52), ("real MiB", 9), ("plan MiB", 9), ("error", 7), ("state real", 10),
-               ("state plan", 10), ("peak falls at", 40, "<")]  # fmt: skip
-    table = [
-        (r["name"], h.mib(r["real"]["peak_bytes"]), h.mib(r["plan"]["peak_bytes"]), h.pct(r["error"]),
-         h.mib(r["real"]["optimizer_state_bytes"]), h.mib(r["plan"]["categories"]["optimizer_state"]),
-         r["plan"]["when"][:40])
-        for r in rows
-    ]  # fmt: skip
-    title = f"\nplan vs real peak of live tensor bytes (CPU, second step); goal within {GOAL:.0%}"
-    h.print_table(columns, table, title=title)
-    print(
-        f"{within}/{len(rows)} configurations within {GOAL:.0%}; largest error "
-        f"{max(abs(r['error']) for r in rows):.1%}"
-    )
+    by_name = {c.name: c for c in configs}
+    with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as tmp:
+        h.fork_each(list(by_name), Path(tmp), lambda name: measure_config(by_name[name], opts), opts.timeout, "ran")
+        rows = [json.loads((Path(tmp) / f"{name}.json").read_text()) for name in by_name]
+    rows = [r if "name" in r else {"name": n, "config": c._asdict(), "real": r} for r, (n, c) in
+            zip(rows, by_name.items())]  # fmt: skip
+    stats = summary(rows)
+    print_report(rows, stats)
     report = {
         "goal": GOAL,
-        "configurations": len(rows),
-        "within_goal": within,
+        "rss_goal": RSS_GOAL,
+        **stats,
+        "summary": stats,
+        "models": {k: v for k, v in MODELS.items() if any(c.model == k for c in configs)},
         "rows": rows,
         "torch": torch.__version__,
         "python": h.python_version(),
         "wall_time_s": time.perf_counter() - started,
     }
-    h.write_report(opts.output_dir, "plan_accuracy", report)
+    h.write_report(opts.output_dir, "plan_accuracy", report, plot if stats["compared"] else None)
     return 0
 
 
