@@ -41,6 +41,11 @@ class LayerwiseTrainingArguments(TrainingArguments):
             Plan this run's step before the first one (`layerwise_hf.integrations.preflight`) and warn, naming the
             planned peak and the device's free memory, when it will not fit; on CUDA log the first step's
             `max_memory_allocated` next to the plan. It never stops training.
+        layerwise_offload (`str`, *optional*, defaults to `"none"`):
+            `"gradients"`: gradients that wait for the step (every micro-batch's under gradient accumulation, every
+            one under exact clipping) wait in host memory, copied out during backward and back one at a time for the
+            step: exact clipping in one backward, and only the gradients in flight on the device at any GA
+            (`layerwise_hf.optim.offload`). Not with fp16. Without CUDA it saves nothing and warns.
 
     Every other argument is `TrainingArguments`'; an unknown `optim` raises `ValueError` listing the valid names.
 
@@ -82,6 +87,15 @@ class LayerwiseTrainingArguments(TrainingArguments):
             "forward+backward) or 'hold' (one backward holding every gradient, as a standard optimizer). DDP, FSDP2 "
             "and torch.compile always rerun.",
             "choices": ["auto", "retain", "rerun", "hold"],
+        },
+    )
+
+    layerwise_offload: str = field(
+        default="none",
+        metadata={
+            "help": "'gradients': gradients waiting for the step (gradient accumulation, exact clipping) wait in host "
+            "memory instead of on the device; exact clipping then needs no norm pass. 'none': off.",
+            "choices": ["none", "gradients"],
         },
     )
 
