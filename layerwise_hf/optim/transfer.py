@@ -1,0 +1,237 @@
+"""The device's asynchrony behind one small interface: copies between device and host that run beside the compute.
+
+Host offload (`layerwise_hf.optim.offload`) moves gradients to host buffers while backward goes on and brings them
+back while the steps go on. Everything it needs from the device is here:
+
+- `Transfer.copy(dst, src)` starts `dst.copy_(src)` after the work queued so far on the calling (compute) stream and
+  returns a `Ticket`; `src` and `dst` must not be touched until the ticket says the copy is done. Freeing `src` right
+  away is allowed: the transfer keeps it alive until the copy has run.
+- `Ticket.wait_host()` blocks the calling thread until the copy is done (before the host reads or writes a buffer);
+  `Ticket.wait_device()` makes the compute stream wait for it (before the device uses the copied tensor);
+  `Ticket.done()` asks without waiting.
+- `Transfer.host_empty_like(t)` allocates a host buffer (pinned where the device supports it).
+
+Two implementations:
+
+- `CudaTransfer`: one side stream for copies in both directions (so a copy back into a host buffer's reader is
+  ordered after the copy out of it), CUDA events, `non_blocking` copies from and to pinned memory, and
+  `record_stream` so the caching allocator does not hand out a freed source while the side stream still reads it.
+- `ThreadTransfer`: the CPU stand-in. A copy thread really runs the copies, in order, each after an injectable delay,
+  and signals each with a `threading.Event`. A missing `wait_*` then reads a buffer before its copy has run and fails
+  the CPU tests, instead of first showing up as wrong weights on a GPU. It is what a CPU-only machine runs (there the
+  device and the host are the same memory) and what `LAYERWISE_HF_OFFLOAD_SIMULATE=1` selects everywhere.
+
+Environment (read by `make_transfer`): `LAYERWISE_HF_OFFLOAD_SIMULATE=1` uses `ThreadTransfer` even on CUDA;
+`LAYERWISE_HF_OFFLOAD_DELAY=<seconds>` delays each of its copies (tests use a few milliseconds).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+
+SIMULATE_ENV = "LAYERWISE_HF_OFFLOAD_SIMULATE"
+DELAY_ENV = "LAYERWISE_HF_OFFLOAD_DELAY"
+
+
+class Ticket:
+    """One copy started by a `Transfer`: ask whether it is done, or wait for it on the host or on the device."""
+
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    def wait_host(self) -> None:
+        raise NotImplementedError
+
+    def wait_device(self) -> None:
+        raise NotImplementedError
+
+
+class Transfer:
+    """
+    Copies between a device and host memory that run beside the device's compute (see the module docstring).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.optim.transfer import ThreadTransfer
+    >>> transfer = ThreadTransfer(delay=0.01)
+    >>> src = torch.ones(4); dst = transfer.host_empty_like(src)
+    >>> ticket = transfer.copy(dst, src)
+    >>> ticket.wait_host(); dst
+    tensor([1., 1., 1., 1.])
+    >>> transfer.close()
+    ```
+    """
+
+    simulated = False
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+        raise NotImplementedError
+
+    def host_empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+
+    def close(self) -> None:
+        """Wait for every copy started and release what runs them."""
+
+
+class _CudaTicket(Ticket):
+    __slots__ = ("event", "device")
+
+    def __init__(self, event: Any, device: torch.device):
+        self.event = event
+        self.device = device
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def wait_host(self) -> None:
+        self.event.synchronize()
+
+    def wait_device(self) -> None:
+        # NOTE: queues the wait on the current stream; the host goes on at once.
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+
+
+class CudaTransfer(Transfer):
+    """
+    `Transfer` on a CUDA device: a side stream, events, `non_blocking` copies from and to pinned host buffers.
+
+    Args:
+        device (`torch.device`): the CUDA device whose compute stream the copies follow.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(device=self.device)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+        compute = torch.cuda.current_stream(self.device)
+        # NOTE: the side stream must not start before the compute stream has produced `src` (or finished reading a
+        # device `dst` it reuses): wait_stream orders it after everything queued on compute so far.
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            # NOTE: non_blocking is asynchronous only between a device tensor and pinned host memory; the host must
+            # not read or write the pinned side until the event has completed.
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        for tensor in (src, dst):
+            if tensor.is_cuda:
+                # NOTE: the caching allocator reuses a freed block as soon as its allocating stream is done with it;
+                # record_stream makes it wait for the side stream's use too, so `src` may be freed right away.
+                tensor.record_stream(self.stream)
+        return _CudaTicket(event, self.device)
+
+    def host_empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+
+    def close(self) -> None:
+        self.stream.synchronize()
+
+
+class _ThreadTicket(Ticket):
+    __slots__ = ("event", "error")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self.event.is_set()
+
+    def wait_host(self) -> None:
+        self.event.wait()
+        if self.error is not None:
+            raise RuntimeError("an offload copy failed on the copy thread") from self.error
+
+    # On CPU the compute "stream" is the calling thread itself: waiting on the device is waiting on the host.
+    wait_device = wait_host
+
+
+class ThreadTransfer(Transfer):
+    """
+    The CPU stand-in for `CudaTransfer`: one copy thread runs the copies in the order they were started (as one side
+    stream would), each after `delay` seconds, and signals each with an event.
+
+    Args:
+        delay (`float`, *optional*, defaults to `0.0`): seconds to sleep before each copy.
+    """
+
+    simulated = True
+
+    def __init__(self, delay: float = 0.0):
+        if delay < 0:
+            raise ValueError(f"delay={delay!r}: it must be >= 0 seconds.")
+        self.delay = float(delay)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+        ticket = _ThreadTicket()
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="layerwise-offload-copy", daemon=True)
+            self._thread.start()
+        # The queued item holds `src`: like record_stream, a freed source lives until its copy has run.
+        self._queue.put((dst, src, ticket))
+        return ticket
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            dst, src, ticket = item
+            try:
+                if self.delay:
+                    time.sleep(self.delay)
+                with torch.no_grad():
+                    dst.copy_(src)
+            except BaseException as err:  # surfaced to whoever waits on the ticket
+                ticket.error = err
+            finally:
+                del dst, src, item
+                ticket.event.set()
+
+    def close(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        self._thread = None
+
+
+def offload_simulated() -> bool:
+    """Whether `LAYERWISE_HF_OFFLOAD_SIMULATE` asks for the CPU stand-in (`ThreadTransfer`) on every device."""
+    return os.environ.get(SIMULATE_ENV, "").strip().lower() in ("1", "true", "yes", "thread")
+
+
+def make_transfer(device: torch.device) -> Transfer:
+    """
+    The `Transfer` for parameters on `device`: `CudaTransfer` on CUDA, else (or with
+    `LAYERWISE_HF_OFFLOAD_SIMULATE=1`) `ThreadTransfer` with the delay of `LAYERWISE_HF_OFFLOAD_DELAY`.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.optim.transfer import make_transfer
+    >>> type(make_transfer(torch.device("cpu"))).__name__
+    'ThreadTransfer'
+    ```
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and not offload_simulated():
+        return CudaTransfer(device)
+    raw = os.environ.get(DELAY_ENV, "0") or "0"
+    try:
+        delay = float(raw)
+    except ValueError:
+        raise ValueError(f"{DELAY_ENV}={raw!r}: it must be a number of seconds (e.g. 0.002).") from None
+    return ThreadTransfer(delay)
