@@ -229,3 +229,28 @@ def test_results_table_matches_committed_docs():
     # The generated table of docs/benchmarks.md is the committed memory_suite.json, read as JSON (no benchmark import).
     table = load_gen_readme().results_table()
     assert table in (ROOT / "docs" / "benchmarks.md").read_text()
+
+
+def test_plan_accuracy_quick(tmp_path):
+    # Two tiny configurations: the real run's two meters and the plan, side by side. The allocator's peak and the
+    # peak of the plan's tracker run over the real tensors (--split) are two ways of measuring the same step.
+    result = run_script("plan_accuracy.py", "--quick", "--split", "--output_dir", str(tmp_path), timeout=240)
+    report = report_of(tmp_path, "plan_accuracy")
+    assert report["configurations"] == report["compared"] == 2
+    assert "within 5% of the tensor peak" in result.stdout
+    for row in report["rows"]:
+        real, plan = row["real"], row["plan"]
+        assert real["start_bytes"] > 0 and real["peak_bytes"] > real["start_bytes"]
+        assert abs(real["split"]["peak_bytes"] / real["peak_bytes"] - 1) < 0.01, row["name"]
+        # What the allocator holds at rest is every tensor Python can reach: no allocation was missed.
+        assert real["held_bytes_at_rest"] == real["live_tensor_bytes_at_rest"] == real["start_bytes"]
+        assert real["rss_training_peak_bytes"] > 0 and real["rss_runtime_bytes"] > 100 * 2**20
+        assert sum(plan["categories"].values()) == plan["peak_bytes"]
+        assert row["error"] == plan["peak_bytes"] / real["peak_bytes"] - 1
+
+
+def test_plan_accuracy_only_selects_by_name():
+    result = run_script("plan_accuracy.py", "--list", "--only", "ga4", "--only", "fsdp2")
+    names = result.stdout.split("\n")[:-1]
+    assert names and all("ga4" in n or "fsdp2" in n for n in names)
+    assert any(n.startswith("opt ") for n in names) and any(n.endswith("fsdp2x2") for n in names)
