@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .compat import parse_optim_args
 from .params import LayerwiseParam, isolate_bnb_overrides
 from .streams import keeps_device_sync
 from .support import LOW_RANK_BASES
@@ -279,9 +280,7 @@ def __getattr__(name: str) -> Any:
 def _optim_kwargs(base: str, args: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """(constructor kwargs, low-rank group keys) exactly as transformers' `_get_galore_optimizer` /
     `_get_apollo_optimizer` build them for the non-layer-wise name."""
-    from transformers.trainer_optimizer import _parse_optim_args
-
-    optim_args = _parse_optim_args(args.optim_args)
+    optim_args = parse_optim_args(args.optim_args)
     kwargs: dict[str, Any] = {"lr": args.learning_rate}
     if base.startswith("galore_"):
         group = {

@@ -16,6 +16,7 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 from transformers.training_args import OptimizerNames
 
+from .compat import is_optimizer_factory, optimizer_base_requirements
 from .galore import low_rank_factory
 from .muon import muon_factory
 from .params import LayerwiseFactory, LayerwiseParam, isolate_bnb_overrides
@@ -87,12 +88,9 @@ def describe_layerwise_optimizers() -> list[tuple[str, str, str]]:
     True
     ```
     """
-    from transformers.trainer_optimizer import _BITSANDBYTES_OPTIMIZERS, _TORCHAO_OPTIMIZERS
-
     requires = dict(_BASE_REQUIRES)
     requires.update(_LOW_RANK_REQUIRES)
-    requires.update({n.value: "bitsandbytes" for n in _BITSANDBYTES_OPTIMIZERS})
-    requires.update({n.value: "torchao" for n in _TORCHAO_OPTIMIZERS})
+    requires.update(optimizer_base_requirements())
     return [(f"{base}{SUFFIX}", base, requires.get(base, "")) for base in _builtin_bases()]
 
 
@@ -277,8 +275,6 @@ def resolve_factory(args: TrainingArguments, model: nn.Module | None = None) -> 
     # NOTE: a shallow copy is enough: only `optim` changes, and Trainer's handlers read `args` without mutating it.
     object.__setattr__(base_args, "optim", OptimizerNames(base))
     optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(base_args, model)
-    from transformers.trainer_optimizer import is_optimizer_factory
-
     if is_optimizer_factory(optimizer_cls) or {"params", "model", "optimizer_dict"} & set(kwargs):
         raise not_per_tensor_error(name, base, list_layerwise_optimizers())
     # Trainer's "embeddings keep 32-bit state" rule for bitsandbytes 8-bit, applied per parameter instead of

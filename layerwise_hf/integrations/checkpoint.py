@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..bases.compat import safe_globals
 from ..optim.state import (
     convert_scheduler_state,
     first_members,
@@ -285,8 +286,6 @@ def warn_missing_optimizer_state(checkpoint_dir: str) -> None:
 
 def _check_loadable(path: str) -> None:
     # The way Trainer loads them (weights_only, numpy's RNG state allowed), but before the model is touched.
-    from transformers.trainer_pt_utils import safe_globals
-
     try:
         with safe_globals():
             torch.load(path, map_location="cpu", weights_only=True)

@@ -11,6 +11,7 @@ import warnings
 
 from transformers import Trainer, TrainingArguments
 
+from ..bases.compat import create_optimizer_args, route_inline_grad_norm
 from ..bases.params import canonical_name
 from ..bases.registry import is_layerwise_name
 from ..bases.support import check_deepspeed, check_fsdp2_optimizers, check_fsdp_version, fsdp_version_of_args
@@ -107,9 +108,9 @@ class LayerwiseTrainerMixin:
 
     def create_optimizer(self, model=None):
         if self.optimizer is not None:
-            return super().create_optimizer(model)
+            return super().create_optimizer(*create_optimizer_args(model))
         if not self._uses_layerwise():
-            return _strip_frozen(super().create_optimizer(model))
+            return _strip_frozen(super().create_optimizer(*create_optimizer_args(model)))
         check_deepspeed(self.args.optim, self.is_deepspeed_enabled)
         check_fsdp_version(self.args.optim, _fsdp_version(self))
         opt_model = self.model if model is None else model
@@ -129,6 +130,7 @@ class LayerwiseTrainerMixin:
             _replicate_without_ddp(self.accelerator, opt_model)
         mode = getattr(self.args, "layerwise_clip", "exact")
         self.optimizer.configure_clipping(self.args.max_grad_norm, mode)
+        route_inline_grad_norm(self.accelerator, lambda: self.layerwise_optimizer)
         _explain_clipping(self.args.max_grad_norm, mode, self.args.gradient_accumulation_steps, self.args.fp16)
         return self.optimizer
 

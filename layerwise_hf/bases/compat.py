@@ -1,0 +1,350 @@
+"""Every difference between the supported transformers / accelerate / torch versions, decided here and nowhere else.
+
+Supported: transformers >= 4.55, accelerate >= 1.10, torch >= 2.6. Older versions are refused (`check_versions`, run
+when the Trainer integration is imported and by `install()`); versions newer than the newest tested run, with one
+`UntestedVersionWarning` naming the tested range.
+
+What the plugin uses that moved between transformers versions (each checked in the released wheels); the function
+here that handles it is named in brackets:
+
+    what                                     transformers 4.55 up to ...           ... and from
+    ---------------------------------------  ------------------------------------  ------------------------------------
+    `_parse_optim_args`,                     5.1: inline in Trainer.get_optimizer  5.2: module
+    `is_optimizer_factory`, bitsandbytes /   _cls_and_kwargs; no optimizer         `transformers.trainer_optimizer`
+    torchao name lists [`parse_optim_args`,  factories
+    `is_optimizer_factory`,
+    `optimizer_base_requirements`]
+    `safe_globals()`, Trainer's allowlist    5.1: `transformers.trainer`           5.2: `transformers.trainer_pt_utils`
+    for `torch.load` [`safe_globals`]
+    `Trainer.create_optimizer`               5.2: `(self)`, optimizes self.model   5.3: `(self, model=None)`
+    [`create_optimizer_args`]
+    clipping and the logged `grad_norm`      5.2: inline in the training loop,     5.3: `Trainer._clip_grad_norm` and
+    [`route_inline_grad_norm`]               `accelerator.clip_grad_norm_`, only   `Trainer._get_grad_norm`
+                                             when `max_grad_norm > 0`
+    `Trainer.train` parameters               4.57: `(..., ignore_keys_for_eval,    5.0: no `**kwargs`
+    [`SIGNATURE_VARIANTS`]                   **kwargs)`
+    activation checkpointing arguments       5.22: `gradient_checkpointing`,       5.23: `activation_checkpointing`,
+    [`checkpointing_kwargs`]                 `gradient_checkpointing_kwargs`       `..._kwargs` (old names: aliases)
+
+accelerate 1.10 - 1.15 and torch 2.13 - 2.14 showed no difference the plugin depends on. Each shim below decides by
+what the installed version has (a module, a parameter, a field), not by its number, so a patch release that moves
+something back is still handled.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import warnings
+from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import torch
+from packaging.version import Version
+
+__all__ = [
+    "SIGNATURE_VARIANTS",
+    "SUPPORTED_VERSIONS",
+    "UnsupportedVersionError",
+    "UntestedVersionWarning",
+    "check_versions",
+    "checkpointing_kwargs",
+    "create_optimizer_args",
+    "create_optimizer_takes_model",
+    "is_optimizer_factory",
+    "optimizer_base_requirements",
+    "parse_optim_args",
+    "route_inline_grad_norm",
+    "safe_globals",
+    "tested_range",
+]
+
+# package -> (oldest supported, newest tested) as major.minor; any patch release of either counts as tested.
+# Kept equal to pyproject.toml's lower bounds by tests/test_compat.py; ci/oldest.txt and ci/newest.txt pin the two
+# ends that CI runs.
+SUPPORTED_VERSIONS = {
+    "transformers": ("4.55", "5.24"),
+    "accelerate": ("1.10", "1.15"),
+    "torch": ("2.6", "2.14"),
+}
+
+_WARNED: set[str] = set()
+
+
+class UnsupportedVersionError(RuntimeError):
+    """An installed transformers / accelerate / torch is older than the supported range, or a Trainer method the
+    plugin relies on is missing or has other parameters than in the tested versions."""
+
+
+class UntestedVersionWarning(UserWarning):
+    """An installed transformers / accelerate / torch is newer than the newest version tested with this plugin."""
+
+
+def installed_version(package: str) -> str | None:
+    """The installed distribution's version string, `None` when it is not installed."""
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def tested_range() -> str:
+    """
+    The supported and tested versions in words, for messages.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.bases.compat import tested_range
+    >>> tested_range()
+    'transformers 4.55 to 5.24, accelerate 1.10 to 1.15, torch 2.6 to 2.14'
+    ```
+    """
+    return ", ".join(f"{package} {low} to {high}" for package, (low, high) in SUPPORTED_VERSIONS.items())
+
+
+def check_versions() -> None:
+    """
+    Refuse transformers / accelerate / torch older than the supported range with `UnsupportedVersionError` (naming
+    each, its installed version, and the pip command that fixes it); warn once per package, with
+    `UntestedVersionWarning`, for one newer than the newest tested (it still runs).
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.bases.compat import check_versions
+    >>> check_versions()  # silent within the tested range
+    ```
+    """
+    too_old, too_new = [], []
+    for package, (low, high) in SUPPORTED_VERSIONS.items():
+        installed = installed_version(package)
+        if installed is None:
+            continue  # an import error names it, where it is used
+        release = Version(installed).release
+        if release < Version(low).release:
+            too_old.append((package, installed, low))
+        elif release[:2] > Version(high).release[:2] and package not in _WARNED:
+            too_new.append((package, installed))
+    if too_old:
+        found = ", ".join(f"{package} {installed} (needs >= {low})" for package, installed, low in too_old)
+        fix = " ".join(f"'{package}>={low}'" for package, _, low in too_old)
+        raise UnsupportedVersionError(
+            f"layerwise_hf does not support {found}. Supported and tested: {tested_range()}. "
+            f"Upgrade with: pip install {fix}"
+        )
+    for package, installed in too_new:
+        _WARNED.add(package)
+        warnings.warn(
+            f"layerwise_hf is tested with {tested_range()}; {package} {installed} is newer and was not tested. It "
+            "runs; if training fails or differs from the standard optimizer, please report it with the versions.",
+            UntestedVersionWarning,
+            stacklevel=2,
+        )
+
+
+def _trainer_optimizer():
+    """transformers >= 5.2's optimizer-resolution module, `None` before."""
+    try:
+        return importlib.import_module("transformers.trainer_optimizer")
+    except ImportError:
+        return None
+
+
+def parse_optim_args(optim_args: str | None) -> dict[str, str]:
+    """
+    `TrainingArguments.optim_args` (`"rank=8,scale=0.5"`) as a dict of strings, as Trainer parses it.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.bases.compat import parse_optim_args
+    >>> parse_optim_args("rank=8, scale=0.5")
+    {'rank': '8', 'scale': '0.5'}
+    ```
+    """
+    module = _trainer_optimizer()
+    if module is not None:
+        return module._parse_optim_args(optim_args)
+    # NOTE: transformers < 5.2 parses inline in get_optimizer_cls_and_kwargs, the same way.
+    parsed = {}
+    if optim_args:
+        for mapping in optim_args.replace(" ", "").split(","):
+            key, value = mapping.split("=")
+            parsed[key] = value
+    return parsed
+
+
+def is_optimizer_factory(optimizer_cls: Any) -> bool:
+    """Whether `Trainer.get_optimizer_cls_and_kwargs` returned a factory over the whole model instead of an optimizer
+    class (transformers >= 5.2's Muon / Dion style; never before, where it is always a class)."""
+    module = _trainer_optimizer()
+    if module is not None:
+        return module.is_optimizer_factory(optimizer_cls)
+    return not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer))
+
+
+# transformers 5.24's `_BITSANDBYTES_OPTIMIZERS` / `_TORCHAO_OPTIMIZERS`, by value, for versions without the lists.
+_BITSANDBYTES_BASES = (
+    "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit", "ademamix", "ademamix_8bit",
+    "paged_ademamix_32bit", "paged_ademamix_8bit", "lion_32bit", "lion_8bit", "paged_lion_32bit", "paged_lion_8bit",
+    "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit",
+)  # fmt: skip
+_TORCHAO_BASES = ("adamw_torch_4bit", "adamw_torch_8bit")
+
+
+def optimizer_base_requirements() -> dict[str, str]:
+    """
+    Trainer base name -> the package it needs, for the bitsandbytes and torchao bases.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.bases.compat import optimizer_base_requirements
+    >>> optimizer_base_requirements()["adamw_8bit"], optimizer_base_requirements()["adamw_torch_4bit"]
+    ('bitsandbytes', 'torchao')
+    ```
+    """
+    module = _trainer_optimizer()
+    if module is not None:
+        bnb = [n.value for n in module._BITSANDBYTES_OPTIMIZERS]
+        torchao = [n.value for n in module._TORCHAO_OPTIMIZERS]
+    else:
+        bnb, torchao = list(_BITSANDBYTES_BASES), list(_TORCHAO_BASES)
+    return {**dict.fromkeys(bnb, "bitsandbytes"), **dict.fromkeys(torchao, "torchao")}
+
+
+def safe_globals():
+    """
+    The context manager Trainer loads `optimizer.pt` / `rng_state.pth` under (`torch.load(weights_only=True)` with
+    numpy's reconstruct functions allowed).
+
+    Example:
+
+    ```python
+    >>> import io, torch
+    >>> from layerwise_hf.bases.compat import safe_globals
+    >>> buffer = io.BytesIO(); torch.save({"step": torch.tensor(1)}, buffer); _ = buffer.seek(0)
+    >>> with safe_globals():
+    ...     torch.load(buffer, weights_only=True)["step"]
+    tensor(1)
+    ```
+    """
+    module = importlib.import_module("transformers.trainer_pt_utils")
+    if not hasattr(module, "safe_globals"):
+        module = importlib.import_module("transformers.trainer")  # transformers < 5.2
+    return module.safe_globals()
+
+
+@functools.cache
+def create_optimizer_takes_model() -> bool:
+    """Whether `Trainer.create_optimizer` takes the model to optimize (transformers >= 5.3; before, it optimizes
+    `self.model`)."""
+    from transformers import Trainer
+
+    return "model" in inspect.signature(Trainer.create_optimizer).parameters
+
+
+def create_optimizer_args(model) -> tuple:
+    """
+    The arguments to call the installed `Trainer.create_optimizer` with for `model` (`None`: the Trainer's model).
+    Before transformers 5.3 it takes none and optimizes `self.model`; another model raises `TypeError` there.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.bases.compat import create_optimizer_args
+    >>> optimizer = trainer.create_optimizer(*create_optimizer_args(None))
+    ```
+    """
+    if create_optimizer_takes_model():
+        return (model,)
+    if model is not None:
+        raise TypeError(
+            "Trainer.create_optimizer() takes no model before transformers 5.3: it optimizes trainer.model. "
+            "Call it without a model, or upgrade transformers."
+        )
+    return ()
+
+
+# Parameters of the Trainer methods that the Trainer mixin overrides and install() guards, where they differ between
+# the supported versions (integrations/patching.py accepts any variant listed; `None`: the method may be missing).
+SIGNATURE_VARIANTS: dict[str, tuple[tuple[str, ...] | None, ...]] = {
+    "create_optimizer": (("self", "model"), ("self",)),
+    "train": (
+        ("self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"),
+        ("self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval", "kwargs"),
+    ),
+    # transformers < 5.3 clips inline (route_inline_grad_norm).
+    "_clip_grad_norm": (("self", "model"), None),
+    "_get_grad_norm": (("self", "model", "grad_norm"), None),
+}
+
+
+@functools.cache
+def _trainer_clips_inline() -> bool:
+    from transformers import Trainer
+
+    return not hasattr(Trainer, "_clip_grad_norm")
+
+
+def route_inline_grad_norm(accelerator, layerwise_optimizer: Callable[[], Any]) -> None:
+    """
+    On transformers < 5.3, whose training loop clips inline with `accelerator.clip_grad_norm_(model.parameters(),
+    max_grad_norm)` and logs what it returns, make that call return the layer-wise optimizer's `grad_norm()` (the
+    norm measured in backward; the gradients are freed by then), as the Trainer mixin's `_clip_grad_norm` override
+    does from 5.3 on. Nothing is changed on transformers >= 5.3.
+
+    Args:
+        accelerator (`accelerate.Accelerator`):
+            The Trainer's accelerator; only this instance is changed.
+        layerwise_optimizer (`Callable[[], LayerwiseOptimizer | None]`):
+            The Trainer's layer-wise optimizer at the time of the call; `None` (a standard optimizer) leaves the call
+            to accelerate.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.bases.compat import route_inline_grad_norm
+    >>> route_inline_grad_norm(trainer.accelerator, lambda: trainer.layerwise_optimizer)
+    ```
+    """
+    if not _trainer_clips_inline() or getattr(accelerator.clip_grad_norm_, "_layerwise_routed", False):
+        return
+    original = accelerator.clip_grad_norm_
+
+    def clip_grad_norm_(parameters, max_norm, norm_type=2):
+        optimizer = layerwise_optimizer()
+        if optimizer is None:
+            return original(parameters, max_norm, norm_type=norm_type)
+        return optimizer.grad_norm()
+
+    clip_grad_norm_._layerwise_routed = True
+    accelerator.clip_grad_norm_ = clip_grad_norm_
+
+
+@functools.cache
+def _checkpointing_field() -> str:
+    from transformers import TrainingArguments
+
+    fields = TrainingArguments.__dataclass_fields__
+    return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+
+
+def checkpointing_kwargs(enabled: bool = True, kwargs: dict | None = None) -> dict[str, Any]:
+    """
+    `TrainingArguments` keyword arguments that turn activation checkpointing on, under the installed transformers'
+    names (`activation_checkpointing` from 5.23, `gradient_checkpointing` before).
+
+    Example:
+
+    ```python
+    >>> from transformers import TrainingArguments
+    >>> from layerwise_hf.bases.compat import checkpointing_kwargs
+    >>> args = TrainingArguments("out", **checkpointing_kwargs(True, {"use_reentrant": False}))
+    ```
+    """
+    field = _checkpointing_field()
+    return {field: enabled, **({f"{field}_kwargs": kwargs} if kwargs is not None else {})}
