@@ -9,6 +9,7 @@ from transformers import TrainerCallback
 
 from ..bases.support import check_no_new_trainable
 from ..optim.optimizer import unwrap_layerwise_optimizer
+from .preflight import Preflight, check_preflight_argument
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,13 @@ class LayerwiseCallback(TrainerCallback):
     def __init__(self, trainer=None):
         self.trainer = trainer
         self.optimizer = None
+        self.preflight = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._end_preflight()
+        if model is not None and check_preflight_argument(args):
+            # Plans at the first training forward: its batch gives the micro-batch and the sequence length.
+            self.preflight = Preflight(model, args, accelerator=getattr(self.trainer, "accelerator", None))
         self.optimizer = unwrap_layerwise_optimizer(optimizer)
         if self.optimizer is not None:
             if model is not None:
@@ -73,8 +79,19 @@ class LayerwiseCallback(TrainerCallback):
             # fp16: Accelerate's GradScaler decides skips and the scale from what the hooks find (None otherwise).
             self.optimizer.use_grad_scaler(getattr(accelerator, "scaler", None))
 
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.preflight is not None:
+            self._end_preflight()
+
     def on_train_end(self, args, state, control, **kwargs):
+        self._end_preflight()
         end_training(self.optimizer)
+
+    def _end_preflight(self) -> None:
+        if self.preflight is not None:
+            self.preflight.after_step()
+            self.preflight.close()
+            self.preflight = None
 
 
 def end_training(optimizer) -> None:
