@@ -20,6 +20,7 @@ from layerwise_hf import (
     LayerwiseTrainingArguments,
     build_layerwise_optimizer,
 )
+from layerwise_hf.bases.compat import checkpointing_kwargs
 from layerwise_hf.optim.norm_pass import last_norm_pass
 
 MAX_NORM = 0.5
@@ -127,7 +128,7 @@ def test_one_pass_modes_bound_every_applied_gradient(tmp_path, mode):
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 def test_exact_clipping_with_gradient_checkpointing_matches_trainer(tmp_path, reentrant):
     # The measuring backward runs over a retained graph whose checkpointed segments recompute their forward.
-    checkpointing = dict(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    checkpointing = checkpointing_kwargs(True, {"use_reentrant": reentrant})
     model = tiny_llama()
     standard = train(clone(model), training_args(tmp_path, "adamw_torch", **checkpointing, **CLIP))
     layerwise = train(clone(model), training_args(tmp_path, "adamw_torch_layerwise", **checkpointing, **CLIP))

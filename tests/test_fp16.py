@@ -15,6 +15,7 @@ from helpers import TokenDataset, assert_params_equal, clone, held_grad_bound, l
 from transformers import Trainer, TrainerCallback
 
 from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments, build_layerwise_optimizer
+from layerwise_hf.bases.compat import checkpointing_kwargs
 
 MAX_NORM = 0.5
 # Scale 2**20 overflows fp16 activations' gradients now and then on this model, and growth_interval=2 makes the
@@ -156,7 +157,7 @@ def test_fp16_overflow_changes_nothing_and_halves_the_scale(tmp_path, ga, max_gr
 
 def test_fp16_with_gradient_checkpointing_matches_standard(tmp_path):
     (standard, (std_scales,)), (layerwise, (lw_scales,)) = run_pair(
-        tmp_path, 1, MAX_NORM, activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": False}
+        tmp_path, 1, MAX_NORM, **checkpointing_kwargs(True, {"use_reentrant": False})
     )
     norms = logged(standard, "grad_norm")
     assert not all(math.isfinite(n) for n in norms), "no step overflowed"

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import tomllib
 import torch
 from helpers import assert_params_equal, tiny_llama
 from safetensors.torch import load_file
@@ -151,16 +150,10 @@ def test_install_refuses_when_a_replaced_method_changed(monkeypatch, tmp_path, o
         monkeypatch.setattr(owner, name, replacement)
     with pytest.raises(patching.UnsupportedVersionError, match=expected) as err:
         layerwise_hf.install()
-    assert "transformers>=5.24,<5.25 and accelerate>=1.15,<1.16" in str(err.value)
+    assert "tested with transformers 4.55 to 5.24, accelerate 1.10 to 1.15" in str(err.value)
     assert not patching.is_installed()
     with pytest.raises(ValueError, match="not a valid OptimizerNames"):
         TrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise")
-
-
-def test_tested_versions_are_pyproject_pins():
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    for package, spec in patching.TESTED_VERSIONS.items():
-        assert f"{package}{spec}" in deps
 
 
 # ---------------------------------------------------------------- arguments

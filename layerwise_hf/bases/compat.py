@@ -17,18 +17,19 @@ here that handles it is named in brackets:
     `safe_globals()`, Trainer's allowlist    5.1: `transformers.trainer`           5.2: `transformers.trainer_pt_utils`
     for `torch.load` [`safe_globals`]
     `Trainer.create_optimizer`               5.2: `(self)`, optimizes self.model   5.3: `(self, model=None)`
-    [`create_optimizer_args`]
+    [`create_optimizer_args`,
+    `trainer_method_parameters`]
     clipping and the logged `grad_norm`      5.2: inline in the training loop,     5.3: `Trainer._clip_grad_norm` and
-    [`route_inline_grad_norm`]               `accelerator.clip_grad_norm_`, only   `Trainer._get_grad_norm`
-                                             when `max_grad_norm > 0`
+    [`route_inline_grad_norm`,               `accelerator.clip_grad_norm_`, only   `Trainer._get_grad_norm`
+    `trainer_method_parameters`]             when `max_grad_norm > 0`
     `Trainer.train` parameters               4.57: `(..., ignore_keys_for_eval,    5.0: no `**kwargs`
-    [`SIGNATURE_VARIANTS`]                   **kwargs)`
+    [`trainer_method_parameters`]            **kwargs)`
     activation checkpointing arguments       5.22: `gradient_checkpointing`,       5.23: `activation_checkpointing`,
     [`checkpointing_kwargs`]                 `gradient_checkpointing_kwargs`       `..._kwargs` (old names: aliases)
 
-accelerate 1.10 - 1.15 and torch 2.13 - 2.14 showed no difference the plugin depends on. Each shim below decides by
-what the installed version has (a module, a parameter, a field), not by its number, so a patch release that moves
-something back is still handled.
+accelerate 1.10 - 1.15 and torch 2.13 - 2.14 showed no difference the plugin depends on. The shims decide by what
+the installed release has (a module, a parameter, a field); only `trainer_method_parameters`, which says what a
+release should have, reads the version number.
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ import torch
 from packaging.version import Version
 
 __all__ = [
-    "SIGNATURE_VARIANTS",
     "SUPPORTED_VERSIONS",
     "UnsupportedVersionError",
     "UntestedVersionWarning",
@@ -59,6 +59,7 @@ __all__ = [
     "route_inline_grad_norm",
     "safe_globals",
     "tested_range",
+    "trainer_method_parameters",
 ]
 
 # package -> (oldest supported, newest tested) as major.minor; any patch release of either counts as tested.
@@ -269,18 +270,30 @@ def create_optimizer_args(model) -> tuple:
     return ()
 
 
-# Parameters of the Trainer methods that the Trainer mixin overrides and install() guards, where they differ between
-# the supported versions (integrations/patching.py accepts any variant listed; `None`: the method may be missing).
-SIGNATURE_VARIANTS: dict[str, tuple[tuple[str, ...] | None, ...]] = {
-    "create_optimizer": (("self", "model"), ("self",)),
-    "train": (
-        ("self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"),
-        ("self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval", "kwargs"),
-    ),
-    # transformers < 5.3 clips inline (route_inline_grad_norm).
-    "_clip_grad_norm": (("self", "model"), None),
-    "_get_grad_norm": (("self", "model", "grad_norm"), None),
-}
+def trainer_method_parameters() -> dict[str, tuple[str, ...]]:
+    """
+    The parameters that the Trainer methods whose signature differs between the supported versions have in the
+    installed transformers release (a method absent from that release is left out). `install()` refuses to patch
+    when the installed methods differ (integrations/patching.py).
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.bases.compat import trainer_method_parameters
+    >>> trainer_method_parameters()["create_optimizer"]  # transformers >= 5.3
+    ('self', 'model')
+    ```
+    """
+    release = Version(installed_version("transformers") or "0").release
+    train = ("self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval")
+    expected = {"train": train + ("kwargs",) if release < (5, 0) else train}
+    if release < (5, 3):
+        expected["create_optimizer"] = ("self",)  # _clip_grad_norm / _get_grad_norm do not exist yet
+    else:
+        expected["create_optimizer"] = ("self", "model")
+        expected["_clip_grad_norm"] = ("self", "model")
+        expected["_get_grad_norm"] = ("self", "model", "grad_norm")
+    return expected
 
 
 @functools.cache

@@ -26,26 +26,26 @@ import inspect
 import threading
 import types
 
+from ..bases.compat import (
+    UnsupportedVersionError,
+    check_versions,
+    installed_version,
+    tested_range,
+    trainer_method_parameters,
+)
 from ..bases.registry import parse_optim_name
 from ..optim.clipping import CLIP_MODES, ClipMode
 
 __all__ = ["CLIP_MODES", "UnsupportedVersionError", "install", "is_installed", "uninstall"]
 
-# Kept equal to pyproject.toml's dependencies by tests/test_launcher.py.
-TESTED_VERSIONS = {"transformers": ">=5.24,<5.25", "accelerate": ">=1.15,<1.16"}
-
-# The parameters each method had in the tested versions: the mixin's overrides call them with these, and the patches
-# below wrap them. `None`: the method must exist; its parameters are not read.
+# The parameters each method has in the supported versions: the mixin's overrides call them with these, and the
+# patches below wrap them. Those that differ between versions come from bases.compat.trainer_method_parameters().
 _TRAINER_METHODS = {
     "__init__": ("self", "model", "args"),  # a prefix: the rest are passed through by keyword
     "log": ("self", "logs", "start_time"),
-    "create_optimizer": ("self", "model"),
     "training_step": ("self", "model", "inputs", "num_items_in_batch"),
-    "train": ("self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"),
     "_save_checkpoint": ("self", "model", "trial"),
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
-    "_clip_grad_norm": ("self", "model"),
-    "_get_grad_norm": ("self", "model", "grad_norm"),
     "get_optimizer_cls_and_kwargs": ("args", "model"),
     "compute_loss": ("self", "model", "inputs", "return_outputs", "num_items_in_batch"),
     "get_decay_parameter_names": ("self", "model"),
@@ -73,10 +73,6 @@ _FIX = (
     "create it after install() (or run the script with `python -m layerwise_hf SCRIPT ARGS`), or use "
     "layerwise_hf.LayerwiseTrainer."
 )
-
-
-class UnsupportedVersionError(RuntimeError):
-    """`install()` found a method it replaces missing, or with other parameters than in the tested versions."""
 
 
 def is_installed() -> bool:
@@ -116,7 +112,8 @@ def install(*, layerwise_clip: str | None = None) -> None:
 
     Raises:
         UnsupportedVersionError: a method it replaces is missing or has other parameters than in the tested
-            transformers / accelerate versions; nothing is changed.
+            transformers / accelerate versions, or one is older than supported; nothing is changed. The message
+            names the tested range (`layerwise_hf.bases.compat.tested_range()`).
 
     Example:
 
@@ -183,7 +180,9 @@ def uninstall() -> None:
 def check_replaced_methods() -> None:
     """
     Raise `UnsupportedVersionError` naming every method `install()` replaces (or `LayerwiseTrainerMixin` overrides)
-    that is missing or whose parameters differ from the tested transformers / accelerate versions.
+    that is missing or whose parameters differ from what the installed transformers / accelerate release has in the
+    tested versions (`layerwise_hf.bases.compat`), or when one is older than supported; warn once
+    (`UntestedVersionWarning`) for one newer than the newest tested.
 
     Example:
 
@@ -195,9 +194,10 @@ def check_replaced_methods() -> None:
     from accelerate import Accelerator
     from transformers import Trainer, TrainingArguments
 
+    check_versions()
     problems = []
     for owner, methods in (
-        (Trainer, _TRAINER_METHODS),
+        (Trainer, {**_TRAINER_METHODS, **trainer_method_parameters()}),
         (TrainingArguments, _ARGS_METHODS),
         (Accelerator, _ACCELERATOR_METHODS),
     ):
@@ -234,19 +234,11 @@ def _method_problem(owner: type, name: str, expected: tuple[str, ...]) -> str | 
 
 
 def _version_message(problems: list[str]) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    installed = []
-    for package in TESTED_VERSIONS:
-        try:
-            installed.append(f"{package} {version(package)}")
-        except PackageNotFoundError:
-            installed.append(f"{package} (not found)")
-    tested = " and ".join(f"{p}{spec}" for p, spec in TESTED_VERSIONS.items())
+    installed = ", ".join(f"{p} {installed_version(p) or '(not found)'}" for p in ("transformers", "accelerate"))
     return (
         "layerwise_hf.install() refused to patch, nothing was changed: "
         + "; ".join(problems)
-        + f". layerwise_hf is tested with {tested} (installed: {', '.join(installed)}). Install a tested version, "
+        + f". layerwise_hf is tested with {tested_range()} (installed: {installed}). Install a tested version, "
         "or use the explicit classes (layerwise_hf.LayerwiseTrainer with LayerwiseTrainingArguments), which do not "
         "patch anything."
     )
