@@ -37,8 +37,11 @@ try/except so that one failing keeps the others' numbers:
    bfloat16 weights, activation checkpointing, micro-batch 4 x 512, a few steps of `adamw_8bit` vs
    `adamw_8bit_layerwise`, each in a fresh process: `torch.cuda.max_memory_allocated()` / `max_memory_reserved()`
    over `train()` (peak stats reset just before), next to `layerwise_hf.estimate.estimate()`'s weights / gradients /
-   optimizer state for the same config and the optimizer state actually held. Passes when the layer-wise peak is
-   below the standard one. On CPU (`--tiny`) the same runs happen but memory is reported as not measured.
+   optimizer state for the same config and the optimizer state actually held, and next to `layerwise-hf plan`'s
+   simulated peak of the same run (`layerwise_hf.plan.plan(..., device="cuda")`, planned on the CPU while the GPU
+   runs; `planned_peak_bytes` and `measured_over_planned` per case). Passes when the layer-wise peak is below the
+   standard one; the plan's ratio is reported, not judged. On CPU (`--tiny`) the same runs and the plan happen but
+   memory is reported as not measured.
 6. `step_time`: the same model and batch, clipping off (one backward per step on both sides), median step time of
    `adamw_8bit`, of `adamw_8bit_layerwise`, and of `adamw_8bit_layerwise` with `LAYERWISE_HF_BNB_DEVICE_SYNC=1`
    (bitsandbytes' own `torch.cuda.synchronize()` after every parameter, which the layer-wise step removes), each in
@@ -66,6 +69,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -133,7 +137,7 @@ CHECK_BUDGET_S = {
     "fp16": 25,  # 4 runs
     "fp16_norm_pass": 15,  # 1 run
     "fsdp2_8bit": 70,  # 1 accelerate launch (imports, NCCL, 2 runs); a second on 2 GPUs
-    "memory": 100,  # 2 processes: imports, a 1.1B model built on the GPU, 3 steps
+    "memory": 100,  # 2 processes: imports, a 1.1B model built on the GPU, 3 steps; the plan (~15 s) runs beside them
     "step_time": 150,  # 3 processes, 10 steps each
 }
 
@@ -1031,6 +1035,63 @@ def launch_case(spec: dict, opts, timeout: float, device_sync: str | None = None
     return json.loads(lines[-1].split(" ", 1)[1])
 
 
+def plan_memory(sizes: dict, device: str) -> dict:
+    """`layerwise-hf plan` of the memory check's two runs: the same config, micro-batch, sequence, bfloat16 weights,
+    clipping and activation checkpointing, with CUDA's optimizer defaults (`foreach`) when the runs are on CUDA."""
+    from layerwise_hf.plan import plan  # here only: the --case and FSDP2 processes do not need it
+
+    t0 = time.perf_counter()
+    config = llama_config(sizes["memory_model"], sizes["memory_seq"], attn="sdpa")
+    planned = plan(
+        config,
+        [MEMORY_OPTIMS[0]],  # and its layer-wise counterpart
+        seq_len=sizes["memory_seq"],
+        micro_batch=sizes["memory_batch"],
+        grad_accum=1,
+        max_grad_norm=MAX_GRAD_NORM,
+        clip_mode="exact",
+        torch_dtype="bfloat16",
+        gradient_checkpointing=True,
+        device="cuda" if device.startswith("cuda") else "cpu",
+    )
+    rows = {
+        r.optimizer: dict(peak_bytes=r.peak_bytes, categories=r.categories, when=r.when,
+                          optimizer_state_from_rule=r.optimizer_state_from_rule)
+        for r in planned.rows
+    }  # fmt: skip
+    assert set(rows) == set(MEMORY_OPTIMS), sorted(rows)
+    return {
+        "seconds": round(time.perf_counter() - t0, 1),
+        "device": planned.setup.device,
+        "extrapolated_layers": planned.extrapolated,
+        "rows": rows,
+        # What the plan cannot follow in these runs, so that a ratio away from 1 can be read.
+        "note": "plan: one steady-state step, layer-wise norm pass chosen as 'auto' (the run pins 'retain'); "
+        "bitsandbytes state from the estimator's rules, its step temporaries not counted; measured: "
+        "max_memory_allocated over all steps of train(), the first included; the CUDA context is in neither",
+    }
+
+
+def in_background(out: dict, function, *args) -> None:
+    """`out["result"] = function(*args)`, or `out["error"]` (a daemon thread's target: a plan that overruns the time
+    limit does not hold the process's exit)."""
+    try:
+        out["result"] = function(*args)
+    except Exception:
+        out["error"] = traceback.format_exc()
+
+
+def compare_with_plan(cases: list[dict], planned: dict) -> None:
+    """Each case's planned peak, and on CUDA the measured peak over it."""
+    for case in cases:
+        row = planned.get("rows", {}).get(case["optim"])
+        if row is None:
+            continue
+        case["planned_peak_bytes"] = row["peak_bytes"]
+        if case.get("measured"):
+            case["measured_over_planned"] = round(case["peak_allocated_bytes"] / row["peak_bytes"], 4)
+
+
 def check_memory(opts, sizes, device, record) -> dict:
     cases = []
     result = {
@@ -1046,6 +1107,10 @@ def check_memory(opts, sizes, device, record) -> dict:
         "cases": cases,
     }
     record(result)
+    # The plan needs only the CPU: it runs in a thread while the GPU runs, and adds no time unless it is the slower.
+    planned: dict = {}
+    planning = threading.Thread(target=in_background, args=(planned, plan_memory, sizes, device), daemon=True)
+    planning.start()
     for optim in MEMORY_OPTIMS:
         case = {"optim": optim}
         cases.append(case)
@@ -1055,6 +1120,10 @@ def check_memory(opts, sizes, device, record) -> dict:
         except Exception:
             case.update(error=traceback.format_exc())
         record(result)
+    planning.join(timeout=max(1.0, min(sizes["memory_timeout"], time_left(opts))))
+    result["plan"] = planned.get("result") or {"error": planned.get("error", "the plan did not finish in time")}
+    compare_with_plan(cases, result["plan"])
+    record(result)
     by = {c["optim"]: c for c in cases}
     std, lw = by.get("adamw_8bit", {}), by.get("adamw_8bit_layerwise", {})
     if std.get("grad_norm") and lw.get("grad_norm"):
@@ -1264,9 +1333,9 @@ def table_rows(checks: dict) -> list[tuple[str, str, str]]:
             rows.append((f"memory {c['optim']}", "ERROR", ""))
         elif c.get("measured"):
             peaks = f"peak alloc {mib(c['peak_allocated_bytes'])} MiB, reserved {mib(c['peak_reserved_bytes'])} MiB; "
-            rows.append((f"memory {c['optim']}", "-", peaks + est_s))
+            rows.append((f"memory {c['optim']}", "-", peaks + plan_s(c) + est_s))
         else:
-            rows.append((f"memory {c['optim']}", "-", "not measured on CPU; " + est_s))
+            rows.append((f"memory {c['optim']}", "-", "not measured on CPU; " + plan_s(c) + est_s))
     for c in checks.get("step_time", {}).get("cases", []):
         if "error" in c:
             rows.append((f"step time {c['run']}", "ERROR", ""))
@@ -1282,6 +1351,13 @@ def table_rows(checks: dict) -> list[tuple[str, str, str]]:
     return rows
 
 
+def plan_s(c: dict) -> str:
+    if "planned_peak_bytes" not in c:
+        return ""
+    ratio = f" (measured / planned {c['measured_over_planned']:.3f})" if "measured_over_planned" in c else ""
+    return f"plan {mib(c['planned_peak_bytes'])} MiB{ratio}; "
+
+
 def summary_line(name: str, check: dict) -> str:
     line = f"  => {name}: {status_of(check)}"
     if name == "memory" and "peak_allocated_saved_bytes" in check:
@@ -1290,6 +1366,11 @@ def summary_line(name: str, check: dict) -> str:
             f"{mib(check['peak_reserved_saved_bytes'])} MiB reserved; "
             f"estimator: {mib(check['estimate_saved_bytes'])} MiB)"
         )
+    if name == "memory":
+        ratios = [f"{c['optim']} {c['measured_over_planned']:.3f}" for c in check.get("cases", [])
+                  if "measured_over_planned" in c]  # fmt: skip
+        line += f" (max_memory_allocated / plan: {', '.join(ratios)})" if ratios else ""
+        line += " (plan failed: see the JSON)" if "error" in check.get("plan", {}) else ""
     if name == "step_time" and "sync_removed_saves_ms" in check:
         line += (
             f" (removing bitsandbytes' per-parameter sync saves {check['sync_removed_saves_ms']} ms/step, "

@@ -23,7 +23,8 @@
 # (fp32, GA 1 and 2, exact clipping, bit-exact), fp16 with the CUDA GradScaler and an injected overflow step, an
 # overflow in the stepping backward only (after fp16's measuring one), adamw_8bit_layerwise under FSDP2 (1 rank, and
 # 2 when two GPUs are visible) against the same optimizer stepped by hand on the local shards, peak CUDA memory of a
-# ~1.1B bf16 Llama with adamw_8bit vs adamw_8bit_layerwise next to the estimator's prediction, and the step time of
+# ~1.1B bf16 Llama with adamw_8bit vs adamw_8bit_layerwise next to the estimator's prediction and to
+# `layerwise-hf plan`'s simulated peak (measured / planned printed per optimizer), and the step time of
 # the same model with and without bitsandbytes' per-parameter device sync.
 # Writes benchmarks/results/gpu_check.json (rewritten after every check) and prints a table.
 #

@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -129,6 +130,38 @@ def test_update_comparison_sees_a_clip_that_is_one_percent_off():
     assert check.param_diff(standard, layerwise)[0] < 1e-6
     same = check.update_diff(before, standard, standard)
     assert same["update_max_rel_diff"] == 0.0 and same["update_model_rel_diff"] == 0.0
+
+
+def test_memory_check_sets_the_measured_peak_next_to_the_plan(monkeypatch):
+    # The GPU runs stood in for (no GPU here): the comparison itself, the plan included, runs as on CUDA.
+    from layerwise_hf.plan import plan
+
+    check = gpu_check()
+    sizes = check.SIZES["tiny"]
+    measured = {"adamw_8bit": 3_000_000, "adamw_8bit_layerwise": 2_500_000}
+
+    def launch_case(spec, opts, timeout, device_sync=None):
+        peak = measured[spec["optim"]]
+        return {"measured": True, "peak_allocated_bytes": peak, "peak_reserved_bytes": peak, "grad_norm": [1.0],
+                "estimate": {"total_bytes": 1}}  # fmt: skip
+
+    monkeypatch.setattr(check, "launch_case", launch_case)
+    result = check.check_memory(SimpleNamespace(deadline=None), sizes, "cpu", lambda partial: None)
+
+    config = check.llama_config(sizes["memory_model"], sizes["memory_seq"], attn="sdpa")
+    expected = plan(config, ["adamw_8bit"], seq_len=sizes["memory_seq"], micro_batch=sizes["memory_batch"],
+                    torch_dtype="bfloat16", gradient_checkpointing=True, device="cpu")  # fmt: skip
+    assert "error" not in result["plan"], result["plan"]
+    assert result["plan"]["device"] == "cpu"
+    for case in result["cases"]:
+        planned = expected.row(case["optim"]).peak_bytes
+        assert case["planned_peak_bytes"] == planned
+        assert case["measured_over_planned"] == round(measured[case["optim"]] / planned, 4)
+    summary = check.summary_line("memory", result)
+    ratio = result["cases"][0]["measured_over_planned"]
+    assert f"max_memory_allocated / plan: adamw_8bit {ratio:.3f}" in summary
+    rows = dict((name, detail) for name, _, detail in check.table_rows({"memory": result}))
+    assert f"(measured / planned {ratio:.3f})" in rows["memory adamw_8bit"]
 
 
 def test_fsdp2_launches_see_what_gpu_check_sh_saw(monkeypatch):
@@ -261,6 +294,11 @@ def test_gpu_check_tiny_dry_run_on_cpu(tmp_path):
     assert lw["optimizer_state_bytes_measured"] == lw["estimate"]["optimizer_state_bytes"]
     assert std["optimizer_state_bytes_measured"] == std["estimate"]["optimizer_state_bytes"]
     assert memory["grad_norm_max_abs_diff"] == 0.0
+    # The plan of the same runs, next to them (nothing measured to divide by on CPU).
+    assert set(memory["plan"]["rows"]) == set(by) and memory["plan"]["device"] == "cpu"
+    for c in by.values():
+        assert c["planned_peak_bytes"] == memory["plan"]["rows"][c["optim"]]["peak_bytes"] > 0
+        assert "measured_over_planned" not in c
 
     # Step time: bitsandbytes' per-parameter syncs where they belong (counted; the CPU times mean nothing).
     step_time = report["checks"]["step_time"]
