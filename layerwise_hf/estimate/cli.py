@@ -88,10 +88,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """
     parser = subparsers.add_parser(
         "estimate-memory",
-        help="Estimate training memory (weights, gradients, optimizer state) with and without layer-wise optimizers.",
+        help="Weights, gradients and optimizer state by formula, with and without layer-wise optimizers (no "
+        "activations: to ask whether a run fits, use `layerwise-hf plan`).",
         description="Estimate the weights, gradients and optimizer state of training a model, with and without a "
-        "layer-wise optimizer, from a preset or a local config.json (nothing is downloaded). Activations are not "
-        "included. --accelerate prints `accelerate estimate-memory`'s table instead.",
+        "layer-wise optimizer, from a preset or a local config.json (nothing is downloaded), in a second. "
+        "Activations and step temporaries are not included, so the totals are a floor, not a peak: to ask whether a "
+        "run fits a device, use `layerwise-hf plan` (one simulated step, activations included). Use this command "
+        "for the byte-exact size of each term, or --accelerate for `accelerate estimate-memory`'s table.",
     )
     parser.add_argument(
         "model",
