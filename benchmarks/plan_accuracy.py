@@ -10,21 +10,25 @@ Launch:
 
 The real run is a plain loop written here, as Trainer runs a step (forward under autocast, loss / grad accum,
 backward, clip, `step()`, `zero_grad()`; fp16 through `torch.amp.GradScaler("cpu")`), with the optimizers the
-benchmark harness builds (`_common.trainer_optimizer`, `_common.layerwise_optimizer`). Each configuration runs in a
-process of its own (forked; 2-rank ones under `accelerate launch`, gloo) with `M_MMAP_THRESHOLD` at 64 KiB, so freed
-tensors go back to the OS and RSS follows live memory. Three steps:
+benchmark harness builds (`_common.trainer_optimizer`, `_common.layerwise_optimizer`); 2-rank configurations run
+Trainer itself (LayerwiseTrainer for `_layerwise`) under `accelerate launch` (gloo). Each configuration runs in a
+process of its own (forked) with `M_MMAP_THRESHOLD` at 64 KiB, so freed tensors go back to the OS and RSS follows live
+memory.
+Two runs of the configuration in that process, each creating the optimizer state in a first step:
 
-1. step 1 creates the optimizer state; step 2 is the one measured, as the plan measures its second step. Both run
-   under torch's profiler (`profile_memory=True`), started before the model is built: it records every allocation
-   and free of the CPU allocator, so the running sum of its events is the bytes allocated at each moment (the CPU
-   counterpart of `torch.cuda.memory_allocated`), and the **tensor peak** is its highest value during step 2 (the
-   counterpart of `max_memory_allocated` reset before the step). Nothing is guessed: weights, state, DDP buckets
-   and anything else alive count because their allocation was seen.
-2. step 3, without the profiler: the **RSS training peak** is VmHWM during the step (reset by writing 5 to
-   /proc/self/clear_refs) less the process's footprint without tensors (its RSS at rest before the step less the
-   bytes the allocator holds then, from the profile's final sum, checked against the storages of every live tensor).
-3. `--split`: step 4 under the plan's own tracker (`LiveBytes`) on the real tensors, which splits the real peak into
-   the plan's categories: where a row misses, this says which category is off.
+1. the **RSS training peak**: VmHWM during step 3 (reset by writing 5 to /proc/self/clear_refs) less the footprint of
+   the process without tensors (the RSS at rest before the step less the bytes its tensors hold then). No profiler in
+   this run: it keeps memory of its own that RSS would count. `--split` adds step 4 under the plan's own tracker
+   (`LiveBytes`) on the real tensors, which splits the real peak into the plan's categories: where a row misses,
+   this says which category is off.
+2. the **tensor peak**: torch's profiler (`profile_memory=True`), started before the model is built, records every
+   allocation and free of the CPU allocator, so the running sum of its events is the bytes allocated at each moment
+   (the CPU counterpart of `torch.cuda.memory_allocated`); the peak is its highest value during step 2 (the
+   counterpart of `max_memory_allocated` reset before the step), as the plan measures its second step. Nothing is
+   assumed alive: weights, state, DDP buckets count because their allocation was seen. The bytes held at rest are
+   checked against the storages of every tensor Python reaches.
+
+On 2 ranks the two runs are two launches, and each rank reports its own figures.
 
 Goal: the plan within 5% of the tensor peak and within 10% of the RSS training peak. bitsandbytes' CPU step
 allocates temporaries its CUDA kernels do not; the plan counts the state from the estimator's rules and no kernel
@@ -301,11 +305,22 @@ def live_tensor_bytes() -> int:
 
 
 def measure_real(cfg: Config, max_grad_norm: float, split: bool = False) -> dict:
-    """The tensor peak of step 2 (allocator events from before the model existed) and the RSS training peak of step
-    3; with `split`, step 4's peak split into the plan's categories. See the module docstring."""
+    """The RSS training peak of step 3 of a first run (with `split`, its step 4 split into the plan's categories),
+    then the tensor peak of step 2 of a second run, profiled from before its model existed. See the module
+    docstring."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
+    # NOTE: RSS first: the profiler keeps memory of its own that later steps would count (+10-20 MiB seen).
+    run = build_run(cfg, max_grad_norm)
+    real_step(run, cfg, max_grad_norm)
+    real_step(run, cfg, max_grad_norm)
+    rss = rss_step(run, cfg, max_grad_norm)
+    split_out = split_step(run, cfg, max_grad_norm) if split else None
+    if run.layerwise is not None:
+        run.layerwise.detach()
+    del run
+    h.settle()  # nothing of the first run may be freed while the profiler counts
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run = build_run(cfg, max_grad_norm)
         real_step(run, cfg, max_grad_norm)
@@ -314,23 +329,22 @@ def measure_real(cfg: Config, max_grad_norm: float, split: bool = False) -> dict
     out = allocator_peak(prof, MARK)
     del prof
     out["optimizer_state_bytes"] = h.storage_bytes(h.optimizer_state_tensors(run.optimizer))
-    out.update(rss_step(run, cfg, max_grad_norm, held_bytes=out["end_bytes"]))
-    if split:
-        out["split"] = split_step(run, cfg, max_grad_norm)
+    out.update(rss_fields(rss["rss_rest_bytes"], rss["rss_peak_bytes"], out["end_bytes"], rss["live"]))
+    if split_out is not None:
+        out["split"] = split_out
     if run.layerwise is not None:
         out["norm_pass"] = norm_pass_name(run.layerwise)
         run.layerwise.detach()
     return out
 
 
-def rss_step(run: Run, cfg: Config, max_grad_norm: float, held_bytes: int) -> dict:
+def rss_step(run: Run, cfg: Config, max_grad_norm: float) -> dict:
     h.settle()
     live = live_tensor_bytes()
     rss_rest = h.proc_status_bytes("VmRSS")
     h.reset_peak_rss()
     real_step(run, cfg, max_grad_norm)
-    rss_peak = h.proc_status_bytes("VmHWM")
-    return rss_fields(rss_rest, rss_peak, held_bytes, live)
+    return {"rss_rest_bytes": rss_rest, "rss_peak_bytes": h.proc_status_bytes("VmHWM"), "live": live}
 
 
 def rss_fields(rss_rest: int, rss_peak: int, held_bytes: int, live: int) -> dict:
@@ -419,8 +433,9 @@ def planned(cfg: Config, max_grad_norm: float) -> dict:
 
 
 def rank_worker(opts: argparse.Namespace) -> None:
-    """One rank of a 2-rank configuration: Trainer (or LayerwiseTrainer) for 3 steps; step 2 under the profiler, step
-    3 measured by RSS, as `measure_real` does on one process."""
+    """One rank of a 2-rank configuration, Trainer (or LayerwiseTrainer) for 3 steps: `--measure tensor` profiles from
+    before the model exists to the end of step 2; `--measure rss` (a launch of its own, as on one process) measures
+    step 3 by RSS."""
     import torch
     from accelerate.utils import DistributedType
 
@@ -430,8 +445,9 @@ def rank_worker(opts: argparse.Namespace) -> None:
     limit_mmap_threshold()
     torch.set_num_threads(1)
     cfg = Config(**json.loads(opts.config))
-    probe = StepProbe()
-    probe.prof.start()  # before the model exists: every allocation of the run is seen
+    probe = StepProbe(profiled=opts.measure == "tensor")
+    if probe.prof is not None:
+        probe.prof.start()
     trainer = build_trainer(cfg, opts.max_grad_norm, Path(opts.result).parent / "trainer_output", probe)
     expected = DistributedType.FSDP if cfg.sharding == "fsdp2" else DistributedType.MULTI_CPU
     accelerator = trainer.accelerator
@@ -442,17 +458,16 @@ def rank_worker(opts: argparse.Namespace) -> None:
         )
     trainer.train()
     lw = getattr(trainer, "layerwise_optimizer", None)
-    peak = allocator_peak(probe.prof, MARK)
-    rss = probe.rss
     result = {
         "rank": accelerator.process_index,
-        **peak,
-        **rss_fields(rss["rss_rest_bytes"], rss["rss_peak_bytes"], peak["end_bytes"], rss["live_tensor_bytes"]),
+        **probe.rss,
         "optimizer_state_bytes": h.storage_bytes(h.optimizer_state_tensors(trainer.optimizer)),
         "route": None if lw is None else lw.route,
         "norm_pass": None if lw is None else norm_pass_name(lw),
     }
-    del probe.prof
+    if probe.prof is not None:
+        result.update(allocator_peak(probe.prof, MARK))
+        probe.prof = None
     trainer.accelerator.free_memory()
     del trainer
     ranks.write_gathered_and_finish(opts.result, result)
@@ -469,7 +484,7 @@ def build_trainer(cfg: Config, max_grad_norm: float, out: Path, probe):
         str(out),
         per_device_train_batch_size=cfg.micro_batch,
         gradient_accumulation_steps=cfg.grad_accum,
-        max_steps=3,
+        max_steps=3 if probe.prof is None else 2,
         max_grad_norm=max_grad_norm,
         bf16=cfg.bf16,
         fp16=cfg.fp16,
@@ -487,33 +502,33 @@ def build_trainer(cfg: Config, max_grad_norm: float, out: Path, probe):
     return trainer_cls(model=model, args=args, train_dataset=data, callbacks=[probe])
 
 
-def StepProbe():  # noqa: N802 - a class made where transformers is imported
-    """A callback: step 2 inside the `MARK` range (the profiler stops at its end), step 3's RSS peak."""
+def StepProbe(profiled: bool):  # noqa: N802 - a class made where transformers is imported
+    """A callback: step 2 inside the `MARK` range, the profiler (`profiled`) stopped at its end; step 3's RSS."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
     from transformers import TrainerCallback
 
     class Probe(TrainerCallback):
         def __init__(self):
-            self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if profiled else None
             self.range = record_function(MARK)
             self.rss: dict = {}
 
         def on_step_begin(self, args, state, control, **kwargs):
             # NOTE: Trainer counts finished steps: global_step is 1 when the second step begins.
-            if state.global_step == 1:
+            if state.global_step == 1 and self.prof is not None:
                 self.range.__enter__()
-            elif state.global_step == 2:
+            elif state.global_step == 2 and self.prof is None:
                 h.settle()
-                self.rss = {"live_tensor_bytes": live_tensor_bytes(),
+                self.rss = {"live": live_tensor_bytes(),
                             "rss_rest_bytes": h.proc_status_bytes("VmRSS")}  # fmt: skip
                 h.reset_peak_rss()
 
         def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 2:
+            if state.global_step == 2 and self.prof is not None:
                 self.range.__exit__(None, None, None)
                 self.prof.stop()
-            elif state.global_step == 3:
+            elif state.global_step == 3 and self.prof is None:
                 self.rss["rss_peak_bytes"] = h.proc_status_bytes("VmHWM")
 
     return Probe()
@@ -550,18 +565,25 @@ def measure_config(cfg: Config, opts: argparse.Namespace) -> dict:
 
 
 def launch_ranks(cfg: Config, opts: argparse.Namespace) -> dict:
-    """`cfg` on 2 gloo ranks under its Accelerate config; the rank with the higher tensor peak, and both ranks."""
+    """`cfg` on 2 gloo ranks under its Accelerate config, twice (tensor peak, then RSS: see `rank_worker`); the rank
+    with the higher tensor peak, and both ranks."""
     from benchmarks import _ranks as ranks
 
     env = h.worker_env(threads=1)
     if cfg.sharding == "fsdp2":
         env["LAYERWISE_HF_FORCE_FSDP_CPU"] = "1"
-    with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as tmp:
-        result = Path(tmp) / "ranks.json"
-        args = ["--worker", "--config", json.dumps(cfg._asdict()), "--result", str(result)]
-        args += ["--max_grad_norm", str(opts.max_grad_norm)]
-        config_file = ROOT / ACCELERATE_CONFIGS[cfg.sharding]
-        per_rank = ranks.launch_ranks(Path(__file__).resolve(), config_file, args, result, opts.timeout, env)
+    runs = {}
+    for measure in ("tensor", "rss"):
+        with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as tmp:
+            result = Path(tmp) / "ranks.json"
+            args = ["--worker", "--measure", measure, "--config", json.dumps(cfg._asdict()), "--result", str(result)]
+            args += ["--max_grad_norm", str(opts.max_grad_norm)]
+            config_file = ROOT / ACCELERATE_CONFIGS[cfg.sharding]
+            runs[measure] = ranks.launch_ranks(Path(__file__).resolve(), config_file, args, result, opts.timeout, env)
+    per_rank = []
+    for tensor, rss in zip(runs["tensor"], runs["rss"]):
+        fields = rss_fields(rss["rss_rest_bytes"], rss["rss_peak_bytes"], tensor["end_bytes"], rss["live"])
+        per_rank.append({**tensor, **fields})
     return {**max(per_rank, key=lambda r: r["peak_bytes"]), "ranks": per_rank}
 
 
@@ -666,6 +688,17 @@ def kind_of(r: dict) -> str:
     return "layer-wise" if r["config"]["optim"].endswith("_layerwise") else "standard"
 
 
+def plan_source() -> dict:
+    """The commit the planner was read from, and whether its files had changes not committed yet."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        result = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+        return result.stdout.strip() if result.returncode == 0 else ""
+
+    return {"commit": git("rev-parse", "HEAD"), "uncommitted": git("status", "--porcelain", "--", "layerwise_hf/plan")}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output_dir", default=str(h.RESULTS))
@@ -680,6 +713,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--measure", choices=["tensor", "rss"], help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -713,6 +747,7 @@ def main(argv=None) -> int:
         "summary": stats,
         "models": {k: v for k, v in MODELS.items() if any(c.model == k for c in configs)},
         "rows": rows,
+        "plan_source": plan_source(),
         "torch": torch.__version__,
         "python": h.python_version(),
         "wall_time_s": time.perf_counter() - started,
