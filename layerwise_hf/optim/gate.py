@@ -19,6 +19,7 @@ from ..bases.support import check_fp16_clip_mode, check_fp16_weights
 from .clipping import ClipMode, make_clipper
 from .grad_scaler import GradScalerBridge
 from .memory import GradMeter
+from .offload import GradientOffload
 from .window import Action, StepWindow
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class GradientGate:
         self.track_grad_norm = track_grad_norm
         self.last_grad_norm: torch.Tensor | None = None
         self.applied_lr: dict[str, float] = {}  # per optimizer class, the lr of its latest step
+        self.offload: GradientOffload | None = None  # layerwise_offload="gradients": gradients wait on the host
 
     # ---- one gradient ----
 
@@ -78,6 +80,8 @@ class GradientGate:
             self.end_window()
         param = self.params[i]
         action = window.action(i, self.sync(), self.whole_step())
+        if self.offload is not None and self._offloaded(i, action):
+            return
         if action is Action.ACCUMULATE:
             self.meter.hold(i, param.grad)  # the gradient stays in .grad until the window's last micro-batch
             return
@@ -111,6 +115,18 @@ class GradientGate:
                 "gradient_accumulation_steps)."
             )
 
+    def _offloaded(self, i: int, action: Action) -> bool:
+        # Accumulated and held gradients wait on the host; a gradient stepping at once with nothing on the host
+        # (no accumulation, no clipping) steps as without offload.
+        offload = self.offload
+        if action not in (Action.ACCUMULATE, Action.HOLD) and not (action is Action.STEP and offload.holds(i)):
+            return False
+        if action is not Action.ACCUMULATE and not offload.holds(i):
+            self.window.record_norm(i, self.params[i])  # the whole gradient is on the device: measured there
+        measure = action is not Action.ACCUMULATE and (self.wants_norms() or self.clipper.needs_global_norm)
+        offload.stash(i, self.params[i], measure)
+        return True
+
     @torch.no_grad()
     def step_param(self, i: int) -> None:
         """Clip parameter `i`'s gradient, step its optimizer, free the gradient."""
@@ -139,7 +155,8 @@ class GradientGate:
         self.close_skipped_window()
         window = self.window
         pending = [i for i, p in enumerate(self.params) if p.grad is not None and not window.stepped[i]]
-        if pending:
+        offloaded = self.offload.pending() if self.offload is not None else []
+        if pending or offloaded:
             # With a scaler, GradScaler.step has unscaled these held gradients before calling step().
             for i in pending:
                 window.record_norm(i, self.params[i])
@@ -147,19 +164,22 @@ class GradientGate:
                 self.clipper.start_step(window, self.total_norm())
             for i in pending:
                 self.step_param(i)
+            if offloaded:
+                self.offload.restore_each(offloaded, self.params, self.step_param, window)
         self.end_window()
 
     def end_window(self) -> None:
         total = self.total_norm()
         if total is not None:
             self.last_grad_norm = total
-        self.window.reset()
-        self.meter.clear()
+        self.reset_window()
 
     def reset_window(self) -> None:
         """Forget a window that will not be finished (a new route, or an exception in the middle of a step)."""
         self.window.reset()
         self.meter.clear()
+        if self.offload is not None:
+            self.offload.end_window()
 
     def close_skipped_window(self) -> None:
         """Forget, without stepping, a window whose step GradScaler skipped (our step() never ran)."""
@@ -184,6 +204,11 @@ class GradientGate:
         if scaler is not None:
             check_fp16_clip_mode(self.clipper.mode.value, True, self.clipper.max_grad_norm)
             check_fp16_weights(zip(self.names, self.params))
+            if self.offload is not None:
+                raise ValueError(
+                    "layerwise_offload with fp16 loss scaling is not supported yet: use bf16, or layerwise_offload="
+                    "'none'."
+                )
         self.scaler = None if scaler is None else GradScalerBridge(scaler, owner)
 
     def whole_step(self) -> bool:
@@ -194,6 +219,8 @@ class GradientGate:
     def steps_now(self) -> bool:
         # What `action` would decide for a gradient arriving now, without noting anything: STEP or not.
         window = self.window
+        if self.offload is not None and self.offload.active:
+            return False  # this window's gradients step from the host at step()
         return (
             self.sync() and not window.in_norm_pass and (window.measured or not (self.whole_step() or window.hold_all))
         )
@@ -205,7 +232,9 @@ class GradientGate:
 
     def needs_norm_pass(self, attached: bool) -> bool:
         self.close_skipped_window()
-        return attached and self.whole_step() and self.sync() and not self.window.accumulating
+        # With offload the gradients wait on the host for the global norm: one backward, no norm pass.
+        offloaded = self.offload is not None
+        return attached and not offloaded and self.whole_step() and self.sync() and not self.window.accumulating
 
     @contextlib.contextmanager
     def norm_pass(self, reduce_found_inf: Callable[[dict], None]) -> Iterator[None]:
@@ -224,6 +253,8 @@ class GradientGate:
     # ---- gradient norm ----
 
     def total_norm(self) -> torch.Tensor | None:
+        if self.offload is not None:
+            self.offload.settle(self.window, self.params)
         return self.window.total_norm(self.params)
 
     def grad_norm(self, owner: Any) -> torch.Tensor | None:

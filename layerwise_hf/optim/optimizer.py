@@ -35,7 +35,9 @@ from .clipping import ClipMode
 from .gate import GradientGate
 from .grad_scaler import GradScalerBridge
 from .memory import tensor_bytes
+from .offload import GradientOffload, parse_offload
 from .state import layerwise_state_dict, load_layerwise_state_dict, standard_groups_names
+from .transfer import Transfer, offload_simulated
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +143,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
-        self._gate.meter.clear()
+        self._gate.reset_window() if self._gate.offload is not None else self._gate.meter.clear()
 
     def state_dict(self) -> dict[str, Any]:
         """The standard layout, each group with its parameter's `name`, plus metadata (`layerwise_hf.optim.state`)."""
@@ -416,6 +418,8 @@ def check_layerwise_arguments(args: Any) -> None:
         check_bool_argument("layerwise_accept_nonfinite_state", args.layerwise_accept_nonfinite_state)
     if hasattr(args, "layerwise_norm_pass"):
         norm_pass.parse_norm_pass(args.layerwise_norm_pass, argument="layerwise_norm_pass")
+    if hasattr(args, "layerwise_offload"):
+        parse_offload(args.layerwise_offload)
 
 
 def build_layerwise_optimizer(
@@ -427,6 +431,7 @@ def build_layerwise_optimizer(
     sync_gradients: Callable[[], bool] | None = None,
     track_grad_norm: bool = False,
     local_shards: bool = False,
+    offload: str | None = None,
 ) -> LayerwiseOptimizer:
     """
     Build the layer-wise optimizer for `model` from `args.optim` (e.g. `"adamw_8bit_layerwise"`).
@@ -447,6 +452,8 @@ def build_layerwise_optimizer(
         local_shards (`bool`, *optional*, defaults to `False`):
             The model will be FSDP2-sharded: optimizers that cannot step a DTensor (bitsandbytes', Adafactor) step
             each rank's local shard (`layerwise_hf.routes.local_shard`).
+        offload (`str`, *optional*, defaults to `args.layerwise_offload` or `"none"`):
+            `"gradients"`: gradients wait in host buffers for the step (see `enable_offload`).
 
     Example:
 
@@ -473,12 +480,7 @@ def build_layerwise_optimizer(
         id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding) and getattr(m, "weight", None) is not None
     }
     params = [
-        LayerwiseParam(
-            name=n,
-            param=p,
-            weight_decay=args.weight_decay if n in decay else 0.0,
-            is_embedding=id(p) in embedding_params,
-        )
+        LayerwiseParam(n, p, args.weight_decay if n in decay else 0.0, is_embedding=id(p) in embedding_params)
         for n, p in model.named_parameters()
         if p.requires_grad
     ]
@@ -486,7 +488,7 @@ def build_layerwise_optimizer(
         factory = resolve_factory(args, model)
     if local_shards:
         factory = wrap_local_shards(factory)
-    return LayerwiseOptimizer(
+    optimizer = LayerwiseOptimizer(
         params,
         factory,
         args,
@@ -495,6 +497,67 @@ def build_layerwise_optimizer(
         in_decay_group=[lp.name in decay for lp in params],
         track_grad_norm=track_grad_norm,
     )
+    mode = parse_offload(getattr(args, "layerwise_offload", "none") if offload is None else offload, "offload")
+    if mode != "none":
+        enable_offload(optimizer, mode)
+    return optimizer
+
+
+def enable_offload(
+    optimizer: LayerwiseOptimizer, mode: str = "gradients", transfer: Transfer | None = None, max_in_flight: int = 2
+) -> None:
+    """
+    Hold `optimizer`'s gradients in host memory between their backward and their step (`layerwise_offload`).
+
+    With `mode="gradients"` every gradient that would wait on the device (each micro-batch's under gradient
+    accumulation; every one with exact clipping, whose step needs the global norm) is copied to a host buffer during
+    backward and freed on the device; `step()` copies each back and steps it, the next copy overlapping the step
+    (`layerwise_hf.optim.offload`). Exact clipping then needs one forward and one backward per micro-batch, and
+    gradient accumulation keeps only the gradients in flight on the device. Without either, gradients step in
+    backward as without offload. fp16 loss scaling is refused (not supported yet).
+
+    On a machine without CUDA the device and the host are the same memory: offload saves nothing there. It still runs
+    the same path with a copy thread standing in for the side stream (`layerwise_hf.optim.transfer.ThreadTransfer`)
+    and warns once, unless `LAYERWISE_HF_OFFLOAD_SIMULATE=1` says that is what is wanted (tests).
+
+    Args:
+        optimizer (`LayerwiseOptimizer`): the optimizer to offload.
+        mode (`str`, *optional*, defaults to `"gradients"`): `"gradients"` (`"none"` turns offload off).
+        transfer (`Transfer`, *optional*): the device's copies (`layerwise_hf.optim.transfer`); chosen for the
+            gradients' device by default.
+        max_in_flight (`int`, *optional*, defaults to `2`): copies to the host in flight at once.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.optim.optimizer import build_layerwise_optimizer
+    >>> optimizer = build_layerwise_optimizer(model, args, offload="gradients")  # or args.layerwise_offload
+    ```
+    """
+    mode = parse_offload(mode, "mode")
+    gate = optimizer._gate
+    if gate.offload is not None:
+        gate.offload.close()
+    gate.offload = None
+    if mode == "none":
+        return
+    if mode != "gradients":
+        raise NotImplementedError(f"layerwise_offload={mode!r} is not implemented yet; use 'gradients'.")
+    if gate.scaler is not None:
+        raise ValueError("layerwise_offload with fp16 loss scaling is not supported yet: use bf16.")
+    if not torch.cuda.is_available() and not offload_simulated() and transfer is None:
+        logger.warning(
+            "layerwise_offload=%r on a machine without CUDA: the device and the host are the same memory, so offload "
+            "saves none. It runs the same path as on a GPU, with a copy thread for the side stream "
+            "(LAYERWISE_HF_OFFLOAD_SIMULATE=1 says this is intended and silences this warning).",
+            mode,
+        )
+    gate.offload = GradientOffload(transfer, max_in_flight=max_in_flight)
+
+
+def offload_of(optimizer: LayerwiseOptimizer) -> GradientOffload | None:
+    """The host offload of `optimizer` (`enable_offload`), or `None`: its host buffers and device-side counters."""
+    return optimizer._gate.offload
 
 
 def unwrap_layerwise_optimizer(optimizer: Any) -> LayerwiseOptimizer | None:

@@ -1,0 +1,262 @@
+"""Host offload of gradients (`layerwise_offload="gradients"`): each final gradient goes to a host buffer during
+backward, and comes back to the device one at a time for its step.
+
+What it buys: with gradient accumulation, every micro-batch's gradient is added into its host buffer and freed on the
+device, so the device holds only the gradients in flight (at most `max_in_flight` copies) at any GA; with exact
+clipping (and without accumulation) the step needs the global norm before any layer steps, and the gradients wait for
+it on the host instead of on the device, so one forward and one backward per micro-batch suffice (no norm pass).
+
+The path of gradient `i` (the route has reduced it; `GradientGate.grad_ready` hands it over):
+
+1. `stash`: the device gradient is copied to the host (`Transfer.copy`, beside the compute) and freed. The first
+   gradient of a window lands in the buffer itself; a later micro-batch's lands in a staging buffer that the host
+   worker adds into it once the copy is done (`buffer += staged`: the order autograd accumulates `.grad` in, so the
+   sum is bit-identical to the standard optimizer's). Without accumulation the gradient's norm is taken on the device
+   before the copy (the gate does it); with accumulation the norm of the sum is taken by the host worker.
+2. `settle`: the end of the window's last backward waits for every copy and host task and records the host norms in
+   the step window, so the global norm is known.
+3. `restore_each`: each held gradient is copied back into a fresh device tensor, the next one's copy started before
+   the current one steps (the copy back overlaps the steps), and stepped by the gate (clip, inner step, free).
+
+The device's asynchrony is `layerwise_hf.optim.transfer`'s (a side stream on CUDA, a copy thread on CPU).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .clipping import grad_norm_kernel
+from .transfer import Ticket, Transfer, make_transfer
+
+logger = logging.getLogger(__name__)
+
+OFFLOAD_MODES = ("none", "gradients", "optimizer")
+
+
+def parse_offload(value: Any, argument: str = "layerwise_offload") -> str:
+    """
+    `value` as an offload mode (`"none"`, `"gradients"`, `"optimizer"`), or a `ValueError` naming `argument`.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.optim.offload import parse_offload
+    >>> parse_offload("gradients")
+    'gradients'
+    ```
+    """
+    if isinstance(value, str) and value in OFFLOAD_MODES:
+        return value
+    raise ValueError(
+        f"{argument}={value!r} is not an offload mode: choose one of {', '.join(OFFLOAD_MODES)} ('gradients': "
+        "gradients wait in host memory for the step; 'optimizer': optimizer states and the step live on the host)."
+    )
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor itself, or a DTensor's local shard (what this rank copies)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class HostWorker:
+    """One host thread that runs tasks in the order they were submitted (host adds, norms, host optimizer steps)."""
+
+    def __init__(self) -> None:
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerwise-host")
+        return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+class GradientOffload:
+    """
+    Gradients held in host buffers between their backward and their step (see the module docstring).
+
+    Args:
+        transfer (`Transfer`, *optional*):
+            The device's copies; by default `make_transfer` for the first gradient's device.
+        max_in_flight (`int`, *optional*, defaults to `2`):
+            Copies out allowed in flight at once; the next stash waits for the oldest. The device side then holds at
+            most this many gradients being copied, next to the one autograd is computing.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.optim.offload import GradientOffload
+    >>> offload = GradientOffload()
+    >>> weight = torch.nn.Parameter(torch.ones(3)); weight.grad = torch.full((3,), 2.0)
+    >>> offload.stash(0, weight, measure=False); weight.grad is None, offload.pending()
+    (True, [0])
+    ```
+    """
+
+    def __init__(self, transfer: Transfer | None = None, max_in_flight: int = 2):
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight={max_in_flight!r}: at least one copy must be allowed in flight.")
+        self.transfer = transfer
+        self.max_in_flight = max_in_flight
+        self.worker = HostWorker()
+        self.host: dict[int, torch.Tensor] = {}  # persistent host buffers, one per parameter that was offloaded
+        self.filled: dict[int, bool] = {}  # whether this window's buffer holds a gradient (else it is stale)
+        self.accumulated: set[int] = set()  # buffers holding a sum of micro-batches: norm taken on the host
+        self.waits: dict[int, list[Ticket | concurrent.futures.Future]] = {}  # what must finish before reading i
+        self.host_norms: dict[int, concurrent.futures.Future] = {}
+        self.in_flight: collections.deque[tuple[Ticket, int]] = collections.deque()
+        self.device_bytes = 0  # device gradient bytes being copied out now
+        self.peak_device_bytes = 0
+
+    # ---- during backward ----
+
+    def holds(self, i: int) -> bool:
+        """Whether gradient `i` of this window is (partly) in its host buffer."""
+        return self.filled.get(i, False)
+
+    @property
+    def active(self) -> bool:
+        """Whether any gradient of this window is held on the host."""
+        return any(self.filled.values())
+
+    def _transfer_for(self, tensor: torch.Tensor) -> Transfer:
+        if self.transfer is None:
+            self.transfer = make_transfer(tensor.device)
+        return self.transfer
+
+    @torch.no_grad()
+    def stash(self, i: int, param: torch.Tensor, measure: bool) -> None:
+        """Copy `param.grad` into (or, later in the window, add it to) `i`'s host buffer and free it on the device;
+        `measure`: the step will want the norm of an accumulated sum, taken by the host worker."""
+        grad = local_tensor(param.grad)
+        transfer = self._transfer_for(grad)
+        self._make_room()
+        buffer = self.host.get(i)
+        if buffer is None:
+            buffer = self.host[i] = transfer.host_empty_like(grad)
+        waits = self.waits.setdefault(i, [])
+        if not self.filled.get(i, False):
+            ticket = transfer.copy(buffer, grad)
+            waits.append(ticket)
+            self.filled[i] = True
+        else:
+            staged = transfer.host_empty_like(grad)
+            ticket = transfer.copy(staged, grad)
+            before = list(waits)
+            waits.clear()
+            waits.append(self.worker.submit(_add_after, buffer, staged, [*before, ticket]))
+            self.accumulated.add(i)
+        param.grad = None
+        self._track(ticket, grad.numel() * grad.element_size())
+        if measure and i in self.accumulated:
+            self.host_norms[i] = self.worker.submit(_norm_after, buffer, list(waits))
+
+    def _make_room(self) -> None:
+        # Before a new copy starts: at most max_in_flight - 1 others may still read device gradients.
+        while self.in_flight and (len(self.in_flight) >= self.max_in_flight or self.in_flight[0][0].done()):
+            oldest, size = self.in_flight.popleft()
+            oldest.wait_host()
+            self.device_bytes -= size
+
+    def _track(self, ticket: Ticket, nbytes: int) -> None:
+        self.in_flight.append((ticket, nbytes))
+        self.device_bytes += nbytes
+        self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
+
+    # ---- the step ----
+
+    def settle(self, window: Any, params: Sequence[torch.Tensor]) -> None:
+        """Wait for every copy out and host task; record the host-measured norms in `window` (`StepWindow`)."""
+        for waits in self.waits.values():
+            _wait_all(waits)
+            waits.clear()
+        while self.in_flight:
+            ticket, size = self.in_flight.popleft()
+            ticket.wait_host()
+            self.device_bytes -= size
+        for i, future in self.host_norms.items():
+            if window.norms[i] is None:
+                window.norms[i] = (params[i].device, self.host[i].dtype, future.result())
+        self.host_norms.clear()
+
+    def pending(self) -> list[int]:
+        """The parameters whose gradient of this window waits on the host for its step, in parameter order."""
+        return sorted(i for i, filled in self.filled.items() if filled)
+
+    @torch.no_grad()
+    def restore_each(
+        self, indices: Sequence[int], params: Sequence[torch.Tensor], step: Callable[[int], None], window: Any
+    ) -> None:
+        """For each of `indices`: copy its gradient back into `params[i].grad` and call `step(i)`; the next copy
+        back is started before `step(i)` runs, so the transfers overlap the steps."""
+        self.settle(window, params)
+        if not indices:
+            return
+        started = self._copy_back(indices[0], params)
+        for k, i in enumerate(indices):
+            device_grad, ticket = started
+            if k + 1 < len(indices):
+                started = self._copy_back(indices[k + 1], params)
+            ticket.wait_device()
+            params[i].grad = device_grad
+            self.filled[i] = False
+            step(i)
+
+    def _copy_back(self, i: int, params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Ticket]:
+        param = params[i]
+        device_grad = torch.empty_like(param)
+        ticket = self._transfer_for(local_tensor(param)).copy(local_tensor(device_grad), self.host[i])
+        return device_grad, ticket
+
+    def end_window(self) -> None:
+        """Forget this window's gradients (stepped, or dropped with a skipped or abandoned step); keep the buffers."""
+        for waits in self.waits.values():
+            _wait_all(waits)
+        while self.in_flight:
+            self.in_flight.popleft()[0].wait_host()
+        self.device_bytes = 0
+        self.waits.clear()
+        self.host_norms.clear()
+        self.filled.clear()
+        self.accumulated.clear()
+
+    def host_bytes(self) -> int:
+        """Bytes of the host buffers."""
+        return sum(b.numel() * b.element_size() for b in self.host.values())
+
+    def close(self) -> None:
+        self.end_window()
+        self.worker.close()
+        if self.transfer is not None:
+            self.transfer.close()
+
+
+def _wait_all(waits: Sequence[Ticket | concurrent.futures.Future]) -> None:
+    for w in waits:
+        if isinstance(w, concurrent.futures.Future):
+            w.result()
+        else:
+            w.wait_host()
+
+
+def _add_after(buffer: torch.Tensor, staged: torch.Tensor, waits: Sequence[Any]) -> None:
+    _wait_all(waits)
+    with torch.no_grad():
+        buffer.add_(staged)
+
+
+def _norm_after(buffer: torch.Tensor, waits: Sequence[Any]) -> torch.Tensor:
+    _wait_all(waits)
+    with torch.no_grad():
+        return grad_norm_kernel(buffer)
