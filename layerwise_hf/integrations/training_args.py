@@ -45,7 +45,9 @@ class LayerwiseTrainingArguments(TrainingArguments):
             `"gradients"`: gradients that wait for the step (every micro-batch's under gradient accumulation, every
             one under exact clipping) wait in host memory, copied out during backward and back one at a time for the
             step: exact clipping in one backward, and only the gradients in flight on the device at any GA
-            (`layerwise_hf.optim.offload`). Not with fp16. Without CUDA it saves nothing and warns.
+            (`layerwise_hf.optim.offload`). `"optimizer"`: besides, each parameter's optimizer state and a copy of the
+            parameter live in host memory, stepped there by a host thread while backward goes on and copied back before
+            the next forward (`layerwise_hf.optim.host_step`). Not with fp16. Without CUDA it saves nothing and warns.
 
     Every other argument is `TrainingArguments`'; an unknown `optim` raises `ValueError` listing the valid names.
 
@@ -94,8 +96,9 @@ class LayerwiseTrainingArguments(TrainingArguments):
         default="none",
         metadata={
             "help": "'gradients': gradients waiting for the step (gradient accumulation, exact clipping) wait in host "
-            "memory instead of on the device; exact clipping then needs no norm pass. 'none': off.",
-            "choices": ["none", "gradients"],
+            "memory instead of on the device; exact clipping then needs no norm pass. 'optimizer': besides, optimizer "
+            "states and the step live on the host, stepped during backward. 'none': off.",
+            "choices": ["none", "gradients", "optimizer"],
         },
     )
 
