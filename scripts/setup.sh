@@ -9,4 +9,6 @@ fi
 # NOTE: torch first, pinned: a bare `torch` requirement with no torch installed pulls a multi-GB CUDA build.
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[test]"
+# The default tested combination (ci/default.txt): pyproject.toml has no upper bounds, so without the pins a later
+# run would install whatever is newest then.
+.venv/bin/python -m pip install --quiet -c ci/default.txt -e ".[test]"
