@@ -12,7 +12,8 @@ from helpers import TokenDataset, assert_params_equal, clone, logged, tiny_llama
 
 from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
 from layerwise_hf.optim import transfer as transfer_module
-from layerwise_hf.optim.optimizer import build_layerwise_optimizer, enable_offload, offload_of
+from layerwise_hf.optim.offloading import enable_offload, offload_of
+from layerwise_hf.optim.optimizer import build_layerwise_optimizer
 from layerwise_hf.optim.transfer import ThreadTransfer
 
 

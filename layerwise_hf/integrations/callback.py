@@ -8,6 +8,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..bases.support import check_no_new_trainable
+from ..optim.offloading import wait_for_host_steps
 from ..optim.optimizer import unwrap_layerwise_optimizer
 from .preflight import Preflight, check_preflight_argument
 
@@ -109,6 +110,7 @@ def end_training(optimizer) -> None:
     ```
     """
     if optimizer is not None:
+        wait_for_host_steps(optimizer)  # layerwise_offload="optimizer": the last host steps are in the weights
         optimizer.detach()
         optimizer.use_grad_scaler(None)
         optimizer.configure_clipping(None)

@@ -18,6 +18,7 @@ from ..bases.streams import step_in_backward
 from ..bases.support import check_fp16_clip_mode, check_fp16_weights
 from .clipping import ClipMode, make_clipper
 from .grad_scaler import GradScalerBridge
+from .host_step import HostStepOptimizer, unwrap_host_step
 from .memory import GradMeter
 from .offload import GradientOffload
 from .window import Action, StepWindow
@@ -124,6 +125,9 @@ class GradientGate:
         if action is not Action.ACCUMULATE and not offload.holds(i):
             self.window.record_norm(i, self.params[i])  # the whole gradient is on the device: measured there
         measure = action is not Action.ACCUMULATE and (self.wants_norms() or self.clipper.needs_global_norm)
+        inner = self.inner[i]
+        if not offload.holds(i) and isinstance(inner, HostStepOptimizer):
+            inner.wait_host()  # its last host step may still read the buffer this gradient is copied into
         offload.stash(i, self.params[i], measure)
         return True
 
@@ -143,10 +147,21 @@ class GradientGate:
             grad.mul_(coef.to(grad.device))
         inner = self.inner[i]
         step_in_backward(inner, p)
-        self.applied_lr[type(inner).__name__] = inner.param_groups[0]["lr"]
+        self.applied_lr[type(unwrap_host_step(inner)).__name__] = inner.param_groups[0]["lr"]
         window.stepped[i] = True
         p.grad = None
         self.meter.release(i)
+
+    def step_on_host(self, i: int) -> None:
+        """`layerwise_offload="optimizer"`: step parameter `i` on the host from its host gradient (clipped there)."""
+        window, inner = self.window, self.inner[i]
+        norm = window.norms[i]
+        coef = self.clipper.coef(window, None if norm is None else norm[2], self.last_grad_norm)
+        buffer = self.offload.host[i]
+        inner.step_host(buffer, [], None if coef is None else coef.to(buffer.device))
+        self.applied_lr[type(unwrap_host_step(inner)).__name__] = inner.param_groups[0]["lr"]
+        window.stepped[i] = True
+        self.offload.filled[i] = False
 
     # ---- the step ----
 
@@ -164,7 +179,11 @@ class GradientGate:
                 self.clipper.start_step(window, self.total_norm())
             for i in pending:
                 self.step_param(i)
-            if offloaded:
+            if offloaded and self.offload.host_steps:
+                self.offload.settle(window, self.params)
+                for i in offloaded:
+                    self.step_on_host(i)
+            elif offloaded:
                 self.offload.restore_each(offloaded, self.params, self.step_param, window)
         self.end_window()
 
@@ -173,6 +192,13 @@ class GradientGate:
         if total is not None:
             self.last_grad_norm = total
         self.reset_window()
+
+    def new_route(self) -> None:
+        """A route is attached (training begins): a fresh window, and host copies taken again from the device."""
+        self.reset_window()
+        for inner in self.inner:
+            if isinstance(inner, HostStepOptimizer):
+                inner.stale = True
 
     def reset_window(self) -> None:
         """Forget a window that will not be finished (a new route, or an exception in the middle of a step)."""

@@ -91,6 +91,10 @@ class GradientOffload:
         max_in_flight (`int`, *optional*, defaults to `2`):
             Copies out allowed in flight at once; the next stash waits for the oldest. The device side then holds at
             most this many gradients being copied, next to the one autograd is computing.
+        worker (`HostWorker`, *optional*):
+            The host thread for adds and norms (`layerwise_offload="optimizer"` shares its host steps' one).
+        host_steps (`bool`, *optional*, defaults to `False`):
+            The gradients are stepped on the host from their buffers (`HostStepOptimizer.step_host`), not copied back.
 
     Example:
 
@@ -104,12 +108,19 @@ class GradientOffload:
     ```
     """
 
-    def __init__(self, transfer: Transfer | None = None, max_in_flight: int = 2):
+    def __init__(
+        self,
+        transfer: Transfer | None = None,
+        max_in_flight: int = 2,
+        worker: HostWorker | None = None,
+        host_steps: bool = False,
+    ):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight={max_in_flight!r}: at least one copy must be allowed in flight.")
         self.transfer = transfer
         self.max_in_flight = max_in_flight
-        self.worker = HostWorker()
+        self.worker = worker or HostWorker()
+        self.host_steps = host_steps  # layerwise_offload="optimizer": step() steps from the host buffers
         self.host: dict[int, torch.Tensor] = {}  # persistent host buffers, one per parameter that was offloaded
         self.filled: dict[int, bool] = {}  # whether this window's buffer holds a gradient (else it is stale)
         self.accumulated: set[int] = set()  # buffers holding a sum of micro-batches: norm taken on the host

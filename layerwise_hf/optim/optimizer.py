@@ -35,9 +35,9 @@ from .clipping import ClipMode
 from .gate import GradientGate
 from .grad_scaler import GradScalerBridge
 from .memory import tensor_bytes
-from .offload import GradientOffload, parse_offload
+from .offload import parse_offload
+from .offloading import enable_offload, host_step_factory
 from .state import layerwise_state_dict, load_layerwise_state_dict, standard_groups_names
-from .transfer import Transfer, offload_simulated
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._sync_gradients = sync_gradients or _accelerate_sync_gradients
         self._extra_backward = False
         self._route: GradientRoute | None = None  # the last route connected (kept after detach: `route` names it)
-        self._gate = GradientGate(self.names, self._params, self.inner, self.sync_gradients, track_grad_norm)
+        self.gate = GradientGate(self.names, self._params, self.inner, self.sync_gradients, track_grad_norm)
         self.steps_taken = 0
         # NOTE: some transformers schedulers read `optimizer.defaults["lr"]` (polynomial, cosine_with_min_lr).
         defaults = {"lr": self.inner[0].defaults.get("lr", self.inner[0].param_groups[0]["lr"])}
@@ -137,13 +137,13 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         with torch.enable_grad():
             loss = closure() if closure is not None else None
         self.rebind()
-        self._gate.step_pending()
+        self.gate.step_pending()
         self.steps_taken += 1
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
-        self._gate.reset_window() if self._gate.offload is not None else self._gate.meter.clear()
+        self.gate.reset_window() if self.gate.offload is not None else self.gate.meter.clear()
 
     def state_dict(self) -> dict[str, Any]:
         """The standard layout, each group with its parameter's `name`, plus metadata (`layerwise_hf.optim.state`)."""
@@ -159,7 +159,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             # Loading replaces the inner optimizers' group dicts; keep sharing them by reference.
             self.param_groups[:] = [inner.param_groups[0] for inner in self.inner]
         if last_grad_norm is not None:
-            self._gate.last_grad_norm = last_grad_norm.to(self._params[0].device)
+            self.gate.last_grad_norm = last_grad_norm.to(self._params[0].device)
 
     # ---- parameters and routes ----
 
@@ -202,7 +202,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             if old is not new and old in inner.state:
                 inner.state[new] = inner.state.pop(old)
         self._params = current
-        self._gate.params = current
+        self.gate.params = current
         self._index = {id(p): i for i, p in enumerate(current)}
         if route is not None:
             route.attach(self)
@@ -212,7 +212,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self.rebind()
         self.detach()
         # A window cut short by an exception (Ctrl-C, OOM, a callback) must not carry into the next step.
-        self._gate.reset_window()
+        self.gate.new_route()
         route.attach(self)
         self._route = route
 
@@ -229,7 +229,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self.rebind()
         route = choose_route(self, model, accelerator)
         self.set_route(route)
-        self._gate.window.hold_all = hold_first_step
+        self.gate.window.hold_all = hold_first_step
         return route.name
 
     def detach(self) -> None:
@@ -257,41 +257,41 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         """Parameter `i`'s reduced gradient is in `.grad`: routes call this, the only way gradients come in."""
         if _frozen_since_built(self._params[i]):
             return
-        self._gate.grad_ready(i)
+        self.gate.grad_ready(i)
 
     def grad_held(self, i: int) -> None:
         """A route keeps parameter `i`'s gradient to hand it over later: count it among the gradients alive."""
-        self._gate.meter.hold(i, self._params[i].grad)
+        self.gate.meter.hold(i, self._params[i].grad)
 
     def configure_clipping(self, max_grad_norm: float | None, mode: str = "exact") -> None:
         """Apply `max_grad_norm` (`<= 0` or `None`: no clipping) the way `mode` (a `layerwise_clip` value) says."""
-        self._gate.configure_clipping(max_grad_norm, mode)
+        self.gate.configure_clipping(max_grad_norm, mode)
 
     @property
     def clip_mode(self) -> str:
-        return self._gate.clipper.mode.value
+        return self.gate.clipper.mode.value
 
     def use_grad_scaler(self, scaler: Any) -> None:
         """Step under fp16 loss scaling with Accelerate's `accelerator.scaler` (`None`: none); see `grad_scaler`."""
-        self._gate.use_grad_scaler(scaler, self)
+        self.gate.use_grad_scaler(scaler, self)
 
     def needs_norm_pass(self) -> bool:
         """Whether the coming backward ends a window that exact clipping or fp16 wants measured first."""
-        return self._gate.needs_norm_pass(self.attached)
+        return self.gate.needs_norm_pass(self.attached)
 
     def steps_in_backward(self) -> bool:
         """Whether a gradient handed over now steps at once (not accumulated, measured, or held for `step()`)."""
-        return self._gate.steps_now()
+        return self.gate.steps_now()
 
     def norm_pass(self) -> contextlib.AbstractContextManager[None]:
         """Hooks within it only measure (and fp16-check) gradients and free them (`layerwise_hf.optim.norm_pass`)."""
         route = self._route
-        return self._gate.norm_pass(route.reduce_found_inf if route is not None else lambda flags: None)
+        return self.gate.norm_pass(route.reduce_found_inf if route is not None else lambda flags: None)
 
     @property
     def step_will_be_skipped(self) -> bool:
         """After a norm pass with a scaler: some gradient was inf/nan, so GradScaler will skip this step."""
-        return GradScalerBridge.will_skip(self._gate.window)
+        return GradScalerBridge.will_skip(self.gate.window)
 
     def backward_with_norm_pass(self, loss: torch.Tensor, backward: Callable[..., Any] | None = None, **kwargs):
         """`backward(loss)` after a measuring backward when needed; see `norm_pass.backward_with_norm_pass`."""
@@ -303,38 +303,38 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def note_accumulation(self) -> None:
         """A micro-batch that does not end the window ran backward (under DDP's no_sync no hook says so)."""
-        self._gate.note_accumulation()
+        self.gate.note_accumulation()
 
     def close_skipped_window(self) -> None:
         """Forget, without stepping, a window whose step GradScaler skipped (our step() never ran)."""
-        self._gate.close_skipped_window()
+        self.gate.close_skipped_window()
 
     def grad_norm(self) -> torch.Tensor | None:
         """The pre-clip global norm of this step's (or, after `step()`, the last step's) gradients, as
         `clip_grad_norm_` returns it (with fp16, of the unscaled gradients; inf/nan on a step GradScaler skips)."""
-        return self._gate.grad_norm(self)
+        return self.gate.grad_norm(self)
 
     @property
     def track_grad_norm(self) -> bool:
-        return self._gate.track_grad_norm
+        return self.gate.track_grad_norm
 
     @track_grad_norm.setter
     def track_grad_norm(self, value: bool) -> None:
-        self._gate.track_grad_norm = value
+        self.gate.track_grad_norm = value
 
     def applied_learning_rates(self) -> dict[str, float]:
-        return dict(self._gate.applied_lr)  # per inner optimizer class ("AdamW", "Muon"): its latest step's lr
+        return dict(self.gate.applied_lr)  # per inner optimizer class ("AdamW", "Muon"): its latest step's lr
 
     @property
     def last_grad_norm(self) -> torch.Tensor | None:
-        return self._gate.last_grad_norm
+        return self.gate.last_grad_norm
 
     # ---- memory ----
 
     @property
     def peak_grad_bytes(self) -> int:
         """The most gradient bytes this optimizer held at once (accumulating, held, or about to step)."""
-        return self._gate.meter.peak_bytes
+        return self.gate.meter.peak_bytes
 
     def state_bytes(self) -> int:
         """Bytes held by every inner optimizer's state."""
@@ -453,7 +453,8 @@ def build_layerwise_optimizer(
             The model will be FSDP2-sharded: optimizers that cannot step a DTensor (bitsandbytes', Adafactor) step
             each rank's local shard (`layerwise_hf.routes.local_shard`).
         offload (`str`, *optional*, defaults to `args.layerwise_offload` or `"none"`):
-            `"gradients"`: gradients wait in host buffers for the step (see `enable_offload`).
+            `"gradients"`: gradients wait in host buffers for the step; `"optimizer"`: optimizer states and a copy of
+            each parameter live on the host, stepped there during backward (see `enable_offload`).
 
     Example:
 
@@ -488,6 +489,8 @@ def build_layerwise_optimizer(
         factory = resolve_factory(args, model)
     if local_shards:
         factory = wrap_local_shards(factory)
+    mode = parse_offload(getattr(args, "layerwise_offload", "none") if offload is None else offload, "offload")
+    factory, runner = host_step_factory(factory, mode)
     optimizer = LayerwiseOptimizer(
         params,
         factory,
@@ -497,67 +500,8 @@ def build_layerwise_optimizer(
         in_decay_group=[lp.name in decay for lp in params],
         track_grad_norm=track_grad_norm,
     )
-    mode = parse_offload(getattr(args, "layerwise_offload", "none") if offload is None else offload, "offload")
-    if mode != "none":
-        enable_offload(optimizer, mode)
+    enable_offload(optimizer, mode, runner=runner)
     return optimizer
-
-
-def enable_offload(
-    optimizer: LayerwiseOptimizer, mode: str = "gradients", transfer: Transfer | None = None, max_in_flight: int = 2
-) -> None:
-    """
-    Hold `optimizer`'s gradients in host memory between their backward and their step (`layerwise_offload`).
-
-    With `mode="gradients"` every gradient that would wait on the device (each micro-batch's under gradient
-    accumulation; every one with exact clipping, whose step needs the global norm) is copied to a host buffer during
-    backward and freed on the device; `step()` copies each back and steps it, the next copy overlapping the step
-    (`layerwise_hf.optim.offload`). Exact clipping then needs one forward and one backward per micro-batch, and
-    gradient accumulation keeps only the gradients in flight on the device. Without either, gradients step in
-    backward as without offload. fp16 loss scaling is refused (not supported yet).
-
-    On a machine without CUDA the device and the host are the same memory: offload saves nothing there. It still runs
-    the same path with a copy thread standing in for the side stream (`layerwise_hf.optim.transfer.ThreadTransfer`)
-    and warns once, unless `LAYERWISE_HF_OFFLOAD_SIMULATE=1` says that is what is wanted (tests).
-
-    Args:
-        optimizer (`LayerwiseOptimizer`): the optimizer to offload.
-        mode (`str`, *optional*, defaults to `"gradients"`): `"gradients"` (`"none"` turns offload off).
-        transfer (`Transfer`, *optional*): the device's copies (`layerwise_hf.optim.transfer`); chosen for the
-            gradients' device by default.
-        max_in_flight (`int`, *optional*, defaults to `2`): copies to the host in flight at once.
-
-    Example:
-
-    ```python
-    >>> from layerwise_hf.optim.optimizer import build_layerwise_optimizer
-    >>> optimizer = build_layerwise_optimizer(model, args, offload="gradients")  # or args.layerwise_offload
-    ```
-    """
-    mode = parse_offload(mode, "mode")
-    gate = optimizer._gate
-    if gate.offload is not None:
-        gate.offload.close()
-    gate.offload = None
-    if mode == "none":
-        return
-    if mode != "gradients":
-        raise NotImplementedError(f"layerwise_offload={mode!r} is not implemented yet; use 'gradients'.")
-    if gate.scaler is not None:
-        raise ValueError("layerwise_offload with fp16 loss scaling is not supported yet: use bf16.")
-    if not torch.cuda.is_available() and not offload_simulated() and transfer is None:
-        logger.warning(
-            "layerwise_offload=%r on a machine without CUDA: the device and the host are the same memory, so offload "
-            "saves none. It runs the same path as on a GPU, with a copy thread for the side stream "
-            "(LAYERWISE_HF_OFFLOAD_SIMULATE=1 says this is intended and silences this warning).",
-            mode,
-        )
-    gate.offload = GradientOffload(transfer, max_in_flight=max_in_flight)
-
-
-def offload_of(optimizer: LayerwiseOptimizer) -> GradientOffload | None:
-    """The host offload of `optimizer` (`enable_offload`), or `None`: its host buffers and device-side counters."""
-    return optimizer._gate.offload
 
 
 def unwrap_layerwise_optimizer(optimizer: Any) -> LayerwiseOptimizer | None:

@@ -1,0 +1,242 @@
+"""Host offload of the optimizer (`layerwise_offload="optimizer"`): each parameter's optimizer state and a host copy
+of the parameter live in host memory, and a host worker steps it while backward goes on.
+
+The path of parameter `i` once its gradient is final (after the route's reduction):
+
+1. The gate steps `HostStepOptimizer` as any inner optimizer. Its `step` starts copying the device gradient into a
+   host buffer (`Transfer.copy`, beside the compute), returns at once, and the gate frees the device gradient (the
+   transfer keeps it alive until its copy has run).
+2. The host worker (one thread, tasks in order) waits for that copy, steps the wrapped optimizer on the host copy of
+   the parameter (its states were created there, on the host), and starts copying the updated parameter back into the
+   device parameter's storage.
+3. Before the next forward (a module forward pre-hook) the compute waits for every copy back (`HostRunner.wait`);
+   so do checkpoints and the end of training. Backward does not wait: the host steps overlap it.
+
+With gradient accumulation or exact clipping the gradients wait in host buffers (`layerwise_hf.optim.offload`, the
+same worker and transfer); `step()` then steps each from its host buffer (`HostStepOptimizer.step_host`), clipped by
+the step's coefficient, without a copy back of the gradient.
+
+The host copy has the parameter's dtype, so the step is the standard optimizer's bit for bit (a bf16 model keeps
+bf16 weights, as without offload). Checkpoints hold the wrapped optimizer's own state dict, the same format as
+without offload (its class is saved, not the wrapper's), so a run resumes across offload on and off.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..bases.params import LayerwiseFactory, LayerwiseParam
+from .offload import HostWorker, local_tensor
+from .transfer import Ticket, Transfer, make_transfer
+
+
+class HostRunner:
+    """
+    What the host-stepped parameters of one optimizer share: the transfer, the host worker, and the copies back that
+    the next forward waits for.
+
+    Args:
+        transfer (`Transfer`, *optional*): the device's copies; by default `make_transfer` for the first parameter's
+            device.
+    """
+
+    def __init__(self, transfer: Transfer | None = None):
+        self.transfer = transfer
+        self.worker = HostWorker()
+        self.pending: dict[int, HostStepOptimizer] = {}  # id -> optimizers whose copy back the next forward awaits
+        runner = weakref.ref(self)
+
+        def before_forward(module, args):
+            alive = runner()
+            if alive is not None and alive.pending:
+                alive.wait()
+
+        # NOTE: a global forward pre-hook runs before any module's forward, so the weights a host step updated are
+        # back on the device before their next use, wherever that forward comes from (training, evaluation).
+        self._hook = torch.nn.modules.module.register_module_forward_pre_hook(before_forward)
+        weakref.finalize(self, self._hook.remove)
+
+    def transfer_for(self, tensor: torch.Tensor) -> Transfer:
+        if self.transfer is None:
+            self.transfer = make_transfer(tensor.device)
+        return self.transfer
+
+    def wait(self) -> None:
+        """Make the device wait for every host step started and its copy back (before parameters are read)."""
+        while self.pending:
+            _, optimizer = self.pending.popitem()
+            optimizer.wait_device()
+
+    def close(self) -> None:
+        self.wait()
+        self._hook.remove()
+        self.worker.close()
+        if self.transfer is not None:
+            self.transfer.close()
+
+
+class HostStepOptimizer(torch.optim.Optimizer):
+    """
+    Steps `base`, an optimizer over one parameter, on a host copy of that parameter (see the module docstring).
+
+    Args:
+        base (`torch.optim.Optimizer`): the parameter's optimizer (one group, one parameter), as the factory built it.
+        runner (`HostRunner`): the transfer and host worker shared by the optimizer's parameters.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.optim.host_step import HostRunner, HostStepOptimizer
+    >>> weight = torch.nn.Parameter(torch.ones(4))
+    >>> runner = HostRunner()
+    >>> optimizer = HostStepOptimizer(torch.optim.SGD([weight], lr=0.5), runner)
+    >>> weight.grad = torch.ones(4); optimizer.step(); runner.wait(); weight.data
+    tensor([0.5000, 0.5000, 0.5000, 0.5000])
+    ```
+    """
+
+    def __init__(self, base: torch.optim.Optimizer, runner: HostRunner):
+        (param,) = base.param_groups[0]["params"]
+        self.base = base
+        self.runner = runner
+        local = local_tensor(param).detach()
+        transfer = runner.transfer_for(local)
+        host = transfer.host_empty_like(local)
+        transfer.copy(host, local).wait_host()
+        # A stable host parameter for `base` to key its state by; its states are created like it, on the host.
+        self.host = torch.nn.Parameter(host, requires_grad=False)
+        base.param_groups[0]["params"] = [self.host]
+        self.host_grad: torch.Tensor | None = None  # where a gradient stepping at once lands on the host
+        self.last: concurrent.futures.Future | None = None  # this parameter's latest host step (-> its copy back)
+        self.stale = False  # the device parameter was changed from outside (a checkpoint loaded): copy it first
+        group = {k: v for k, v in base.param_groups[0].items() if k != "params"}
+        super().__init__([{**group, "params": [param]}], base.defaults)
+
+    @property
+    def host_base(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer (checkpoints name its class)."""
+        return self.base
+
+    @property
+    def state(self) -> dict[torch.Tensor, dict]:
+        s = self.base.state.get(self.host)
+        return {self.param_groups[0]["params"][0]: s} if s else {}
+
+    @state.setter
+    def state(self, value) -> None:
+        if value:
+            raise AttributeError("HostStepOptimizer.state is a view of the wrapped optimizer's state.")
+
+    # ---- stepping ----
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None):
+        if closure is not None:
+            raise ValueError("A host-stepped layer-wise optimizer takes no closure.")
+        param = self.param_groups[0]["params"][0]
+        if param.grad is None:
+            return None
+        grad = local_tensor(param.grad)
+        transfer = self.runner.transfer_for(grad)
+        self.wait_host()  # the previous step still reads host_grad
+        if self.host_grad is None or self.host_grad.shape != grad.shape or self.host_grad.dtype != grad.dtype:
+            self.host_grad = transfer.host_empty_like(grad)
+        ticket = transfer.copy(self.host_grad, grad)
+        self.step_host(self.host_grad, [ticket], None)
+        return None
+
+    def step_host(self, grad: torch.Tensor, waits: list[Any], coef: torch.Tensor | None) -> None:
+        """Step from `grad`, a host tensor that is complete once `waits` are, scaled by `coef` (clipping) first."""
+        if self.stale:
+            self.refresh()
+        # The lr and the rest are read now: the scheduler changes them before the worker may run.
+        hyper = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        previous = self.last
+        self.last = self.runner.worker.submit(self._step_on_host, grad, [*waits], coef, hyper, previous)
+        self.runner.pending[id(self)] = self
+
+    def _step_on_host(self, grad, waits, coef, hyper, previous) -> Ticket:
+        # On the host worker.
+        for w in waits:
+            w.result() if isinstance(w, concurrent.futures.Future) else w.wait_host()
+        if previous is not None:
+            previous.result().wait_host()  # the previous copy back still reads the host copy
+        if coef is not None:
+            grad.mul_(coef)
+        self.base.param_groups[0].update(hyper)
+        self.host.grad = grad
+        try:
+            self.base.step()
+        finally:
+            self.host.grad = None
+        param = self.param_groups[0]["params"][0]
+        return self.runner.transfer_for(self.host).copy(local_tensor(param), self.host)
+
+    def wait_host(self) -> None:
+        """Block until this parameter's host step and copy back are done (before its host buffers are reused)."""
+        if self.last is not None:
+            self.last.result().wait_host()
+
+    def wait_device(self) -> None:
+        """Make the device wait for this parameter's latest host step and copy back."""
+        if self.last is not None:
+            self.last.result().wait_device()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the device parameter into the host copy (after a checkpoint or the user changed the weights)."""
+        self.wait_host()
+        local = local_tensor(self.param_groups[0]["params"][0])
+        transfer = self.runner.transfer_for(local)
+        if self.host.shape != local.shape:
+            # FSDP2's prepare replaced the parameter by its sharded DTensor: the host copy is of the local shard.
+            self.host.data = transfer.host_empty_like(local)
+        transfer.copy(self.host, local).wait_host()
+        self.stale = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.param_groups[0]["params"][0].grad = None
+
+    # ---- checkpoints: the wrapped optimizer's own format ----
+
+    def state_dict(self) -> dict[str, Any]:
+        self.wait_host()
+        saved = self.base.state_dict()
+        group = {**{k: v for k, v in self.param_groups[0].items() if k != "params"}, "params": [0]}
+        return {"state": saved["state"], "param_groups": [group]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.wait_host()
+        group = {k: v for k, v in state_dict["param_groups"][0].items() if k != "params"}
+        # NOTE: Optimizer.load_state_dict casts state tensors to the parameter's device and dtype: here the host's.
+        self.base.load_state_dict({"state": state_dict["state"], "param_groups": [{**group, "params": [0]}]})
+        self.param_groups[0].update(group)
+
+
+def wrap_host_steps(factory: LayerwiseFactory, runner: HostRunner) -> LayerwiseFactory:
+    """
+    The factory whose optimizers step on the host (`HostStepOptimizer`), all sharing `runner`.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.optim.host_step import HostRunner, wrap_host_steps
+    >>> factory = wrap_host_steps(lambda lp, args: torch.optim.AdamW([lp.param]), HostRunner())
+    ```
+    """
+
+    def build(lp: LayerwiseParam, args: Any) -> torch.optim.Optimizer:
+        return HostStepOptimizer(factory(lp, args), runner)
+
+    return build
+
+
+def unwrap_host_step(inner: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer a `HostStepOptimizer` wraps (any other optimizer: itself)."""
+    return inner.base if isinstance(inner, HostStepOptimizer) else inner
