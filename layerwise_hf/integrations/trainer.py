@@ -16,6 +16,7 @@ from ..bases.params import canonical_name
 from ..bases.registry import is_layerwise_name
 from ..bases.support import check_deepspeed, check_fsdp2_optimizers, check_fsdp_version, fsdp_version_of_args
 from ..optim.norm_pass import NormPass, forward_again, parse_norm_pass
+from ..optim.offloading import wait_for_host_steps
 from ..optim.optimizer import build_layerwise_optimizer, unwrap_layerwise_optimizer
 from ..routes.data_parallel import DataParallelConfig
 from ..routes.local_shard import local_shards_of
@@ -181,6 +182,8 @@ class LayerwiseTrainerMixin:
             end_training(self.layerwise_optimizer)
 
     def _save_checkpoint(self, model, trial):
+        if self.layerwise_optimizer is not None:
+            wait_for_host_steps(self.layerwise_optimizer)  # layerwise_offload="optimizer": weights saved updated
         super()._save_checkpoint(model, trial)
         # A checkpoint is complete only once everything above is written (all ranks); a run killed mid-write
         # leaves no marker, and resume_from_checkpoint=True then takes the previous one.
