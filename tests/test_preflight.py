@@ -86,8 +86,8 @@ def test_silent_when_it_fits(monkeypatch, caplog, tmp_path):
 def test_plain_loop_report_is_the_plan_of_the_run(monkeypatch):
     model = tiny_llama()
     with_budget(monkeypatch, SMALL)
-    args = SimpleNamespace(optim="sgd_layerwise", gradient_accumulation_steps=2, max_grad_norm=1.0,
-                           layerwise_clip="previous", bf16=False, fp16=False, gradient_checkpointing=True)  # fmt: skip
+    args = SimpleNamespace(optim="sgd_layerwise", gradient_accumulation_steps=2, max_grad_norm=1.0, bf16=False,
+                           layerwise_clip="previous", fp16=False, activation_checkpointing=True)  # fmt: skip
     report = preflight(model, args, seq_len=SEQ, micro_batch=2)
     assert model.config.use_cache is not False  # the simulation's settings stayed on its copy of the config
     assert isinstance(report, PreflightReport) and report.fits is False

@@ -212,12 +212,21 @@ def _plan_kwargs(model: torch.nn.Module, args: Any, seq_len: int, micro_batch: i
         bf16=bool(getattr(args, "bf16", False)),
         fp16=bool(getattr(args, "fp16", False)),
         torch_dtype=_weights_dtype(model),
-        gradient_checkpointing=bool(
-            getattr(args, "gradient_checkpointing", False) or getattr(model, "is_gradient_checkpointing", False)
-        ),
+        gradient_checkpointing=_checkpointing(model, args),
         device="cuda" if device.type == "cuda" else "cpu",
         **_lora(model),
     )
+
+
+def _checkpointing(model: torch.nn.Module, args: Any) -> bool:
+    # NOTE: transformers 5.23 renamed gradient_checkpointing to activation_checkpointing (the old names are aliases
+    # that warn); Trainer turns it on at train start, after the model was handed over.
+    if getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", None):
+        return True
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name) or hasattr(model, "get_base_model"):
+            return bool(getattr(model, name, False))
+    return False
 
 
 @contextlib.contextmanager
