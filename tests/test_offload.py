@@ -11,8 +11,10 @@ import torch
 from helpers import TokenDataset, assert_params_equal, clone, logged, tiny_llama, train, training_args
 
 from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
+from layerwise_hf.integrations.callback import end_training
 from layerwise_hf.optim import transfer as transfer_module
-from layerwise_hf.optim.offloading import enable_offload, offload_of
+from layerwise_hf.optim.host_step import HostRunner, HostStepOptimizer
+from layerwise_hf.optim.offloading import enable_offload, host_step_factory, offload_of
 from layerwise_hf.optim.optimizer import build_layerwise_optimizer
 from layerwise_hf.optim.transfer import ThreadTransfer
 
@@ -30,17 +32,19 @@ def _mlp(seed=0):
     )
 
 
-def _plain_loop(ga: int, max_grad_norm: float, delay: float = 0.003, steps: int = 3):
+def _plain_loop(ga: int, max_grad_norm: float, delay: float = 0.003, steps: int = 3, mode: str = "gradients"):
     """Layer-wise with offload and torch's AdamW + clip_grad_norm_ on the same batches; returns both models."""
     model = _mlp()
     reference = clone(model)
     sync = [True]
     params = [LayerwiseParam(n, p, weight_decay=0.0) for n, p in model.named_parameters()]
-    optimizer = LayerwiseOptimizer(
-        params, lambda lp, _: torch.optim.AdamW([lp.param], lr=1e-2), sync_gradients=lambda: sync[0]
-    )
+    factory, runner = host_step_factory(lambda lp, _: torch.optim.AdamW([lp.param], lr=1e-2), mode)
+    transfer = ThreadTransfer(delay)
+    if runner is not None:
+        runner.transfer = transfer
+    optimizer = LayerwiseOptimizer(params, factory, sync_gradients=lambda: sync[0])
     optimizer.configure_clipping(max_grad_norm, "exact")
-    enable_offload(optimizer, "gradients", transfer=ThreadTransfer(delay))
+    enable_offload(optimizer, mode, transfer=transfer, runner=runner)
     optimizer.attach()
     standard = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     torch.manual_seed(1)
@@ -59,16 +63,25 @@ def _plain_loop(ga: int, max_grad_norm: float, delay: float = 0.003, steps: int 
         standard.step()
         standard.zero_grad()
         assert all(p.grad is None for p in model.parameters())
-    optimizer.detach()
+    end_training(optimizer)
     return model, reference, norms
 
 
+@pytest.mark.parametrize("clip", [0.0, 0.5])
 @pytest.mark.parametrize("ga", [1, 4])
-def test_plain_loop_matches_standard_with_late_copies(ga):
-    model, reference, norms = _plain_loop(ga, max_grad_norm=0.5)
+@pytest.mark.parametrize("mode", ["gradients", "optimizer"])
+def test_plain_loop_matches_standard_with_late_copies(mode, ga, clip):
+    model, reference, norms = _plain_loop(ga, max_grad_norm=clip, mode=mode)
     assert_params_equal(model, reference)
-    assert norms and all(torch.equal(a, b) for a, b in norms)
-    assert all(b > 0.5 for _, b in norms), "the clip must bite, or the comparison proves little"
+    assert all(torch.equal(a, b) for a, b in norms)
+    assert all(b > clip for _, b in norms), "the clip must bite, or the comparison proves little"
+
+
+def test_the_next_forward_waits_for_the_host_steps(monkeypatch):
+    # Without the wait before the next forward, it runs on weights whose update is still being copied back.
+    monkeypatch.setattr(HostRunner, "wait", lambda self: self.pending.clear())
+    model, reference, _ = _plain_loop(1, max_grad_norm=0.0, delay=0.01, steps=2, mode="optimizer")
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
 
 
 def test_a_missing_wait_gives_wrong_weights(monkeypatch):
@@ -103,31 +116,38 @@ def test_accumulation_keeps_only_copies_in_flight_on_the_device():
 
 BASES = ["adamw_torch", "adafactor", "sgd"]
 # The fast tier runs two corners of the matrix; the whole of it is a long parity sweep.
-FAST = {("adamw_torch", 4, 1.0), ("adafactor", 1, 1.0)}
+FAST = {("gradients", "adamw_torch", 4, 1.0), ("gradients", "adafactor", 1, 1.0), ("optimizer", "sgd", 4, 1.0)}
+FAST |= {("optimizer", "adamw_torch", 1, 0.0)}
 MATRIX = [
-    pytest.param(base, ga, clip, marks=() if (base, ga, clip) in FAST else pytest.mark.slow)
+    pytest.param(mode, base, ga, clip, marks=() if (mode, base, ga, clip) in FAST else pytest.mark.slow)
+    for mode in ("gradients", "optimizer")
     for base in BASES
     for ga in (1, 4)
     for clip in (0.0, 1.0)
 ]
 
 
-@pytest.mark.parametrize("base, ga, clip", MATRIX)
-def test_trainer_matches_standard(tmp_path, base, ga, clip):
+@pytest.mark.parametrize("mode, base, ga, clip", MATRIX)
+def test_trainer_matches_standard(tmp_path, mode, base, ga, clip):
     model = tiny_llama()
     data = TokenDataset(n=32)
     common = dict(gradient_accumulation_steps=ga, max_grad_norm=clip, per_device_train_batch_size=2, max_steps=4)
     standard = train(clone(model), training_args(tmp_path, base, **common), dataset=data)
     offloaded = train(
         clone(model),
-        training_args(tmp_path, f"{base}_layerwise", layerwise_offload="gradients", **common),
+        training_args(tmp_path, f"{base}_layerwise", layerwise_offload=mode, **common),
         dataset=data,
     )
     assert_params_equal(standard.model, offloaded.model)
     assert logged(offloaded, "grad_norm") == logged(standard, "grad_norm")
-    used = offload_of(offloaded.layerwise_optimizer)
+    layerwise = offloaded.layerwise_optimizer
     # Gradients waited on the host whenever the step could not take them at once (GA > 1, exact clipping).
-    assert (used.host_bytes() > 0) == (ga > 1 or clip > 0)
+    assert (offload_of(layerwise).host_bytes() > 0) == (ga > 1 or clip > 0)
+    if mode == "optimizer":
+        for inner, param in zip(layerwise.inner, layerwise.params):
+            # Stepped on its own host copy: the states were made there, apart from the device parameter.
+            assert isinstance(inner, HostStepOptimizer) and inner.host.data_ptr() != param.data_ptr()
+            assert inner.base.state[inner.host] or base == "sgd"
     moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), offloaded.model.parameters()))
     assert moved > 1e-4
 

@@ -14,6 +14,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from ..bases.support import qualname
+from .host_step import unwrap_host_step
 
 if TYPE_CHECKING:
     from .optimizer import LayerwiseOptimizer
@@ -72,7 +73,7 @@ def layerwise_state_dict(optimizer: LayerwiseOptimizer) -> dict[str, Any]:
         "optimizer_name": optimizer.optimizer_name,
         "names": list(optimizer.names),
         "shapes": [list(p.shape) for p in optimizer.params],
-        "optimizer_classes": [qualname(inner) for inner in optimizer.inner],
+        "optimizer_classes": [qualname(unwrap_host_step(inner)) for inner in optimizer.inner],
         "in_decay_group": list(optimizer.in_decay_group),
         # layerwise_clip="previous" scales the first step after a resume by it.
         "last_grad_norm": None if last is None else _local(last).detach().clone(),
@@ -103,8 +104,10 @@ def _check_fits(optimizer: LayerwiseOptimizer, state_dict: dict[str, Any]) -> tu
             continue
         if shapes is not None and list(shapes[j]) != list(param.shape):
             errors.append(f"{name}: saved shape {list(shapes[j])}, parameter shape {list(param.shape)}")
-        if classes is not None and _current_name(classes[j]) != qualname(inner):
-            errors.append(f"{name}: saved optimizer {classes[j]}, current optimizer {qualname(inner)}")
+        # A host-stepped optimizer (layerwise_offload="optimizer") saves and loads its wrapped optimizer's state.
+        current = qualname(unwrap_host_step(inner))
+        if classes is not None and _current_name(classes[j]) != current:
+            errors.append(f"{name}: saved optimizer {classes[j]}, current optimizer {current}")
     if errors:
         raise ValueError("Optimizer state does not fit this optimizer: " + "; ".join(errors))
     return by_name, missing
