@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from ..estimate.models import list_presets
 from ..estimate.optimizers import known_names
-from ..estimate.units import DTYPE_BYTES, EstimateError, format_bytes
+from ..estimate.units import DTYPE_BYTES, SHARDINGS, EstimateError, format_bytes
 
 if TYPE_CHECKING:
     from .core import Plan
@@ -18,8 +18,11 @@ from .options import CLIP_MODES, DEVICES
 
 JSON_SCHEMA = """--json prints one object:
   model, source          the model's name and where its dimensions come from
+  world_size, sharding   the run's ranks and sharding (none, ddp, fsdp2); every figure is per rank
+  rank                   the simulated rank (null on one process)
   setup                  seq_len, micro_batch, grad_accum, max_grad_norm, clip_mode, bf16, fp16, torch_dtype,
-                         gradient_checkpointing, lora_r, lora_targets, weight_decay, learning_rate, device
+                         gradient_checkpointing, lora_r, lora_targets, weight_decay, learning_rate, device,
+                         world_size, sharding
   device_memory          bytes, or null
   extrapolated_layers    true when 2-4 decoder layers were simulated and extended (exactly)
   seconds                time the simulation took
@@ -32,7 +35,9 @@ JSON_SCHEMA = """--json prints one object:
     fits, headroom_bytes        with --device-memory: peak_bytes <= device memory, and device memory - peak_bytes
     saving_bytes                layer-wise rows: the standard optimizer's peak minus this one (may be 0 or less)
     max_micro_batch             with --max-batch-size: the largest micro-batch that fits (0: none)
-    advice                      what would lower the peak"""
+    advice                      what would lower the peak
+    between_steps               {same categories}: what stays alive after zero_grad() (weights, optimizer state,
+                                DDP's buckets)"""
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -86,6 +91,16 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="Whose optimizer defaults to simulate (cuda: foreach step temporaries).",
     )
     parser.add_argument(
+        "--world-size", type=int, default=1, help="Ranks (devices) of the run; the plan is per rank (default 1)."
+    )
+    parser.add_argument(
+        "--sharding",
+        choices=SHARDINGS,
+        default=None,
+        help="ddp or fsdp2 (Accelerate's FSDP2 config) for several ranks, simulated as one rank with a fake process "
+        "group (default: none on one rank, ddp on several).",
+    )
+    parser.add_argument(
         "--max-batch-size",
         action="store_true",
         help="With --device-memory: the largest micro-batch that fits, per optimizer (bisection).",
@@ -113,6 +128,8 @@ def _options(args: argparse.Namespace) -> dict:
         device_memory=args.device_memory,
         device=args.device,
         extrapolate=not args.no_extrapolate,
+        world_size=args.world_size,
+        sharding=args.sharding or ("none" if args.world_size == 1 else "ddp"),
     )
 
 

@@ -16,6 +16,7 @@ from ..estimate.units import EstimateError, format_bytes
 from .advice import advise
 from .extrapolate import simulate_layers
 from .options import CLIP_MODES, DEVICES
+from .ranks import RANK, check_ranks, in_fresh_process, needs_fresh_process
 from .simulate import DTYPE_ALIASES, DTYPES, SimulatedStep, StepSetup, simulate
 from .tracker import CATEGORIES
 
@@ -67,6 +68,8 @@ class PlanRow:
         saving_bytes (`int`, *optional*): a layer-wise row's peak below its standard optimizer's (zero or negative
             included).
         advice (`list[str]`): what would lower this peak.
+        between_steps (`dict[str, int]`): what stays alive after a step's `zero_grad()`, per category: weights
+            (this rank's shards under FSDP2), optimizer state, and gradient memory a run keeps (DDP's buckets).
     """
 
     optimizer: str
@@ -78,6 +81,7 @@ class PlanRow:
     headroom_bytes: int | None = None
     saving_bytes: int | None = None
     advice: list[str] = field(default_factory=list)
+    between_steps: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -99,6 +103,9 @@ class Plan:
         return {
             "model": self.model,
             "source": self.source,
+            "world_size": self.setup.world_size,
+            "sharding": self.setup.sharding,
+            "rank": RANK if self.setup.sharding != "none" else None,
             "setup": asdict(self.setup),
             "device_memory": self.device_memory,
             "extrapolated_layers": self.extrapolated,
@@ -127,6 +134,7 @@ class Plan:
             f"Peak memory of one training step of `{self.model}`: micro-batch {s.micro_batch} x {s.seq_len} tokens,"
             f" grad accum {s.grad_accum}"
             + (", activation checkpointing" if s.gradient_checkpointing else "")
+            + (f"; per rank, 1 of {s.world_size} ({s.sharding})" if s.sharding != "none" else "")
             + (f", device {format_bytes(self.device_memory, units)}" if self.device_memory else "")
         )
         lines = [render_table(title, headers, rows)]
@@ -139,6 +147,16 @@ class Plan:
             lines.append(
                 "Note: (state: rule) optimizer state from the estimator's rules; its kernels do not run on "
                 "fake tensors, and their step temporaries are not counted."
+            )
+        if self.setup.sharding == "fsdp2":
+            lines.append(
+                "Note: per rank under FSDP2: weights are this rank's shards plus the all-gathered (unsharded) units "
+                "alive at the peak; gradients include unsharded gradients and reduce-scatter buffers."
+            )
+        elif self.setup.sharding == "ddp":
+            lines.append(
+                "Note: per rank under DDP: gradients include the buckets (torch DDP's for the standard optimizer, "
+                "the layer-wise data-parallel route's in flight for layer-wise)."
             )
         if self.setup.fp16:
             lines.append(
@@ -175,6 +193,18 @@ def expand_optimizers(names: list[str] | tuple[str, ...], counterparts: bool = T
     return out
 
 
+def fsdp2_counterparts(names: list[str], asked: list[str] | tuple[str, ...] | str, sharding: str) -> list[str]:
+    """Under FSDP2, leave out a layer-wise counterpart the route table refuses when only its standard form was asked
+    for (`check_ranks` refuses one asked for by name)."""
+    if sharding != "fsdp2":
+        return names
+    from ..bases.support import fsdp2_supports_base
+    from ..estimate.optimizers import parse_optimizer
+
+    asked = {asked} if isinstance(asked, str) else set(asked)
+    return [n for n in names if n in asked or not n.endswith(SUFFIX) or fsdp2_supports_base(parse_optimizer(n)[0])]
+
+
 def make_setup(**options: Any) -> StepSetup:
     """A `StepSetup` from `plan()`'s keywords, each checked with a message naming it and its valid values."""
     for key in ("seq_len", "micro_batch", "grad_accum"):
@@ -194,6 +224,11 @@ def make_setup(**options: Any) -> StepSetup:
         raise EstimateError(f"torch_dtype={options['torch_dtype']!r}: choose one of {', '.join(DTYPES)}.")
     if options["device"] not in DEVICES:
         raise EstimateError(f"device={options['device']!r}: choose cuda or cpu.")
+    check_ranks(
+        options.setdefault("world_size", 1),
+        options.setdefault("sharding", "none"),
+        list(options.pop("optimizers", ())),
+    )
     return StepSetup(**{**options, "torch_dtype": dtype, "lora_targets": tuple(options["lora_targets"])})
 
 
@@ -226,6 +261,8 @@ def plan(
     device: str = "cuda",
     extrapolate: bool = True,
     counterparts: bool = True,
+    world_size: int = 1,
+    sharding: str = "none",
 ) -> Plan:
     """
     Simulate one steady-state training step per optimizer on fake tensors (nothing allocated) and say whether it fits.
@@ -245,6 +282,9 @@ def plan(
         device (`str`, defaults to `"cuda"`): whose optimizer defaults to use (`foreach` on CUDA).
         extrapolate (`bool`, defaults to `True`): simulate 2-4 identical decoder layers and extend the exact line.
         counterparts (`bool`, defaults to `True`): also run each optimizer's standard / layer-wise counterpart.
+        world_size (`int`, defaults to `1`), sharding (`str`, defaults to `"none"`): simulate one rank of
+            `world_size` under `"ddp"` or `"fsdp2"` (Accelerate's FSDP2 config), with a fake process group in this
+            process (`layerwise_hf.plan.ranks`); the figures are per rank.
 
     Example:
 
@@ -256,7 +296,11 @@ def plan(
     ```
     """
     started = time.perf_counter()
+    names = fsdp2_counterparts(expand_optimizers(optimizers, counterparts), optimizers, sharding)
     setup = make_setup(
+        optimizers=names,
+        world_size=world_size,
+        sharding=sharding,
         seq_len=seq_len,
         micro_batch=micro_batch,
         grad_accum=grad_accum,
@@ -270,11 +314,13 @@ def plan(
         lora_r=lora_r,
         lora_targets=lora_targets,
     )
-    names = expand_optimizers(optimizers, counterparts)
     memory = parse_size(device_memory) if device_memory is not None else None
     config, name, source = resolve_config(model)
     check_causal_lm(config, name)
-    steps, extrapolated = simulate_all(config, names, setup, extrapolate)
+    if needs_fresh_process(setup.sharding):
+        steps, extrapolated = in_fresh_process(simulate_all, config, names, setup, extrapolate)
+    else:
+        steps, extrapolated = simulate_all(config, names, setup, extrapolate)
     rows = [to_row(step, setup, memory, steps) for step in steps.values()]
     return Plan(name, source, setup, memory, rows, extrapolated, time.perf_counter() - started)
 
@@ -296,6 +342,7 @@ def simulate_all(config: Any, names: list[str], setup: StepSetup, extrapolate: b
 def to_row(step: SimulatedStep, setup: StepSetup, memory: int | None, steps: dict[str, SimulatedStep]) -> PlanRow:
     peak = step.peak
     row = PlanRow(step.optimizer, peak.total, dict(peak.by_category), peak.phase, step.from_rule)
+    row.between_steps = dict(step.steady_by_category)
     if memory is not None:
         row.fits = peak.total <= memory
         row.headroom_bytes = memory - peak.total

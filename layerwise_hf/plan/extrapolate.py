@@ -1,7 +1,8 @@
-"""Identical decoder layers simulated a few at a time: the step of a 2-, 3- and 4-layer copy of the model, the peak
-taken as linear in the number of layers from the first two, and used only when the third agrees to the byte (else the
-full model is simulated). What each layer adds at the peak (its weights, gradients, state, saved activations) is the
-same for every layer, so a peak that keeps its place in the step grows by the same bytes per layer."""
+"""Identical decoder layers simulated a few at a time: the step of a 2-, 3- and 4-layer copy of the model (or 3-5,
+and so on up to `MAX_LAYERS`), the peak taken as linear in the number of layers from the first two, and used only when
+the third agrees to the byte (else the full model is simulated). What each layer adds at the peak (its weights,
+gradients, state, saved activations) is the same for every layer, so a peak that keeps its place in the step grows by
+the same bytes per layer."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from .simulate import SimulatedStep
 from .tracker import CATEGORIES, Peak
 
 POINTS = (2, 3, 4)
+MAX_LAYERS = 8  # the largest copy tried before the full model
 _INDEX = re.compile(r"\.\d+(?=\.|$|\s)")
 
 
@@ -48,26 +50,35 @@ def _same_place(steps: list[SimulatedStep]) -> bool:
 
 def simulate_layers(config: Any, run: Callable[[Any], SimulatedStep]) -> tuple[SimulatedStep, bool]:
     """
-    `run(config)`'s result for the full model, from copies of 2, 3 and 4 layers when that is exact; returns it and
-    whether it was extrapolated.
+    `run(config)`'s result for the full model, from copies of a few layers when that is exact; returns it and whether
+    it was extrapolated. Copies of 2, 3 and 4 layers first; when the first copy is not on the line yet (its peak
+    meets the model's edge: under FSDP2 a reduce-scatter buffer of the head's unit instead of a layer's), the window
+    moves up by one layer, up to `MAX_LAYERS`, before the full model is simulated.
 
     Args:
         config (`PretrainedConfig`): the full model's config.
         run (`Callable[[PretrainedConfig], SimulatedStep]`): simulates one step of a model built from a config.
     """
     total = getattr(config, "num_hidden_layers", 0)
-    configs = [with_layers(config, n) for n in POINTS] if isinstance(total, int) and total > POINTS[-1] else []
-    if not configs or any(c is None for c in configs):
+    if not isinstance(total, int) or total <= POINTS[-1] or any(with_layers(config, n) is None for n in POINTS):
         return run(config), False
-    steps = [run(c) for c in configs]
-    check = _line(steps[0], steps[1], POINTS[0], POINTS[1], POINTS[2])
-    if not _same_place(steps) or check.by_category != steps[2].peak.by_category:
-        return run(config), False
-    a, b = steps[0], steps[1]
-    peak = _line(a, b, POINTS[0], POINTS[1], total)
-    peak.phase = _renumber(steps[2].peak.phase, POINTS[2], total)
-    steady = a.steady_bytes + (total - POINTS[0]) * (b.steady_bytes - a.steady_bytes)
-    return SimulatedStep(a.optimizer, peak, a.from_rule, steady), True
+    steps: dict[int, SimulatedStep] = {}
+    for first in range(POINTS[0], min(MAX_LAYERS, total - 1) - 1):
+        points = (first, first + 1, first + 2)
+        for n in points:
+            if n not in steps:
+                steps[n] = run(with_layers(config, n))
+        a, b, c = (steps[n] for n in points)
+        check = _line(a, b, points[0], points[1], points[2])
+        steady = {k: 2 * b.steady_by_category[k] - a.steady_by_category[k] for k in a.steady_by_category}
+        if _same_place([a, b, c]) and check.by_category == c.peak.by_category and steady == c.steady_by_category:
+            peak = _line(a, b, points[0], points[1], total)
+            peak.phase = _renumber(c.peak.phase, points[2], total)
+            k = total - points[0]
+            split = {x: a.steady_by_category[x] + k * (b.steady_by_category[x] - a.steady_by_category[x])
+                     for x in a.steady_by_category}  # fmt: skip
+            return SimulatedStep(a.optimizer, peak, a.from_rule, sum(split.values()), split), True
+    return run(config), False
 
 
 def _renumber(phase: str, n_small: int, n_full: int) -> str:

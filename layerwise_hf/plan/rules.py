@@ -4,6 +4,8 @@ tests/test_estimate.py) and computes nothing. Figures from it are marked as rule
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..estimate.models import TensorSpec
@@ -62,7 +64,7 @@ class RuleOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None or self.state[p]:
                     continue
-                spec = self.specs[id(p)]
+                spec = self._spec(p)
                 nbytes = tensor_state_bytes(self.rule, spec, p.element_size(), spec.is_embedding)
                 self.state[p]["rule_state"] = torch.empty(nbytes, dtype=torch.uint8, device=p.device)
                 if uses_qmaps(self.rule, spec, spec.is_embedding) and not self._qmaps_allocated:
@@ -70,3 +72,12 @@ class RuleOptimizer(torch.optim.Optimizer):
                     self.state[p]["rule_qmaps"] = torch.empty(qmaps, dtype=torch.uint8, device=p.device)
                     self._qmaps_allocated = True
         return None
+
+    def _spec(self, p: torch.Tensor) -> TensorSpec:
+        # A `LocalShardOptimizer` hands its inner optimizer a parameter of its own (the local shard); a DTensor's
+        # state is its local shard's (FSDP2): the rule is applied to the shape this rank holds.
+        spec = self.specs.get(id(p))
+        if spec is None and len(self.specs) == 1:
+            (spec,) = self.specs.values()
+        local = getattr(p, "_local_tensor", p)
+        return dataclasses.replace(spec, shape=tuple(local.shape))

@@ -1,5 +1,5 @@
 """One training step as Trainer runs it, on a model of fake tensors: the model (dtype, activation checkpointing, LoRA),
-the optimizer (Trainer's standard one, or `build_layerwise_optimizer` + `attach()`), and the step (forward under
+the optimizer (Trainer's standard one, or `build_layerwise_optimizer` + `connect()`), and the step (forward under
 autocast, loss / grad_accum, backward, clipping, `step()`, `zero_grad()`), with `LiveBytes` counting.
 
 The step runs twice and the second is measured: the first allocates the optimizer state, which every later step
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 
 from ..estimate.optimizers import OPTIMIZER_RULES
 from ..estimate.units import DEFAULT_LORA_TARGETS
+from .ranks import RankRoute, fake_group
 from .rules import RuleOptimizer, needs_rule, tensor_spec
 from .tracker import LiveBytes, Peak
 
@@ -43,6 +45,8 @@ class StepSetup:
         weight_decay (`float`), learning_rate (`float`): Trainer's arguments (weight decay allocates nothing).
         device (`str`): `"cuda"`: torch optimizers use their CUDA default (`foreach`, which allocates step
             temporaries across all tensors); `"cpu"`: the CPU default (a loop over tensors).
+        world_size (`int`): ranks (devices) of the run; one of them is simulated (`layerwise_hf.plan.ranks`).
+        sharding (`str`): `"none"` (one process), `"ddp"` or `"fsdp2"`.
     """
 
     seq_len: int = 512
@@ -59,6 +63,8 @@ class StepSetup:
     weight_decay: float = 0.0
     learning_rate: float = 1e-4
     device: str = "cuda"
+    world_size: int = 1
+    sharding: str = "none"
 
     def replace(self, **changes: Any) -> StepSetup:
         return dataclasses.replace(self, **changes)
@@ -72,6 +78,7 @@ class SimulatedStep:
     peak: Peak
     from_rule: bool
     steady_bytes: int  # live after the step (weights + optimizer state, and gradients a step keeps)
+    steady_by_category: dict[str, int] = dataclasses.field(default_factory=dict)  # its split
 
 
 def fake_mode():
@@ -183,8 +190,10 @@ def build_standard(model: torch.nn.Module, base: str, args: Any, setup: StepSetu
 
 
 def build_layerwise(model: torch.nn.Module, base: str, args: Any, setup: StepSetup, sync: Callable[[], bool]):
-    """`build_layerwise_optimizer(model, args)` (its factory, or the rule stand-in's), clipping configured."""
+    """`build_layerwise_optimizer(model, args)` (its factory, or the rule stand-in's), clipping configured; under
+    FSDP2 with `local_shards=True`, as `LayerwiseTrainer` builds it."""
     from ..optim.optimizer import build_layerwise_optimizer
+    from ..routes.local_shard import LocalShardOptimizer
 
     rule = OPTIMIZER_RULES[base]
     factory = None
@@ -192,9 +201,14 @@ def build_layerwise(model: torch.nn.Module, base: str, args: Any, setup: StepSet
         specs = _named_specs(model)
 
         def factory(lp, _args):
-            return RuleOptimizer([lp.param], rule, specs, lr=setup.learning_rate)
+            inner = RuleOptimizer([lp.param], rule, {id(lp.param): specs[id(lp.param)]}, lr=setup.learning_rate)
+            # NOTE: under FSDP2 the real optimizers (bitsandbytes', torchao's) step the rank's local shard, with a
+            # state of the shard's size: the stand-in steps it the same way.
+            return LocalShardOptimizer(inner) if setup.sharding == "fsdp2" else inner
 
-    optimizer = build_layerwise_optimizer(model, args, factory=factory, sync_gradients=sync)
+    optimizer = build_layerwise_optimizer(
+        model, args, factory=factory, sync_gradients=sync, local_shards=setup.sharding == "fsdp2"
+    )
     for inner in optimizer.inner:
         _cuda_defaults(inner, setup)
     optimizer.configure_clipping(setup.max_grad_norm, setup.clip_mode)
@@ -209,11 +223,15 @@ def autocast(setup: StepSetup):
     return contextlib.nullcontext()
 
 
-def run_step(model, optimizer, layerwise, setup: StepSetup, tracker: LiveBytes, window: dict, vocab: int) -> None:
+def run_step(model, optimizer, layerwise, setup: StepSetup, tracker: LiveBytes, window: dict, rank: RankRoute) -> None:
     """One optimizer step: `grad_accum` micro-batches of forward, loss, backward, then clip, `step()`, `zero_grad()`.
-    `window["last"]` tells the layer-wise optimizer which backward ends the accumulation window."""
+    `window["last"]` tells the layer-wise optimizer which backward ends the accumulation window; `rank` gives the
+    module to call (DDP's wrapper) and Accelerate's no-sync context."""
     from ..optim.norm_pass import forward_again
 
+    inner = model
+    model = rank.ddp if rank.ddp is not None else model
+    vocab = inner.get_input_embeddings().num_embeddings
     for k in range(setup.grad_accum):
         window["last"] = k == setup.grad_accum - 1
 
@@ -230,16 +248,17 @@ def run_step(model, optimizer, layerwise, setup: StepSetup, tracker: LiveBytes, 
             else:
                 loss.backward()
 
-        if layerwise is not None and forward_again(layerwise):
-            # The plain-loop protocol of `norm_pass.forward_again`: the last step chose a second forward+backward.
-            tracker.stage = "norm pass (second forward)"
-            layerwise.run_with_norm_pass(forward_backward, model)
-            tracker.stage = "backward"
-        else:
-            forward_backward()
+        with rank.no_sync(model, window["last"]):
+            if layerwise is not None and forward_again(layerwise):
+                # The plain-loop protocol of `norm_pass.forward_again`: the last step chose a second forward+backward.
+                tracker.stage = "norm pass (second forward)"
+                layerwise.run_with_norm_pass(forward_backward, inner)
+                tracker.stage = "backward"
+            else:
+                forward_backward()
     if layerwise is None and setup.max_grad_norm > 0:
         tracker.phase = "clip_grad_norm_"
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = [p for p in inner.parameters() if p.requires_grad]
         torch.nn.utils.clip_grad_norm_(params, setup.max_grad_norm, foreach=setup.device == "cuda" or None)
     tracker.phase = "step: optimizer.step()"
     optimizer.step()
@@ -270,25 +289,33 @@ def simulate(
     window = {"last": True}
     mode = fake_mode()
     model = build_model(config, setup, mode)
-    with mode, tracker:
-        handles = tracker.watch_model(model)
-        layerwise = None
-        if is_layerwise:
-            layerwise = build_layerwise(model, base, args, setup, sync=lambda: window["last"])
-            opt = layerwise
-            for name, inner in zip(layerwise.names, layerwise.inner):
-                handles += tracker.watch_optimizer(inner, name)
-            layerwise.attach()
-        else:
-            opt = build_standard(model, base, args, setup)
-            handles += tracker.watch_optimizer(opt, "optimizer.step()")
-        vocab = model.get_input_embeddings().num_embeddings
-        run_step(model, opt, layerwise, setup, tracker, window, vocab)
-        tracker.reset_peak()
-        run_step(model, opt, layerwise, setup, tracker, window, vocab)
-        steady = tracker.current
-        if layerwise is not None:
-            layerwise.detach()
-        for handle in handles:
-            handle.remove()
-    return SimulatedStep(optimizer, tracker.peak, needs_rule(OPTIMIZER_RULES[base]), steady)
+    rank = RankRoute(setup.sharding, tracker, setup)
+    with fake_group(setup.world_size, setup.sharding), warnings.catch_warnings():
+        # NOTE: LocalShardOptimizer compares data pointers to follow a moved shard; a fake tensor's is 0 (with a
+        # deprecation warning), and FSDP2 keeps every shard's storage in place over the simulated steps.
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        model = rank.prepare(model)
+        with mode, tracker, rank.labels():
+            handles = tracker.watch_model(model)
+            layerwise = None
+            if is_layerwise:
+                layerwise = build_layerwise(model, base, args, setup, sync=lambda: window["last"])
+                opt = layerwise
+                for name, inner in zip(layerwise.names, layerwise.inner):
+                    handles += tracker.watch_optimizer(inner, name)
+                rank.connect(layerwise, model)
+            else:
+                opt = build_standard(model, base, args, setup)
+                handles += tracker.watch_optimizer(opt, "optimizer.step()")
+                rank.forward_module(model, layerwise=False)
+            run_step(model, opt, layerwise, setup, tracker, window, rank)
+            handles += rank.watch_unsharded(model)
+            tracker.reset_peak()
+            run_step(model, opt, layerwise, setup, tracker, window, rank)
+            steady = tracker.current
+            steady_split = dict(tracker.totals)
+            if layerwise is not None:
+                layerwise.detach()
+            for handle in handles:
+                handle.remove()
+    return SimulatedStep(optimizer, tracker.peak, needs_rule(OPTIMIZER_RULES[base]), steady, steady_split)

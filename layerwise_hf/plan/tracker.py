@@ -16,6 +16,7 @@ finds it in `optimizer.state`, and weights are the parameters and buffers regist
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -41,10 +42,16 @@ class Peak:
     phase: str = ""
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # A DTensor (FSDP2's parameters, gradients and states) holds no storage: its rank's local tensor does.
+    local = getattr(t, "_local_tensor", None)
+    return t if local is None else local
+
+
 def _storages(tensors: Iterable[torch.Tensor]) -> Iterable[torch.UntypedStorage]:
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            yield t.untyped_storage()
+            yield _local(t).untyped_storage()
 
 
 class LiveBytes(TorchDispatchMode):
@@ -74,6 +81,8 @@ class LiveBytes(TorchDispatchMode):
         self.stage = "backward"  # what a gradient hook names: "backward", or the layer-wise norm pass
         self.peak = Peak()
         self._peak_is_now = False
+        self.label: str | None = None  # while set, the category of every new storage (collectives' buffers)
+        self._resize = None
 
     # ---- counting ----
 
@@ -109,6 +118,54 @@ class LiveBytes(TorchDispatchMode):
         self.current -= nbytes
         self._peak_is_now = False
 
+    def _resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        # FSDP2 allocates and frees unsharded weights by resizing one storage (`alloc_storage` / `free_storage`).
+        entry = self._live.get(id(storage))
+        if entry is None:
+            if nbytes:
+                self.track(storage, self.label or (ACTIVATIONS if torch.is_grad_enabled() else TEMPORARIES))
+            return
+        delta, entry[0] = nbytes - entry[0], nbytes
+        if self.label is not None and entry[1] != self.label and delta > 0:
+            self.totals[entry[1]] -= entry[0] - delta
+            self.totals[self.label] += entry[0] - delta
+            entry[1] = self.label
+        self.totals[entry[1]] += delta
+        self.current += delta
+        if delta > 0 and self.current > self.peak.total:
+            self.peak = Peak(self.current, dict(self.totals), self.phase)
+            self._peak_is_now = True
+        elif delta:
+            self._peak_is_now = False
+
+    @contextlib.contextmanager
+    def labelled(self, category: str):
+        """New storages (and storages grown by a resize) go to `category` while the context lasts, or until a
+        gradient hook fires."""
+        previous, self.label = self.label, category
+        try:
+            yield
+        finally:
+            self.label = previous
+
+    def __enter__(self):
+        # NOTE: `UntypedStorage.resize_` does not pass through the dispatcher; torch's own MemTracker patches it too.
+        original = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(storage, size):
+            out = original(storage, size)
+            tracker._resized(storage, storage.nbytes())
+            return out
+
+        self._resize = original
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
     def reset_peak(self) -> None:
         """Start a new peak from what is live now."""
         self.peak = Peak(self.current, dict(self.totals), self.phase)
@@ -116,11 +173,11 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        category = ACTIVATIONS if torch.is_grad_enabled() else TEMPORARIES
+        category = self.label or (ACTIVATIONS if torch.is_grad_enabled() else TEMPORARIES)
         flat, _ = tree_flatten(out)
         for t in flat:
             if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                storage = t.untyped_storage()
+                storage = _local(t).untyped_storage()
                 if id(storage) not in self._live:
                     self.track(storage, category)
         return out
@@ -137,9 +194,10 @@ class LiveBytes(TorchDispatchMode):
         handles = []
         for p in model.parameters():
             if p.requires_grad:
-                handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(names[id(p)])))
+                handles.append(p.register_post_accumulate_grad_hook(self.gradient_hook(names[id(p)])))
         for name, module in _blocks(model):
-            handles.append(module.register_forward_pre_hook(self._forward_hook(name)))
+            # Before FSDP2's own pre-hook, so that its all-gather falls in this block's phase.
+            handles.append(module.register_forward_pre_hook(self._forward_hook(name), prepend=True))
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if head is not None:
             handles.append(head.register_forward_hook(self._loss_hook))
@@ -149,11 +207,15 @@ class LiveBytes(TorchDispatchMode):
         if not self.phase.startswith(("backward", "norm pass")):
             self.phase = "loss: logits and cross-entropy"
 
-    def _grad_hook(self, name: str):
+    def gradient_hook(self, name: str):
+        """A post-accumulate-grad hook that counts `.grad` as a gradient and names the phase after `name`."""
+
         def hook(param: torch.Tensor) -> None:
             self.phase = f"{self.stage}: gradient of {name}"
+            # FSDP2 runs the sharded parameters' hooks (a layer-wise step) inside its reduce-scatter's label.
+            self.label = None
             if param.grad is not None:
-                self.track(param.grad.untyped_storage(), GRADIENTS)
+                self.track(_local(param.grad).untyped_storage(), GRADIENTS)
 
         return hook
 

@@ -1,0 +1,261 @@
+"""`layerwise-hf plan --world-size N --sharding {ddp,fsdp2}`: one rank simulated with a fake process group. FSDP2's
+shards byte-exact against the padded local shards, DDP's buckets, the layer-wise DDP route holding fewer gradients,
+the layer extrapolation against the full simulation, a real 2-rank gloo run, and bad input refused before any
+simulation."""
+
+import json
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from layerwise_hf.cli import main
+from layerwise_hf.estimate import EstimateError
+from layerwise_hf.plan import core as plan_core
+from layerwise_hf.plan import plan
+
+LLAMA = dict(
+    model_type="llama",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=176,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    tie_word_embeddings=False,
+)
+# Gradients of several DDP buckets (25 MiB each): 4 layers of 16.8 MiB.
+BIG = dict(LLAMA, hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
+           num_key_value_heads=8)  # fmt: skip
+SMALL = dict(seq_len=16, device="cpu", max_grad_norm=0.0, clip_mode="off")
+
+
+def shapes(dtype=torch.float32):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**LLAMA)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return params, buffers
+
+
+def shard_bytes(world_size: int, element: int = 4) -> int:
+    """What FSDP2 gives a rank: dim 0 cut into `world_size` chunks, every rank's padded to the first's size."""
+    params, _ = shapes()
+    return sum(math.ceil(s[0] / world_size) * math.prod(s[1:]) * element for s in params.values())
+
+
+def full_bytes(element: int = 4) -> int:
+    params, _ = shapes()
+    return sum(math.prod(s) * element for s in params.values())
+
+
+def test_fsdp2_rank_holds_its_padded_shards():
+    params, buffers = shapes()
+    result = plan(LLAMA, ["adamw_torch"], counterparts=False, world_size=3, sharding="fsdp2", **SMALL)
+    row = result.row("adamw_torch")
+    between = row.between_steps
+    # 3 does not divide 64-row tensors: FSDP2 pads each rank's chunk to the first's (22 rows, not 64 / 3).
+    assert between["weights"] == shard_bytes(3) + buffers
+    assert between["weights"] != full_bytes() // 3 + buffers
+    # AdamW: exp_avg and exp_avg_sq of the local shard, and a float32 step per tensor.
+    assert between["optimizer_state"] == 2 * shard_bytes(3) + 4 * len(params)
+    assert between["gradients"] == 0
+    # At the peak the rank also holds all-gathered (unsharded) weights, less than the whole model.
+    assert shard_bytes(3) < row.categories["weights"] < full_bytes()
+    one = plan(LLAMA, ["adamw_torch"], counterparts=False, **SMALL).row("adamw_torch")
+    assert row.peak_bytes < one.peak_bytes
+
+
+def test_fsdp2_mixed_precision_keeps_float32_shards():
+    # Accelerate upcasts trainable bf16 weights to float32 master shards under mixed precision (fsdp2_prepare_model).
+    _, buffers = shapes(torch.bfloat16)
+    result = plan(LLAMA, ["adamw_torch"], world_size=2, sharding="fsdp2", bf16=True, torch_dtype="bfloat16", **SMALL)
+    assert result.row("adamw_torch").between_steps["weights"] == shard_bytes(2) + buffers
+
+
+def test_ddp_adds_its_buckets():
+    params, buffers = shapes()
+    alone = plan(LLAMA, ["adamw_torch"], counterparts=False, **SMALL).row("adamw_torch")
+    ddp = plan(LLAMA, ["adamw_torch"], counterparts=False, world_size=2, sharding="ddp", **SMALL).row("adamw_torch")
+    # DDP's buckets hold every gradient for the whole run, and .grad another copy (gradient_as_bucket_view=False).
+    assert ddp.between_steps["gradients"] == full_bytes()
+    assert alone.between_steps["gradients"] == 0
+    assert ddp.categories["gradients"] == alone.categories["gradients"] + full_bytes()
+    assert ddp.categories["weights"] == alone.categories["weights"] == full_bytes() + buffers
+
+
+def test_layerwise_ddp_route_holds_fewer_gradients_than_ddp():
+    result = plan(BIG, ["adamw_torch"], world_size=2, sharding="ddp", **SMALL)
+    standard, layerwise = result.row("adamw_torch"), result.row("adamw_torch_layerwise")
+    assert layerwise.between_steps["gradients"] == 0  # its buckets are freed once stepped
+    assert layerwise.categories["gradients"] < standard.categories["gradients"] // 2
+    assert layerwise.peak_bytes < standard.peak_bytes
+    assert layerwise.saving_bytes == standard.peak_bytes - layerwise.peak_bytes > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model, sharding",
+    [
+        # Under DDP, layers of at least DDP's 25 MiB bucket cap each: smaller ones would share buckets differently
+        # in every copy of the model (where the layer-wise route frees them), so the copies would not be on one line.
+        (dict(LLAMA, hidden_size=2048, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=16), "ddp"),
+        (LLAMA, "fsdp2"),
+    ],
+    ids=["ddp", "fsdp2"],
+)
+def test_extrapolated_layers_equal_the_full_simulation(model, sharding):
+    deep = dict(model, num_hidden_layers=6)
+    options = dict(SMALL, world_size=2, sharding=sharding, gradient_checkpointing=True)
+    quick = plan(deep, ["adamw_torch"], **options)
+    full = plan(deep, ["adamw_torch"], extrapolate=False, **options)
+    assert quick.extrapolated and not full.extrapolated
+    for a, b in zip(quick.rows, full.rows):
+        assert (a.peak_bytes, a.categories, a.when) == (b.peak_bytes, b.categories, b.when)
+
+
+def test_rule_optimizer_state_is_per_shard():
+    # bitsandbytes cannot run on fake tensors: its state comes from the estimator's rule, applied to the local shard.
+    ddp = plan(LLAMA, ["adamw_8bit_layerwise"], counterparts=False, world_size=2, sharding="ddp", **SMALL)
+    fsdp = plan(LLAMA, ["adamw_8bit_layerwise"], counterparts=False, world_size=2, sharding="fsdp2", **SMALL)
+    a = ddp.rows[0].between_steps["optimizer_state"]
+    b = fsdp.rows[0].between_steps["optimizer_state"]
+    assert fsdp.rows[0].optimizer_state_from_rule
+    # More than half: a shard under bitsandbytes' 4096 elements keeps a 32-bit state where the whole tensor would not.
+    assert a / 2 < b < a
+
+
+def test_cli_json_says_world_size_and_sharding(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA))
+    args = ["plan", str(config), "--seq-len", "16", "--device", "cpu", "--world-size", "2", "--sharding", "fsdp2"]
+    assert main([*args, "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert (payload["world_size"], payload["sharding"], payload["rank"]) == (2, "fsdp2", 0)
+    assert payload["setup"]["world_size"] == 2
+    assert set(payload["optimizers"][0]["between_steps"]) == set(payload["optimizers"][0]["categories"])
+    assert main(args) == 0
+    assert "per rank, 1 of 2 (fsdp2)" in capsys.readouterr().out
+    assert not dist.is_initialized()  # the fake process group is gone
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(world_size=0, sharding="ddp"), "world_size=0: the number of ranks"),
+        (dict(world_size=2, sharding="zero3"), "sharding='zero3': choose one of none, ddp, fsdp2"),
+        (dict(world_size=2), "world_size=2 with sharding='none': choose sharding 'ddp' or 'fsdp2'"),
+        (dict(world_size=1, sharding="ddp"), "sharding='ddp' with world_size=1"),
+        (dict(world_size=2, sharding="fsdp2", optimizers=["muon_layerwise"]), "muon_layerwise cannot step FSDP2"),
+    ],
+)
+def test_bad_input_is_refused_before_any_simulation(options, message, monkeypatch):
+    monkeypatch.setattr(plan_core, "simulate_all", lambda *a, **k: pytest.fail("simulated"))
+    optimizers = options.pop("optimizers", ["adamw_torch"])
+    with pytest.raises(EstimateError, match=message):
+        plan(LLAMA, optimizers, **options, **SMALL)
+
+
+def test_fsdp2_drops_a_refused_layerwise_counterpart(monkeypatch):
+    # A standard optimizer asked for under FSDP2 runs; its layer-wise form, which the route table refuses, is left out.
+    names = plan_core.expand_optimizers(["adamw_torch_4bit"])
+    assert plan_core.fsdp2_counterparts(names, ["adamw_torch_4bit"], "fsdp2") == ["adamw_torch_4bit"]
+    monkeypatch.setattr(plan_core, "simulate_all", lambda *a, **k: pytest.fail("simulated"))
+    with pytest.raises(EstimateError, match="adamw_torch_4bit_layerwise cannot step FSDP2"):
+        plan(LLAMA, ["adamw_torch_4bit_layerwise"], world_size=2, sharding="fsdp2", **SMALL)
+
+
+@pytest.mark.slow
+def test_inside_a_running_process_group(monkeypatch):
+    # A preflight plans from inside a real run, whose process group is the default one: the fake ranks run in a
+    # fresh process and give the same figures.
+    expected = plan(LLAMA, ["adamw_torch"], counterparts=False, world_size=2, sharding="fsdp2", **SMALL).rows[0]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        row = plan(LLAMA, ["adamw_torch"], counterparts=False, world_size=2, sharding="fsdp2", **SMALL).rows[0]
+        assert dist.get_backend() == "gloo" and dist.get_world_size() == 1  # the run's own group is untouched
+    finally:
+        dist.destroy_process_group()
+    assert (row.peak_bytes, row.categories, row.between_steps) == (
+        expected.peak_bytes,
+        expected.categories,
+        expected.between_steps,
+    )
+
+
+# ---- against a real 2-rank run (gloo) ----
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _real_rank(rank: int, world_size: int, port: int, sharding: str, out: str) -> None:
+    """A real rank: the model on real tensors, FSDP2 (fully_shard per decoder layer, then the root) or DDP, one AdamW
+    step; what stays alive between steps, measured on the tensors themselves."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**LLAMA))
+    forward, buckets = model, {}
+    if sharding == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    else:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        forward = torch.nn.parallel.DistributedDataParallel(model)
+
+        def hook(group, bucket):
+            # DDP's buckets: the reducer's flat gradient buffers, alive for the run.
+            buckets[bucket.index()] = bucket.buffer().untyped_storage().nbytes()
+            return allreduce_hook(group, bucket)
+
+        forward.register_comm_hook(None, hook)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, LLAMA["vocab_size"], (1, 16))
+    for _ in range(2):
+        forward(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def nbytes(t):
+        t = getattr(t, "_local_tensor", t)
+        return t.untyped_storage().nbytes()
+
+    storages = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        storages[id(getattr(t, "_local_tensor", t).untyped_storage())] = nbytes(t)
+    state = sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    if rank == 0:
+        with open(out, "w") as f:
+            result = {"weights": sum(storages.values()), "optimizer_state": state, "gradients": sum(buckets.values())}
+            json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sharding", ["fsdp2", "ddp"])
+def test_matches_a_real_two_rank_run(sharding, tmp_path):
+    out = str(tmp_path / "real.json")
+    mp.start_processes(_real_rank, args=(2, _free_port(), sharding, out), nprocs=2, start_method="fork")
+    real = json.loads(open(out).read())
+    row = plan(LLAMA, ["adamw_torch"], counterparts=False, world_size=2, sharding=sharding, **SMALL).rows[0]
+    for category in ("weights", "optimizer_state", "gradients"):
+        assert row.between_steps[category] == real[category], category
