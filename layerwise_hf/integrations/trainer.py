@@ -124,7 +124,8 @@ class LayerwiseTrainerMixin:
             local_shards=self.is_fsdp_enabled,
         )
         if self.is_fsdp_enabled:
-            check_fsdp2_optimizers(self.optimizer.optimizer_name, self.optimizer.inner)  # before any step
+            inner = [getattr(i, "host_base", i) for i in self.optimizer.inner]  # layerwise_offload="optimizer"
+            check_fsdp2_optimizers(self.optimizer.optimizer_name, inner)  # before any step
         elif DataParallelConfig.from_accelerator(self.accelerator) is not None:
             # Under a DDP config the gradients are reduced by the layer-wise data-parallel route: DDP's buckets
             # would hold as much memory as all gradients for the whole run.
