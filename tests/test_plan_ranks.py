@@ -153,7 +153,8 @@ def test_cli_json_says_world_size_and_sharding(tmp_path, capsys):
         (dict(world_size=2, sharding="zero3"), "sharding='zero3': choose one of none, ddp, fsdp2"),
         (dict(world_size=2), "world_size=2 with sharding='none': choose sharding 'ddp' or 'fsdp2'"),
         (dict(world_size=1, sharding="ddp"), "sharding='ddp' with world_size=1"),
-        (dict(world_size=2, sharding="fsdp2", optimizers=["muon_layerwise"]), "muon_layerwise cannot step FSDP2"),
+        (dict(world_size=2, sharding="fsdp2", optimizers=["muon_layerwise"]), "muon_layerwise: the route table"),
+        (dict(world_size=2, sharding="fsdp2", optimizers=["adafactor"]), "adafactor: it cannot step FSDP2's DTensors"),
     ],
 )
 def test_bad_input_is_refused_before_any_simulation(options, message, monkeypatch):
@@ -163,12 +164,15 @@ def test_bad_input_is_refused_before_any_simulation(options, message, monkeypatc
         plan(LLAMA, optimizers, **options, **SMALL)
 
 
-def test_fsdp2_drops_a_refused_layerwise_counterpart(monkeypatch):
-    # A standard optimizer asked for under FSDP2 runs; its layer-wise form, which the route table refuses, is left out.
-    names = plan_core.expand_optimizers(["adamw_torch_4bit"])
-    assert plan_core.fsdp2_counterparts(names, ["adamw_torch_4bit"], "fsdp2") == ["adamw_torch_4bit"]
+def test_fsdp2_leaves_out_a_counterpart_it_cannot_step(monkeypatch):
+    # Asked for by name, a form FSDP2 cannot step is refused; as the other form's counterpart, it is left out.
+    assert plan_core.fsdp2_counterparts(["adamw_torch_4bit", "adamw_torch_4bit_layerwise"], "adamw_torch_4bit",
+                                        "fsdp2") == ["adamw_torch_4bit"]  # fmt: skip
+    result = plan(LLAMA, ["adafactor_layerwise"], world_size=2, sharding="fsdp2", **SMALL)
+    assert [r.optimizer for r in result.rows] == ["adafactor_layerwise"]
+    assert result.notes and result.notes[0].startswith("adafactor left out: under FSDP2 it cannot step")
     monkeypatch.setattr(plan_core, "simulate_all", lambda *a, **k: pytest.fail("simulated"))
-    with pytest.raises(EstimateError, match="adamw_torch_4bit_layerwise cannot step FSDP2"):
+    with pytest.raises(EstimateError, match="adamw_torch_4bit_layerwise: the route table refuses it"):
         plan(LLAMA, ["adamw_torch_4bit_layerwise"], world_size=2, sharding="fsdp2", **SMALL)
 
 

@@ -37,7 +37,8 @@ JSON_SCHEMA = """--json prints one object:
     max_micro_batch             with --max-batch-size: the largest micro-batch that fits (0: none)
     advice                      what would lower the peak
     between_steps               {same categories}: what stays alive after zero_grad() (weights, optimizer state,
-                                DDP's buckets)"""
+                                DDP's buckets)
+  notes                  optimizers left out (a counterpart FSDP2 cannot step)"""
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

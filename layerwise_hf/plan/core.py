@@ -16,7 +16,7 @@ from ..estimate.units import EstimateError, format_bytes
 from .advice import advise
 from .extrapolate import simulate_layers
 from .options import CLIP_MODES, DEVICES
-from .ranks import RANK, check_ranks, in_fresh_process, needs_fresh_process
+from .ranks import RANK, check_ranks, fsdp2_refusal, in_fresh_process, needs_fresh_process
 from .simulate import DTYPE_ALIASES, DTYPES, SimulatedStep, StepSetup, simulate
 from .tracker import CATEGORIES
 
@@ -95,6 +95,7 @@ class Plan:
     rows: list[PlanRow]
     extrapolated: bool
     seconds: float
+    notes: list[str] = field(default_factory=list)
 
     def row(self, optimizer: str) -> PlanRow:
         return next(r for r in self.rows if r.optimizer == optimizer)
@@ -111,6 +112,7 @@ class Plan:
             "extrapolated_layers": self.extrapolated,
             "seconds": round(self.seconds, 3),
             "optimizers": [asdict(r) for r in self.rows],
+            "notes": list(self.notes),
         }
 
     def format(self, units: str = "binary") -> str:
@@ -148,6 +150,7 @@ class Plan:
                 "Note: (state: rule) optimizer state from the estimator's rules; its kernels do not run on "
                 "fake tensors, and their step temporaries are not counted."
             )
+        lines += [f"Note: {n}" for n in self.notes]
         if self.setup.sharding == "fsdp2":
             lines.append(
                 "Note: per rank under FSDP2: weights are this rank's shards plus the all-gathered (unsharded) units "
@@ -194,15 +197,12 @@ def expand_optimizers(names: list[str] | tuple[str, ...], counterparts: bool = T
 
 
 def fsdp2_counterparts(names: list[str], asked: list[str] | tuple[str, ...] | str, sharding: str) -> list[str]:
-    """Under FSDP2, leave out a layer-wise counterpart the route table refuses when only its standard form was asked
-    for (`check_ranks` refuses one asked for by name)."""
+    """Under FSDP2, leave out a counterpart (standard or layer-wise) that FSDP2 cannot step when only the other form
+    was asked for (`check_ranks` refuses one asked for by name)."""
     if sharding != "fsdp2":
         return names
-    from ..bases.support import fsdp2_supports_base
-    from ..estimate.optimizers import parse_optimizer
-
     asked = {asked} if isinstance(asked, str) else set(asked)
-    return [n for n in names if n in asked or not n.endswith(SUFFIX) or fsdp2_supports_base(parse_optimizer(n)[0])]
+    return [n for n in names if n in asked or fsdp2_refusal(n) is None]
 
 
 def make_setup(**options: Any) -> StepSetup:
@@ -296,7 +296,9 @@ def plan(
     ```
     """
     started = time.perf_counter()
-    names = fsdp2_counterparts(expand_optimizers(optimizers, counterparts), optimizers, sharding)
+    expanded = expand_optimizers(optimizers, counterparts)
+    names = fsdp2_counterparts(expanded, optimizers, sharding)
+    notes = [f"{n} left out: under FSDP2 {fsdp2_refusal(n)}." for n in expanded if n not in names]
     setup = make_setup(
         optimizers=names,
         world_size=world_size,
@@ -322,7 +324,7 @@ def plan(
     else:
         steps, extrapolated = simulate_all(config, names, setup, extrapolate)
     rows = [to_row(step, setup, memory, steps) for step in steps.values()]
-    return Plan(name, source, setup, memory, rows, extrapolated, time.perf_counter() - started)
+    return Plan(name, source, setup, memory, rows, extrapolated, time.perf_counter() - started, notes)
 
 
 def simulate_all(config: Any, names: list[str], setup: StepSetup, extrapolate: bool) -> tuple[dict, bool]:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..bases.support import SUFFIX, fsdp2_supports_base
+from ..bases.support import FSDP2_LOCAL_SHARD, SUFFIX, fsdp2_supports_base
 from ..estimate.optimizers import parse_optimizer
 from ..estimate.units import SHARDINGS, EstimateError
 from .tracker import GRADIENTS, WEIGHTS, LiveBytes
@@ -55,15 +55,31 @@ def check_ranks(world_size: Any, sharding: Any, optimizers: list[str]) -> None:
             "layer-wise route is the local one). Use sharding='none', or world_size >= 2."
         )
     if sharding == "fsdp2":
-        refused = [n for n in optimizers if n.endswith(SUFFIX) and not fsdp2_supports_base(parse_optimizer(n)[0])]
+        refused = [f"{n}: {why}" for n in optimizers if (why := fsdp2_refusal(n))]
         if refused:
-            from ..bases.support import FSDP2_DTENSOR_NATIVE, FSDP2_ELEMENTWISE, FSDP2_LOCAL_SHARD
+            from ..bases.support import FSDP2_DTENSOR_NATIVE, FSDP2_ELEMENTWISE
 
             good = sorted({*FSDP2_ELEMENTWISE, *FSDP2_DTENSOR_NATIVE, *FSDP2_LOCAL_SHARD})
             raise EstimateError(
-                f"{', '.join(refused)} cannot step FSDP2 shards (its update is not per element of a shard). Under "
-                f"sharding='fsdp2' choose one of: {', '.join(b + SUFFIX for b in good)}; or sharding='ddp'."
+                f"under sharding='fsdp2', {'; '.join(refused)}. Choose one of: "
+                f"{', '.join(b + SUFFIX for b in good)}, or a standard optimizer that steps DTensors "
+                f"({', '.join(sorted({*FSDP2_ELEMENTWISE, *FSDP2_DTENSOR_NATIVE}))}); or sharding='ddp'."
             )
+
+
+def fsdp2_refusal(name: str) -> str | None:
+    """Why a run cannot step `name` (a Trainer optimizer name) under FSDP2, or `None`: the route table's word for a
+    layer-wise name, and the standard optimizers whose kernels take no DTensor."""
+    base, layerwise = parse_optimizer(name)
+    if layerwise and not fsdp2_supports_base(base):
+        return "the route table refuses it (its update is not per element of a shard)"
+    if not layerwise and base in FSDP2_LOCAL_SHARD:
+        return (
+            "it cannot step FSDP2's DTensors (bitsandbytes' kernels take plain tensors; transformers' Adafactor "
+            f"mixes DTensors with plain tensors), so a real run fails at its first step; {name}{SUFFIX} steps each "
+            "rank's local shard"
+        )
+    return None
 
 
 def needs_fresh_process(sharding: str) -> bool:
@@ -255,8 +271,9 @@ class RankRoute:
             # NOTE: rank 0's gradient order wins the bucket agreement (a broadcast from rank 0), and the simulated
             # rank is rank 0; a fake tensor has no values to read that order back from.
             route._agree = lambda order: order
-            for method in ("_put", "_launch"):
-                setattr(route, method, self._as_gradients(getattr(route, method)))
+            # A bucket's buffer is allocated where the first gradient is copied in (`_put`); not `_launch`, which
+            # may step buckets (their temporaries are the step's).
+            route._put = self._as_gradients(route._put)
         return name
 
     def _as_gradients(self, method):
