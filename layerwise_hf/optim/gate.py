@@ -158,7 +158,10 @@ class GradientGate:
         norm = window.norms[i]
         coef = self.clipper.coef(window, None if norm is None else norm[2], self.last_grad_norm)
         buffer = self.offload.host[i]
-        inner.step_host(buffer, [], None if coef is None else coef.to(buffer.device))
+        if coef is not None:
+            # Under FSDP2 the coefficient is a replicated DTensor; the host buffer is a plain local shard.
+            coef = (coef.full_tensor() if hasattr(coef, "full_tensor") else coef).to(buffer.device)
+        inner.step_host(buffer, [], coef)
         self.applied_lr[type(unwrap_host_step(inner)).__name__] = inner.param_groups[0]["lr"]
         window.stepped[i] = True
         self.offload.filled[i] = False

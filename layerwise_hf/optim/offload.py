@@ -214,18 +214,32 @@ class GradientOffload:
         self.settle(window, params)
         if not indices:
             return
-        started = self._copy_back(indices[0], params)
+        started = self._copy_back(indices[0], params[indices[0]])
         for k, i in enumerate(indices):
             device_grad, ticket = started
             if k + 1 < len(indices):
-                started = self._copy_back(indices[k + 1], params)
+                started = self._copy_back(indices[k + 1], params[indices[k + 1]])
             ticket.wait_device()
             params[i].grad = device_grad
             self.filled[i] = False
             step(i)
 
-    def _copy_back(self, i: int, params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Ticket]:
-        param = params[i]
+    @torch.no_grad()
+    def merge_into(self, i: int, param: torch.Tensor) -> None:
+        """Bring `i`'s host sum back into `param.grad` (added to it, if any) before a reduction that must see the
+        whole window's gradient (the data-parallel route reduces once per window); its buffer is free again."""
+        _wait_all(self.waits.pop(i, []))
+        self.host_norms.pop(i, None)
+        device_sum, ticket = self._copy_back(i, param)
+        ticket.wait_device()
+        if param.grad is None:
+            param.grad = device_sum
+        else:
+            param.grad.add_(device_sum)  # the last micro-batch's + the earlier ones': addition commutes, bit for bit
+        self.filled[i] = False
+        self.accumulated.discard(i)
+
+    def _copy_back(self, i: int, param: torch.Tensor) -> tuple[torch.Tensor, Ticket]:
         device_grad = torch.empty_like(param)
         ticket = self._transfer_for(local_tensor(param)).copy(local_tensor(device_grad), self.host[i])
         return device_grad, ticket

@@ -389,6 +389,7 @@ class DataParallelReducer(LocalHooks):
                 "checkpointing with a parameter in two segments?): use activation_checkpointing_kwargs="
                 "{'use_reentrant': False}."
             )
+        _merge_host_sum(optimizer, i, self.params[i])
         self._put(bucket, k, self.params[i])
         self._launch_complete()
 
@@ -435,6 +436,8 @@ class DataParallelReducer(LocalHooks):
 
     def _launch(self, bucket: _Bucket) -> None:
         for k, i in enumerate(bucket.indices):
+            if not bucket.ready[k]:
+                _merge_host_sum(self.optimizer, i, self.params[i])
             if not bucket.ready[k] and self.params[i].grad is not None:
                 # Used in an earlier micro-batch of the window but not in this one: its accumulated gradient is
                 # reduced too (DDP copies any defined .grad into its bucket).
@@ -507,3 +510,11 @@ class DataParallelReducer(LocalHooks):
             order = self._ready_order + [i for i in self._reversed_order() if i not in seen]
             self._set_buckets(build_buckets(self.params, self.config.bucket_size_limits, self._agree(order)))
             self._ready_order = None
+
+
+def _merge_host_sum(optimizer: LayerwiseOptimizer, i: int, param: torch.Tensor) -> None:
+    # layerwise_offload: the earlier micro-batches' gradients of this window wait in a host buffer; the one reduction
+    # of the window must see their sum with this one, as DDP reduces the accumulated `.grad`.
+    offload = getattr(getattr(optimizer, "gate", None), "offload", None)
+    if offload is not None and offload.holds(i):
+        offload.merge_into(i, param)

@@ -282,7 +282,9 @@ class FSDP2Hooks(LocalHooks):
     hold_large_steps = False
 
     def attach(self, optimizer: LayerwiseOptimizer) -> None:
-        check_fsdp2_optimizers(optimizer.optimizer_name, optimizer.inner)
+        # A host-stepped optimizer (layerwise_offload="optimizer") steps a plain copy of the local shard: its own
+        # update is what must be elementwise.
+        check_fsdp2_optimizers(optimizer.optimizer_name, [getattr(i, "host_base", i) for i in optimizer.inner])
         super().attach(optimizer)
 
     def reduce_found_inf(self, flags):

@@ -1,0 +1,47 @@
+"""Host offload on 2 gloo ranks (issue 19): the DDP config's data-parallel route and FSDP2, bit-exact with standard."""
+
+import pytest
+from test_distributed import launch
+
+from layerwise_hf.optim import transfer
+
+SIMULATED = {transfer.SIMULATE_ENV: "1", transfer.DELAY_ENV: "0.001"}
+QUICK = [pytest.param("quick", id="quick"), pytest.param("full", id="full", marks=pytest.mark.slow)]
+
+
+def assert_exact(report: dict, route: str, sharded: bool):
+    assert report["results"]
+    for case in report["results"]:
+        assert case["route"] == route, case
+        assert case["max_diff"] == 0.0, case
+        assert case["grad_norm_equal"] and case["lr_equal"], case
+        assert case["ranks_agree"], case
+        assert case["sharded"] == sharded, case
+        assert case["steps_logged"] == 4, case
+        assert (case["host_steps"] == "HostStepOptimizer") == case["case"].startswith("optimizer"), case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", QUICK)
+def test_offload_under_the_ddp_config_matches_standard_ddp(tmp_path, size):
+    report = launch(
+        "configs/accelerate/cpu_ddp.yaml",
+        "tests/distributed/offload_trainer.py",
+        tmp_path / "r.json",
+        SIMULATED,
+        script_args=["ddp", size],
+    )
+    assert_exact(report, "data_parallel", sharded=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", QUICK)
+def test_offload_under_fsdp2_matches_standard_fsdp2(tmp_path, size):
+    report = launch(
+        "configs/accelerate/cpu_fsdp2.yaml",
+        "tests/distributed/offload_trainer.py",
+        tmp_path / "r.json",
+        {**SIMULATED, "LAYERWISE_HF_FORCE_FSDP_CPU": "1"},
+        script_args=["fsdp2", size],
+    )
+    assert_exact(report, "fsdp2", sharded=True)
