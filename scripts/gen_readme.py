@@ -5,6 +5,11 @@ files, found by its markers, so a table follows its text when the text moves to 
 
 python scripts/gen_readme.py          # rewrite the files whose sections are stale
 python scripts/gen_readme.py --check  # exit 1 if any is stale (the test suite runs this)
+python scripts/gen_readme.py --plans  # rerun the sizing guide's plans (minutes) into sizing_plans.json, then rewrite
+
+The sizing guide's `layerwise-hf plan` tables come from benchmarks/results/sizing_plans.json (a simulation takes
+minutes, too long for every test run); the JSON keeps the settings each table was planned with, so a table whose
+settings change here reads as stale until `--plans` reruns it.
 """
 
 from __future__ import annotations
@@ -74,7 +79,112 @@ def results_table(results: Path = MEMORY_SUITE_JSON) -> str:
     return "\n".join(lines)
 
 
-SECTIONS = {"optimizers": optimizer_table, "results": results_table}
+SIZING_PLANS_JSON = README.parent / "benchmarks" / "results" / "sizing_plans.json"
+# The sizing guide's plans: per table, its rows (a label and plan()'s keywords), the options every row shares, and the
+# device sizes it is read against.
+_BF16 = dict(bf16=True, torch_dtype="bfloat16", gradient_checkpointing=True, micro_batch=1, device="cuda")
+PLAN_TABLES = {
+    "plan-8b": dict(
+        model="llama-3-8b",
+        # NOTE: every layer simulated: the 2-4-layer extrapolation extends only the small copies' peak, which here
+        # falls at the start of backward while the full model's standard 8-bit / Adafactor peak falls later (48.06 vs
+        # 40.08 GiB for adamw_8bit).
+        options=dict(_BF16, seq_len=4096, extrapolate=False),
+        devices=["24GiB", "40GiB", "80GiB"],
+        rows=[
+            ("adamw_torch", {}),
+            ("adamw_torch_layerwise", {}),
+            ("adamw_8bit", {}),
+            ("adamw_8bit_layerwise", {}),
+            ("adafactor", {}),
+            ("adafactor_layerwise", {}),
+            ("adamw_torch", dict(lora_r=16, lora_targets=("q_proj", "v_proj"))),
+            ("adamw_torch_layerwise", dict(lora_r=16, lora_targets=("q_proj", "v_proj"))),
+        ],
+    ),
+    "plan-70b": dict(
+        model="llama-2-70b",
+        options=dict(_BF16, seq_len=4096, world_size=8, sharding="fsdp2"),
+        devices=["80GiB"],
+        rows=[("adamw_torch", {}), ("adamw_torch_layerwise", {}), ("adamw_8bit", {}), ("adamw_8bit_layerwise", {})],
+    ),
+}
+
+
+def _row_label(optimizer: str, extra: dict) -> str:
+    return f"`{optimizer}`" + (f" + LoRA r={extra['lora_r']}" if extra.get("lora_r") else "")
+
+
+def _settings(table: dict) -> dict:
+    """A table's settings as JSON stores them (tuples as lists), to tell a stale entry."""
+    import json
+
+    return json.loads(json.dumps({k: table[k] for k in ("model", "options", "rows")}))
+
+
+def run_plans(keys: list[str], path: Path = SIZING_PLANS_JSON) -> None:
+    """Rerun the plans of `keys` (all when empty) and store them in `path`, next to the others already there."""
+    import json
+    import time
+
+    from layerwise_hf.plan import plan
+
+    stored = json.loads(path.read_text()) if path.is_file() else {}
+    for key in keys or list(PLAN_TABLES):
+        table = PLAN_TABLES[key]
+        rows, t0 = [], time.perf_counter()
+        for optimizer, extra in table["rows"]:
+            result = plan(table["model"], [optimizer], counterparts=False, **table["options"], **extra)
+            rows.append(result.to_dict())
+            print(f"{key}: {_row_label(optimizer, extra)} {result.rows[0].peak_bytes} bytes", file=sys.stderr)
+        stored[key] = {**_settings(table), "seconds": round(time.perf_counter() - t0, 1), "plans": rows}
+    path.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
+
+
+def plan_table(key: str, path: Path = SIZING_PLANS_JSON) -> str:
+    """One of the sizing guide's `layerwise-hf plan` tables, from `path`."""
+    import json
+
+    from layerwise_hf.estimate.units import format_bytes
+    from layerwise_hf.plan.core import parse_size
+
+    table = PLAN_TABLES[key]
+    stored = json.loads(path.read_text()).get(key) if path.is_file() else None
+    if stored is None or {k: stored[k] for k in ("model", "options", "rows")} != _settings(table):
+        return f"_Not planned with these settings yet: run `python scripts/gen_readme.py --plans {key}`._"
+    names = ("weights", "gradients", "optimizer_state", "activations", "temporaries")
+    fits = [f"fits {d.replace('GiB', ' GiB')}" for d in table["devices"]]
+    lines = [
+        "| optimizer | peak | weights | gradients | optimizer state | activations | temporaries | "
+        + " | ".join(fits)
+        + " | the peak falls at |",
+        "|---" * (8 + len(fits)) + "|",
+    ]
+    fitting: dict[str, list[str]] = {d: [] for d in table["devices"]}
+    for (optimizer, extra), result in zip(table["rows"], stored["plans"]):
+        (row,) = result["optimizers"]
+        label = _row_label(optimizer, extra) + (" (state: rule)" if row["optimizer_state_from_rule"] else "")
+        cells = [label, f"**{format_bytes(row['peak_bytes'])}**"]
+        cells += [format_bytes(row["categories"][c]) for c in names]
+        for device in table["devices"]:
+            spare = parse_size(device) - row["peak_bytes"]
+            cells.append(f"yes ({format_bytes(spare)} left)" if spare >= 0 else "no")
+            fitting[device] += [_row_label(optimizer, extra)] if spare >= 0 else []
+        lines.append("| " + " | ".join([*cells, row["when"]]) + " |")
+    lines.append("")
+    for device, labels in fitting.items():
+        lines.append(f"Fits {device.replace('GiB', ' GiB')}: {', '.join(labels) or 'none of these'}.")
+    how = "every layer simulated" if table["options"].get("extrapolate") is False else "identical layers extrapolated"
+    lines.append(f"The {len(table['rows'])} plans took {stored['seconds']} s in all ({how}) on a shared 2-core CPU.")
+    return "\n".join(lines)
+
+
+SECTIONS = {
+    "optimizers": optimizer_table,
+    "results": results_table,
+    "plan-8b": lambda: plan_table("plan-8b"),
+    "plan-70b": lambda: plan_table("plan-70b"),
+}
 
 
 def _section(key: str) -> re.Pattern:
@@ -98,7 +208,15 @@ def render(texts: dict[Path, str]) -> dict[Path, str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail instead of writing when a page is stale")
+    parser.add_argument(
+        "--plans",
+        nargs="*",
+        choices=list(PLAN_TABLES),
+        help="first rerun these sizing plans (all when none is named) into benchmarks/results/sizing_plans.json",
+    )
     args = parser.parse_args()
+    if args.plans is not None:
+        run_plans(args.plans)
     current = {path: path.read_text() for path in doc_files()}
     fresh = render(current)
     stale = [path for path in current if fresh[path] != current[path]]
