@@ -56,8 +56,17 @@ def advise(row: PlanRow, setup: StepSetup) -> list[str]:
         (layerwise and setup.clip_mode == "exact" and row.when.startswith("norm pass"), row.peak_bytes,
          "the peak is in exact clipping's norm pass, whose graph stays alive: --clip-mode previous or per_param "
          "avoids it"),
-        (large("weights", 0.5), cats["weights"],
-         "weights are half the peak or more: bfloat16 weights (--torch-dtype bfloat16), LoRA on an 8-bit or 4-bit "
-         "base, or FSDP2 across devices"),
+        (large("weights", 0.5), cats["weights"], _weights_advice(setup)),
     ]  # fmt: skip
     return [text for _, _, text in sorted((c for c in candidates if c[0]), key=lambda c: -c[1])]
+
+
+def _weights_advice(setup: StepSetup) -> str:
+    text = "weights are half the peak or more: "
+    if setup.sharding == "fsdp2":
+        if setup.bf16 or setup.fp16:
+            # NOTE: accelerate's fsdp2_prepare_model upcasts trainable weights to float32 under mixed precision.
+            text += ("under mixed precision Accelerate keeps float32 master shards (bfloat16 weights without --bf16 "
+                     "keep bfloat16 shards), ")  # fmt: skip
+        return text + "more ranks, or LoRA on an 8-bit or 4-bit base"
+    return text + "bfloat16 weights (--torch-dtype bfloat16), LoRA on an 8-bit or 4-bit base, or FSDP2 across devices"
