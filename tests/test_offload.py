@@ -14,6 +14,7 @@ from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
 from layerwise_hf.integrations.callback import end_training
 from layerwise_hf.optim import transfer as transfer_module
 from layerwise_hf.optim.host_step import HostRunner, HostStepOptimizer
+from layerwise_hf.optim.offload import GradientOffload
 from layerwise_hf.optim.offloading import enable_offload, host_step_factory, offload_of
 from layerwise_hf.optim.optimizer import build_layerwise_optimizer
 from layerwise_hf.optim.transfer import ThreadTransfer
@@ -195,3 +196,92 @@ def test_bad_offload_values_are_refused_naming_the_argument():
         build_layerwise_optimizer(model, args, offload="host")
     with pytest.raises(ValueError, match="layerwise_offload='disk'"):
         training_args("/tmp/unused", "sgd_layerwise", layerwise_offload="disk")
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def _storage_sides(optimizer, offload) -> tuple[int, int, int]:
+    """(device-side gradient bytes, device-side state bytes, host-side bytes) of what the optimizer holds now."""
+    host = sum(_nbytes(b) for b in offload.host.values())
+    device_states = 0
+    for inner in optimizer.inner:
+        states = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        if isinstance(inner, HostStepOptimizer):
+            host += _nbytes(inner.host) + sum(_nbytes(v) for v in states)
+            host += _nbytes(inner.host_grad) if inner.host_grad is not None else 0
+        else:
+            device_states += sum(_nbytes(v) for v in states)
+    # Gradients alive on the parameters, and the ones still being copied out (their sources are alive until then).
+    device_grads = sum(_nbytes(p.grad) for p in optimizer.params if p.grad is not None) + offload.device_bytes
+    return device_grads, device_states, host
+
+
+@pytest.mark.parametrize("ga", [1, 4])
+@pytest.mark.parametrize("mode", ["none", "gradients", "optimizer"])
+def test_device_side_is_bounded_by_what_is_in_flight(mode, ga):
+    model = _mlp()
+    sync = [True]
+    params = [LayerwiseParam(n, p, weight_decay=0.0) for n, p in model.named_parameters()]
+    factory, runner = host_step_factory(lambda lp, _: torch.optim.AdamW([lp.param], lr=1e-2), mode)
+    optimizer = LayerwiseOptimizer(params, factory, sync_gradients=lambda: sync[0])
+    optimizer.configure_clipping(1.0, "exact")  # every gradient waits for the global norm
+    enable_offload(optimizer, mode if mode != "none" else "gradients", max_in_flight=2, runner=runner)
+    if mode == "none":
+        enable_offload(optimizer, "none")
+    optimizer.attach()
+    offload = offload_of(optimizer) or GradientOffload()
+    seen = []
+    for p in model.parameters():
+        # Registered after the optimizer's own hooks: runs once each gradient has been handed over.
+        p.register_post_accumulate_grad_hook(lambda _: seen.append(_storage_sides(optimizer, offload)))
+    for _ in range(2):
+        for k in range(ga):
+            sync[0] = k == ga - 1
+            model(torch.randn(5, 8)).sum().backward()
+        seen.append(_storage_sides(optimizer, offload))  # the whole window's gradients wait for the step
+        optimizer.step()
+        seen.append(_storage_sides(optimizer, offload))
+    end_training(optimizer)
+    sizes = [_nbytes(p) for p in model.parameters()]
+    peak_grads = max(g for g, _, _ in seen)
+    if mode == "none":
+        assert peak_grads == sum(sizes)  # exact clipping without offload holds every gradient on the device
+        return
+    assert peak_grads <= 2 * max(sizes)  # the copies in flight, at GA 1 and 4 alike
+    state_bytes = 2 * sum(sizes) + 4 * len(sizes)  # AdamW: exp_avg, exp_avg_sq and a float32 step count
+    _, device_states, host = seen[-1]
+    if mode == "optimizer":
+        assert device_states == 0  # states and the parameter's copy live on the host side only
+        assert host >= state_bytes + 2 * sum(sizes)  # states, host copies, host gradient buffers
+    else:
+        assert device_states == state_bytes and host == sum(sizes)  # only the gradients' host buffers
+
+
+@pytest.mark.parametrize(
+    "saved_with, resumed_with", [("optimizer", "none"), ("none", "optimizer"), ("gradients", "optimizer")]
+)
+def test_checkpoints_resume_across_offload_on_and_off(tmp_path, saved_with, resumed_with):
+    model = tiny_llama()
+    data = TokenDataset(n=32)
+    kwargs = dict(max_steps=6, save_strategy="steps", save_steps=3, per_device_train_batch_size=2, max_grad_norm=1.0)
+    full = train(clone(model), training_args(tmp_path / "full", "adamw_torch_layerwise", **kwargs), dataset=data)
+    saved = train(
+        clone(model),
+        training_args(tmp_path / "saved", "adamw_torch_layerwise", layerwise_offload=saved_with, **kwargs),
+        dataset=data,
+    )
+    checkpoint = tmp_path / "saved" / "checkpoint-3"
+    # The same format as without offload: the wrapped optimizer's class and states, never the host wrapper's.
+    state = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    assert set(state["layerwise_hf"]["optimizer_classes"]) == {"torch.optim.adamw.AdamW"}
+    assert sorted(state["state"]) == list(range(len(state["param_groups"])))
+    resumed = train(
+        clone(model),
+        training_args(tmp_path / "resumed", "adamw_torch_layerwise", layerwise_offload=resumed_with, **kwargs),
+        dataset=data,
+        resume_from_checkpoint=str(checkpoint),
+    )
+    assert_params_equal(full.model, saved.model)
+    assert_params_equal(full.model, resumed.model)
