@@ -189,7 +189,8 @@ def assert_trained(folder: Path, initial: Path) -> None:
 
 
 def losses(folder: Path) -> list[float]:
-    state = json.loads((folder / "trainer_state.json").read_text())
+    """The logged losses, from the last checkpoint (axolotl saves no trainer_state.json beside the final model)."""
+    state = json.loads((folder / "checkpoint-4" / "trainer_state.json").read_text())
     return [entry["loss"] for entry in state["log_history"] if "loss" in entry]
 
 
