@@ -144,6 +144,11 @@ class LayerwiseTrainingArguments(TrainingArguments):
         check_fp16_clip_mode(self.layerwise_clip, self.fp16, self.max_grad_norm)
         check_deepspeed(name, self.deepspeed)
         check_fsdp_version(name, fsdp_version_of_args(self))
+        if self.fp16 and self.layerwise_offload != "none":
+            raise ValueError(
+                f"layerwise_offload={self.layerwise_offload!r} with fp16=True: offload with fp16 loss scaling is not "
+                "supported yet. Use bf16=True, or layerwise_offload='none'."
+            )
 
     @property
     def is_layerwise(self) -> bool:
