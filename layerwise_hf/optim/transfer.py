@@ -173,14 +173,16 @@ class ThreadTransfer(Transfer):
         self.delay = float(delay)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # copies are started from the host worker too: one copy thread, one order
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
         ticket = _ThreadTicket()
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="layerwise-offload-copy", daemon=True)
-            self._thread.start()
-        # The queued item holds `src`: like record_stream, a freed source lives until its copy has run.
-        self._queue.put((dst, src, ticket))
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="layerwise-offload-copy", daemon=True)
+                self._thread.start()
+            # The queued item holds `src`: like record_stream, a freed source lives until its copy has run.
+            self._queue.put((dst, src, ticket))
         return ticket
 
     def _run(self) -> None:
@@ -201,10 +203,12 @@ class ThreadTransfer(Transfer):
                 ticket.event.set()
 
     def close(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-        self._thread = None
+        with self._lock:
+            thread, self._thread = self._thread, None
+            if thread is not None and thread.is_alive():
+                self._queue.put(None)
+        if thread is not None:
+            thread.join()
 
 
 def offload_simulated() -> bool:
