@@ -128,7 +128,12 @@ class GradientGate:
         inner = self.inner[i]
         if not offload.holds(i) and isinstance(inner, HostStepOptimizer):
             inner.wait_host()  # its last host step may still read the buffer this gradient is copied into
+        meter = self.meter
+        meter.hold(i, self.params[i].grad)
+        # Logged as the gradient bytes alive on the device: this one and the copies out still reading theirs.
+        meter.peak_bytes = max(meter.peak_bytes, meter.held_bytes + offload.device_bytes)
         offload.stash(i, self.params[i], measure)
+        meter.release(i)
         return True
 
     @torch.no_grad()
