@@ -133,7 +133,9 @@ class LayerwiseTrainerMixin:
         mode = getattr(self.args, "layerwise_clip", "exact")
         self.optimizer.configure_clipping(self.args.max_grad_norm, mode)
         route_inline_grad_norm(self.accelerator, lambda: self.layerwise_optimizer)
-        _explain_clipping(self.args.max_grad_norm, mode, self.args.gradient_accumulation_steps, self.args.fp16)
+        ga = self.args.gradient_accumulation_steps
+        offload = getattr(self.args, "layerwise_offload", "none")
+        _explain_clipping(self.args.max_grad_norm, mode, ga, self.args.fp16, offload)
         return self.optimizer
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -372,7 +374,9 @@ def _loading(obj, convert):
         del obj.load_state_dict
 
 
-def _explain_clipping(max_grad_norm: float, mode: str, gradient_accumulation_steps: int, fp16: bool = False) -> None:
+def _explain_clipping(
+    max_grad_norm: float, mode: str, gradient_accumulation_steps: int, fp16: bool = False, offload: str = "none"
+) -> None:
     # Never silent: say once what max_grad_norm (and fp16 loss scaling) does here and what it costs.
     clips = bool(max_grad_norm) and max_grad_norm > 0
     if fp16 and gradient_accumulation_steps == 1 and not (clips and mode == "exact"):
@@ -391,7 +395,8 @@ def _explain_clipping(max_grad_norm: float, mode: str, gradient_accumulation_ste
             UserWarning,
             stacklevel=3,
         )
-    elif mode == "exact" and gradient_accumulation_steps == 1:
+    elif mode == "exact" and gradient_accumulation_steps == 1 and offload == "none":
+        # (With layerwise_offload the gradients wait for the global norm in host memory: one backward.)
         logger.warning(
             "max_grad_norm=%s with layerwise_clip='exact' and no gradient accumulation: every gradient is measured "
             "(the global norm%s) before any layer steps, to clip exactly like Trainer: by a second backward over the "
