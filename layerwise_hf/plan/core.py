@@ -3,6 +3,7 @@ gradients, optimizer state, activations and temporaries at the peak), compared w
 
 from __future__ import annotations
 
+import functools
 import re
 import tempfile
 import time
@@ -282,9 +283,8 @@ def plan(
         device (`str`, defaults to `"cuda"`): whose optimizer defaults to use (`foreach` on CUDA).
         extrapolate (`bool`, defaults to `True`): simulate 2-4 identical decoder layers and extend the exact line.
         counterparts (`bool`, defaults to `True`): also run each optimizer's standard / layer-wise counterpart.
-        world_size (`int`, defaults to `1`), sharding (`str`, defaults to `"none"`): simulate one rank of
-            `world_size` under `"ddp"` or `"fsdp2"` (Accelerate's FSDP2 config), with a fake process group in this
-            process (`layerwise_hf.plan.ranks`); the figures are per rank.
+        world_size (`int`, defaults to `1`), sharding (`str`, defaults to `"none"`): one rank of `world_size`
+            under `"ddp"` or `"fsdp2"`, with a fake process group (`layerwise_hf.plan.ranks`); figures per rank.
 
     Example:
 
@@ -298,7 +298,6 @@ def plan(
     started = time.perf_counter()
     expanded = expand_optimizers(optimizers, counterparts)
     names = fsdp2_counterparts(expanded, optimizers, sharding)
-    notes = [f"{n} left out: under FSDP2 {fsdp2_refusal(n)}." for n in expanded if n not in names]
     setup = make_setup(
         optimizers=names,
         world_size=world_size,
@@ -319,11 +318,10 @@ def plan(
     memory = parse_size(device_memory) if device_memory is not None else None
     config, name, source = resolve_config(model)
     check_causal_lm(config, name)
-    if needs_fresh_process(setup.sharding):
-        steps, extrapolated = in_fresh_process(simulate_all, config, names, setup, extrapolate)
-    else:
-        steps, extrapolated = simulate_all(config, names, setup, extrapolate)
+    run = functools.partial(in_fresh_process, simulate_all) if needs_fresh_process(sharding) else simulate_all
+    steps, extrapolated = run(config, names, setup, extrapolate)
     rows = [to_row(step, setup, memory, steps) for step in steps.values()]
+    notes = [f"{n} left out: under FSDP2 {fsdp2_refusal(n)}." for n in expanded if n not in names]
     return Plan(name, source, setup, memory, rows, extrapolated, time.perf_counter() - started, notes)
 
 

@@ -40,7 +40,20 @@ RANK = 0  # the simulated rank: FSDP2 pads every rank's shard to the same size, 
 
 
 def check_ranks(world_size: Any, sharding: Any, optimizers: list[str]) -> None:
-    """Refuse a world size or sharding no run could have, naming the valid choices, before anything is simulated."""
+    """
+    Refuse a world size or sharding no run could have, naming the valid choices, before anything is simulated.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.plan.ranks import check_ranks
+    >>> check_ranks(8, "fsdp2", ["adamw_torch", "adamw_8bit_layerwise"])  # passes
+    >>> check_ranks(2, "none", ["adamw_torch"])
+    Traceback (most recent call last):
+        ...
+    layerwise_hf.estimate.units.EstimateError: world_size=2 with sharding='none': choose sharding 'ddp' or 'fsdp2' ...
+    ```
+    """
     if sharding not in SHARDINGS:
         raise EstimateError(f"sharding={sharding!r}: choose one of {', '.join(SHARDINGS)}.")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -68,8 +81,18 @@ def check_ranks(world_size: Any, sharding: Any, optimizers: list[str]) -> None:
 
 
 def fsdp2_refusal(name: str) -> str | None:
-    """Why a run cannot step `name` (a Trainer optimizer name) under FSDP2, or `None`: the route table's word for a
-    layer-wise name, and the standard optimizers whose kernels take no DTensor."""
+    """
+    Why a run cannot step `name` (a Trainer optimizer name) under FSDP2, or `None`: the route table's word for a
+    layer-wise name, and the standard optimizers whose kernels take no DTensor.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.plan.ranks import fsdp2_refusal
+    >>> fsdp2_refusal("adamw_8bit_layerwise") is None, fsdp2_refusal("adamw_8bit").startswith("it cannot step")
+    (True, True)
+    ```
+    """
     base, layerwise = parse_optimizer(name)
     if layerwise and not fsdp2_supports_base(base):
         return "the route table refuses it (its update is not per element of a shard)"
@@ -127,6 +150,16 @@ class RankRoute:
         sharding (`str`): `"none"`, `"ddp"` or `"fsdp2"`.
         tracker (`LiveBytes`): counts the step.
         setup (`StepSetup`): Trainer's arguments (mixed precision, checkpointing).
+
+    Example:
+
+    ```python
+    >>> # inside `simulate()`, with the fake process group up:
+    >>> rank = RankRoute("fsdp2", tracker, setup)
+    >>> model = rank.prepare(model)  # Accelerate's fsdp2_prepare_model: this rank's shards
+    >>> rank.connect(layerwise_optimizer, model)
+    'fsdp2'
+    ```
     """
 
     def __init__(self, sharding: str, tracker: LiveBytes, setup: Any):
