@@ -420,6 +420,7 @@ def test_plugin_undoes_its_install_when_axolotl_rejects_the_config(plugin):
     from layerwise_hf.integrations.patching import is_installed
 
     plugin.register({"optimizer": "sgd_layerwise"})
+    assert is_installed()
     plugin.on_config_validation_error({"optimizer": "sgd_layerwise"})
     assert not is_installed()
 
