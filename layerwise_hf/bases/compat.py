@@ -26,6 +26,16 @@ here that handles it is named in brackets:
     [`trainer_method_parameters`]            **kwargs)`
     activation checkpointing arguments       5.22: `gradient_checkpointing`,       5.23: `activation_checkpointing`,
     [`checkpointing_kwargs`]                 `gradient_checkpointing_kwargs`       `..._kwargs` (old names: aliases)
+    `from_config(config, dtype=...)`         4.55: `torch_dtype=` only             4.56: `dtype=` (`torch_dtype`: old)
+    [`dtype_kwargs`]
+    DDP settings given to Accelerate         5.2: set in `Trainer._wrap_model`,    5.3: when the Accelerator is made
+    (`find_unused_parameters`,               after the optimizer is made;
+    `bucket_cap_mb`, `broadcast_buffers`)    `find_unused_parameters` defaults
+    [`set_ddp_handler_early`]                to `not is_gradient_checkpointing`
+
+Process-wide, transformers < 5 writes TrainingArguments' mixed precision and FSDP settings into `os.environ`
+(`ACCELERATE_MIXED_PRECISION`, `ACCELERATE_USE_FSDP`, `FSDP_*`), where every later Accelerator reads them; the
+plugin does not change that (the tests restore the environment after each test).
 
 accelerate 1.10 - 1.15 and torch 2.13 - 2.14 showed no difference the plugin depends on. The shims decide by what
 the installed release has (a module, a parameter, a field); only `trainer_method_parameters`, which says what a
@@ -53,11 +63,13 @@ __all__ = [
     "checkpointing_kwargs",
     "create_optimizer_args",
     "create_optimizer_takes_model",
+    "dtype_kwargs",
     "is_optimizer_factory",
     "optimizer_base_requirements",
     "parse_optim_args",
     "route_inline_grad_norm",
     "safe_globals",
+    "set_ddp_handler_early",
     "tested_range",
     "trainer_method_parameters",
 ]
@@ -284,7 +296,7 @@ def trainer_method_parameters() -> dict[str, tuple[str, ...]]:
     ('self', 'model')
     ```
     """
-    release = Version(installed_version("transformers") or "0").release
+    release = _transformers_release()
     train = ("self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval")
     expected = {"train": train + ("kwargs",) if release < (5, 0) else train}
     if release < (5, 3):
@@ -336,6 +348,72 @@ def route_inline_grad_norm(accelerator, layerwise_optimizer: Callable[[], Any]) 
 
     clip_grad_norm_._layerwise_routed = True
     accelerator.clip_grad_norm_ = clip_grad_norm_
+
+
+def _transformers_release() -> tuple[int, ...]:
+    return Version(installed_version("transformers") or "0").release
+
+
+def dtype_kwargs(dtype) -> dict[str, Any]:
+    """
+    The keyword that sets a model's dtype in `from_config` / `from_pretrained` on the installed transformers
+    (`dtype` from 4.56, `torch_dtype` before).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from transformers import AutoModelForCausalLM, LlamaConfig
+    >>> from layerwise_hf.bases.compat import dtype_kwargs
+    >>> config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    >>> AutoModelForCausalLM.from_config(config, **dtype_kwargs(torch.bfloat16)).dtype
+    torch.bfloat16
+    ```
+    """
+    return {"dtype" if _transformers_release() >= (4, 56) else "torch_dtype": dtype}
+
+
+def set_ddp_handler_early(trainer) -> None:
+    """
+    On transformers < 5.3, which gives Accelerate its DDP settings only in `Trainer._wrap_model` (after the optimizer
+    is created), set the same `DistributedDataParallelKwargs` now, so that the layer-wise data-parallel route reads
+    what DDP would be given (`_wrap_model` later sets an equal one). Nothing is changed on transformers >= 5.3, whose
+    Accelerator has them from the start, or without data parallelism.
+
+    Args:
+        trainer (`Trainer`):
+            The Trainer whose optimizer is being created.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.bases.compat import set_ddp_handler_early
+    >>> set_ddp_handler_early(trainer)  # before DataParallelConfig.from_accelerator(trainer.accelerator)
+    ```
+    """
+    from transformers import PreTrainedModel
+    from transformers.training_args import ParallelMode
+
+    args, accelerator = trainer.args, trainer.accelerator
+    if _transformers_release() >= (5, 3) or accelerator.ddp_handler is not None:
+        return
+    if args.parallel_mode != ParallelMode.DISTRIBUTED:
+        return
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    # NOTE: as transformers 4.55 - 5.2's Trainer._wrap_model builds them.
+    kwargs: dict[str, Any] = {}
+    if args.ddp_find_unused_parameters is not None:
+        kwargs["find_unused_parameters"] = args.ddp_find_unused_parameters
+    elif isinstance(trainer.model, PreTrainedModel):
+        kwargs["find_unused_parameters"] = not trainer.model.is_gradient_checkpointing
+    else:
+        kwargs["find_unused_parameters"] = True
+    if args.ddp_bucket_cap_mb is not None:
+        kwargs["bucket_cap_mb"] = args.ddp_bucket_cap_mb
+    if args.ddp_broadcast_buffers is not None:
+        kwargs["broadcast_buffers"] = args.ddp_broadcast_buffers
+    accelerator.ddp_handler = DistributedDataParallelKwargs(**kwargs)
 
 
 @functools.cache

@@ -11,7 +11,7 @@ import warnings
 
 from transformers import Trainer, TrainingArguments
 
-from ..bases.compat import create_optimizer_args, route_inline_grad_norm
+from ..bases.compat import create_optimizer_args, route_inline_grad_norm, set_ddp_handler_early
 from ..bases.params import canonical_name
 from ..bases.registry import is_layerwise_name
 from ..bases.support import check_deepspeed, check_fsdp2_optimizers, check_fsdp_version, fsdp_version_of_args
@@ -123,6 +123,7 @@ class LayerwiseTrainerMixin:
             track_grad_norm=True,
             local_shards=self.is_fsdp_enabled,
         )
+        set_ddp_handler_early(self)
         if self.is_fsdp_enabled:
             inner = [getattr(i, "host_base", i) for i in self.optimizer.inner]  # layerwise_offload="optimizer"
             check_fsdp2_optimizers(self.optimizer.optimizer_name, inner)  # before any step
