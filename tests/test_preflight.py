@@ -189,3 +189,59 @@ def test_one_process_without_an_accelerator():
     assert parallelism(SimpleNamespace(num_processes=8, distributed_type="DistributedType.MULTI_GPU")) == (8, "ddp")
     fsdp = SimpleNamespace(num_processes=8, distributed_type="DistributedType.FSDP", is_fsdp2=True)
     assert parallelism(fsdp) == (8, "fsdp2")
+
+
+RANKS_SCRIPT = """
+import json, logging, sys, tempfile
+import torch.distributed as dist
+from common import dataset, finish_ranks, max_diff, params, tiny_llama, training_args
+from layerwise_hf import LayerwiseTrainer
+from layerwise_hf.integrations import preflight
+
+preflight.available_memory = lambda device, model=None: preflight.Budget(64 * 1024, "test")
+messages = []
+handler = logging.Handler()
+handler.emit = lambda record: messages.append([record.levelname, record.getMessage()])
+logging.getLogger("layerwise_hf.integrations.preflight").addHandler(handler)
+
+def run(flag):
+    model = tiny_llama()
+    with tempfile.TemporaryDirectory() as out:
+        args = training_args(out, "adamw_torch_layerwise", layerwise_preflight=flag)
+        LayerwiseTrainer(model=model, args=args, train_dataset=dataset()).train()
+    return params(model)
+
+# The guard matters: the plan of one rank of a running process group runs in a spawned process, which imports this
+# file again.
+if __name__ == "__main__":
+    diff = max_diff(run(True), run(False))
+    with open(f"{sys.argv[1]}.{dist.get_rank()}", "w") as f:
+        json.dump({"messages": messages, "max_diff": diff}, f)
+    finish_ranks()
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_plan_one_rank_of_the_run_and_train_as_without(tmp_path):
+    import os
+    import socket
+
+    script = tmp_path / "preflight_ranks.py"
+    script.write_text(RANKS_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "distributed"), str(ROOT)])}  # fmt: skip
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", str(port), str(script),
+           str(tmp_path / "report")]  # fmt: skip
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    import json
+
+    reports = [json.loads((tmp_path / f"report.{rank}").read_text()) for rank in (0, 1)]
+    assert all(r["max_diff"] == 0.0 for r in reports)  # each rank trained exactly as without a preflight
+    (warning,) = [m for level, m in reports[0]["messages"] if level == "WARNING"]
+    assert "per rank of 2 (ddp)" in warning and "will not fit" in warning
+    assert reports[1]["messages"] == []  # one plan per machine: the local main process's

@@ -73,6 +73,7 @@ class PreflightReport:
         budget (`Budget`, *optional*): the memory compared with (`None`: nothing to compare with).
         fits (`bool`, *optional*): `peak_bytes <= budget.total_bytes`.
         advice (`list[str]`): what would lower the peak.
+        world_size (`int`), sharding (`str`): the processes planned (figures are per rank).
         note (`str`): what the plan could not follow (e.g. several processes planned as one).
         measured_peak_bytes (`int`, *optional*): CUDA: `torch.cuda.max_memory_allocated()` over the first step.
     """
@@ -86,6 +87,8 @@ class PreflightReport:
     budget: Budget | None
     fits: bool | None
     advice: list[str]
+    world_size: int = 1
+    sharding: str = "none"
     note: str = ""
     measured_peak_bytes: int | None = None
 
@@ -241,6 +244,11 @@ def _apart_from_training():
             yield
 
 
+_RENDEZVOUS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+               "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}  # fmt: skip
+_RENDEZVOUS_PREFIXES = ("PMI_", "OMPI_COMM_WORLD_", "MV2_COMM_WORLD_", "TORCHELASTIC_")
+
+
 @contextlib.contextmanager
 def _accelerate_state_kept():
     # NOTE: the simulation makes TrainingArguments, whose device setup calls AcceleratorState._reset_state(
@@ -250,6 +258,11 @@ def _accelerate_state_kept():
 
     saved = [(cls._shared_state, dict(cls._shared_state)) for cls in (PartialState, AcceleratorState, GradientState)]
     environ = dict(os.environ)
+    # NOTE: that PartialState reads the launcher's rendezvous variables (LOCAL_RANK, WORLD_SIZE, PMI_SIZE, ...) and
+    # would join this run's process group (or wait for it forever, from the process the plan spawns for one rank of
+    # a running group, which inherits os.environ): the plan sees a single process's environment.
+    for key in [k for k in os.environ if k in _RENDEZVOUS or k.startswith(_RENDEZVOUS_PREFIXES)]:
+        del os.environ[key]
     try:
         yield
     finally:
@@ -329,6 +342,8 @@ def preflight(
         budget=budget,
         fits=None if budget is None else row.peak_bytes <= budget.total_bytes,
         advice=list(row.advice),
+        world_size=kwargs.get("world_size", 1),
+        sharding=kwargs.get("sharding", "none"),
         note=note,
     )
     _log_plan(report)
@@ -342,8 +357,9 @@ def optim_of(args: Any) -> str:
 
 def describe(report: PreflightReport) -> str:
     split = ", ".join(f"{k.replace('_', ' ')} {_gib(v)}" for k, v in report.categories.items())
+    ranks = f", per rank of {report.world_size} ({report.sharding})" if report.world_size > 1 else ""
     text = (
-        f"{report.optimizer}, micro-batch {report.micro_batch} x {report.seq_len} tokens: planned peak "
+        f"{report.optimizer}, micro-batch {report.micro_batch} x {report.seq_len} tokens{ranks}: planned peak "
         f"{_gib(report.peak_bytes)} ({split}; at {report.when})"
     )
     return text + (f" [{report.note}]" if report.note else "")
