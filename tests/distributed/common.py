@@ -83,3 +83,28 @@ def write_report(report_path: str, report: dict) -> None:
         with open(report_path, "w") as f:
             json.dump({"world_size": dist.get_world_size(), **report}, f, indent=1)
     dist.barrier()
+
+
+def set_ddp_settings(trainer, bucket_cap_mb: float, gradient_as_bucket_view: bool | None = None) -> None:
+    """DDP settings TrainingArguments cannot express (a fractional bucket_cap_mb, gradient_as_bucket_view), given to
+    the Trainer's DDP handler. transformers < 5.3 makes that handler from the arguments only when it wraps the model,
+    after the optimizer is made (layerwise_hf.bases.compat): there the cap goes into the arguments, and
+    gradient_as_bucket_view onto the handler once it is made."""
+    accelerator = trainer.accelerator
+    if hasattr(type(trainer), "_clip_grad_norm"):  # transformers >= 5.3: the handler exists from the start
+        accelerator.ddp_handler.bucket_cap_mb = bucket_cap_mb
+        if gradient_as_bucket_view is not None:
+            accelerator.ddp_handler.gradient_as_bucket_view = gradient_as_bucket_view
+        return
+    trainer.args.ddp_bucket_cap_mb = bucket_cap_mb
+    if gradient_as_bucket_view is None:
+        return
+    wrap_model = trainer._wrap_model
+
+    def _wrap_model(*args, **kwargs):
+        model = wrap_model(*args, **kwargs)
+        if accelerator.ddp_handler is not None:
+            accelerator.ddp_handler.gradient_as_bucket_view = gradient_as_bucket_view
+        return model
+
+    trainer._wrap_model = _wrap_model

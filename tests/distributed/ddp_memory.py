@@ -12,7 +12,7 @@ import sys
 import tempfile
 
 import torch
-from common import dataset, finish_ranks, tiny_llama, training_args, write_report
+from common import dataset, finish_ranks, set_ddp_settings, tiny_llama, training_args, write_report
 from transformers import Trainer, TrainerCallback
 
 from layerwise_hf import LayerwiseTrainer
@@ -49,8 +49,7 @@ def run(optim, out, bucket_view=False):
     args = training_args(out, optim, max_steps=3)
     trainer_cls = LayerwiseTrainer if optim.endswith("_layerwise") else Trainer
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset(vocab=MODEL["vocab"]))
-    trainer.accelerator.ddp_handler.bucket_cap_mb = CAP_MB
-    trainer.accelerator.ddp_handler.gradient_as_bucket_view = bucket_view
+    set_ddp_settings(trainer, bucket_cap_mb=CAP_MB, gradient_as_bucket_view=bucket_view)
     params = [p for p in model.parameters() if p.requires_grad]
     routes = []
     meter = StorageMeter(params, lambda: [b.buffer for r in routes for b in r.buckets if b.buffer is not None])

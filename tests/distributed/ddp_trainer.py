@@ -13,7 +13,17 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from common import dataset, finish_ranks, max_diff, ranks_agree, summary, tiny_llama, training_args, write_report
+from common import (
+    dataset,
+    finish_ranks,
+    max_diff,
+    ranks_agree,
+    set_ddp_settings,
+    summary,
+    tiny_llama,
+    training_args,
+    write_report,
+)
 from transformers import Trainer, TrainerCallback
 
 from layerwise_hf import LayerwiseTrainer
@@ -62,7 +72,7 @@ def run(
     trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=callbacks)
     if bucket_cap_mb is not None:
         # TrainingArguments takes whole MiB only; the tiny model needs a smaller cap to make several buckets.
-        trainer.accelerator.ddp_handler.bucket_cap_mb = bucket_cap_mb
+        set_ddp_settings(trainer, bucket_cap_mb=bucket_cap_mb)
     trainer.train(resume_from_checkpoint=resume)
     return {**summary(trainer, model), "wrapped": type(trainer.model_wrapped).__name__}
 
