@@ -28,7 +28,11 @@ Two runs of the configuration in that process, each creating the optimizer state
    assumed alive: weights, state, DDP buckets count because their allocation was seen. The bytes held at rest are
    checked against the storages of every tensor Python reaches.
 
-On 2 ranks the two runs are two launches, and each rank reports its own figures.
+On 2 ranks the two runs are two launches of `--rank_steps` (4) Trainer steps, the last one measured (DDP rebuilds its
+buckets in the second step), and each rank reports its own figures and every step's tensor peak; the table shows the
+rank with the higher peak. On CPU, gloo keeps buffers no Python tensor reaches (one rank of standard DDP holds a
+second bucket-sized buffer between steps; under FSDP2 what the ranks hold between steps grows step by step), which
+a plan for CUDA ranks does not model.
 
 Goal: the plan within 5% of the tensor peak and within 10% of the RSS training peak. bitsandbytes' CPU step
 allocates temporaries its CUDA kernels do not; the plan counts the state from the estimator's rules and no kernel
@@ -433,9 +437,9 @@ def planned(cfg: Config, max_grad_norm: float) -> dict:
 
 
 def rank_worker(opts: argparse.Namespace) -> None:
-    """One rank of a 2-rank configuration, Trainer (or LayerwiseTrainer) for 3 steps: `--measure tensor` profiles from
-    before the model exists to the end of step 2; `--measure rss` (a launch of its own, as on one process) measures
-    step 3 by RSS."""
+    """One rank of a 2-rank configuration, Trainer (or LayerwiseTrainer) for `RANK_STEPS` steps, the last measured:
+    `--measure tensor` profiles from before the model exists (each step's peak is kept); `--measure rss` (a launch of
+    its own, as on one process) measures by RSS."""
     import torch
     from accelerate.utils import DistributedType
 
@@ -445,7 +449,7 @@ def rank_worker(opts: argparse.Namespace) -> None:
     limit_mmap_threshold()
     torch.set_num_threads(1)
     cfg = Config(**json.loads(opts.config))
-    probe = StepProbe(profiled=opts.measure == "tensor")
+    probe = StepProbe(profiled=opts.measure == "tensor", steps=opts.rank_steps)
     if probe.prof is not None:
         probe.prof.start()
     trainer = build_trainer(cfg, opts.max_grad_norm, Path(opts.result).parent / "trainer_output", probe)
@@ -466,7 +470,8 @@ def rank_worker(opts: argparse.Namespace) -> None:
         "norm_pass": None if lw is None else norm_pass_name(lw),
     }
     if probe.prof is not None:
-        result.update(allocator_peak(probe.prof, MARK))
+        steps = [allocator_peak(probe.prof, f"{MARK} {k}") for k in range(1, opts.rank_steps + 1)]
+        result.update(steps[-1], step_peak_bytes=[s["peak_bytes"] for s in steps])
         probe.prof = None
     trainer.accelerator.free_memory()
     del trainer
@@ -484,7 +489,7 @@ def build_trainer(cfg: Config, max_grad_norm: float, out: Path, probe):
         str(out),
         per_device_train_batch_size=cfg.micro_batch,
         gradient_accumulation_steps=cfg.grad_accum,
-        max_steps=3 if probe.prof is None else 2,
+        max_steps=probe.steps,
         max_grad_norm=max_grad_norm,
         bf16=cfg.bf16,
         fp16=cfg.fp16,
@@ -496,14 +501,18 @@ def build_trainer(cfg: Config, max_grad_norm: float, out: Path, probe):
         dataloader_num_workers=0,
     )
     model = build_model(cfg)
-    rows = cfg.world_size * cfg.micro_batch * cfg.grad_accum * 4
+    rows = cfg.world_size * cfg.micro_batch * cfg.grad_accum * probe.steps
     data = h.TokenRows(MODELS[cfg.model]["vocab_size"], cfg.seq_len, rows)
     trainer_cls = LayerwiseTrainer if cfg.optim.endswith("_layerwise") else Trainer
     return trainer_cls(model=model, args=args, train_dataset=data, callbacks=[probe])
 
 
-def StepProbe(profiled: bool):  # noqa: N802 - a class made where transformers is imported
-    """A callback: step 2 inside the `MARK` range, the profiler (`profiled`) stopped at its end; step 3's RSS."""
+RANK_STEPS = 4  # DDP rebuilds its buckets in the second step: the last of these is the steady state measured (default)
+
+
+def StepProbe(profiled: bool, steps: int = RANK_STEPS):  # noqa: N802 - a class made where transformers is imported
+    """A callback: each step inside a range of its own (`MARK k`), the profiler (`profiled`) stopped after the last;
+    or (not `profiled`) the last step's RSS."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
     from transformers import TrainerCallback
@@ -511,24 +520,27 @@ def StepProbe(profiled: bool):  # noqa: N802 - a class made where transformers i
     class Probe(TrainerCallback):
         def __init__(self):
             self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if profiled else None
-            self.range = record_function(MARK)
+            self.range = None
             self.rss: dict = {}
+            self.steps = steps
 
         def on_step_begin(self, args, state, control, **kwargs):
-            # NOTE: Trainer counts finished steps: global_step is 1 when the second step begins.
-            if state.global_step == 1 and self.prof is not None:
+            # NOTE: Trainer counts finished steps: global_step is k - 1 when step k begins.
+            if self.prof is not None:
+                self.range = record_function(f"{MARK} {state.global_step + 1}")
                 self.range.__enter__()
-            elif state.global_step == 2 and self.prof is None:
+            elif state.global_step == steps - 1:
                 h.settle()
                 self.rss = {"live": live_tensor_bytes(),
                             "rss_rest_bytes": h.proc_status_bytes("VmRSS")}  # fmt: skip
                 h.reset_peak_rss()
 
         def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 2 and self.prof is not None:
+            if self.prof is not None:
                 self.range.__exit__(None, None, None)
-                self.prof.stop()
-            elif state.global_step == 3 and self.prof is None:
+                if state.global_step == steps:
+                    self.prof.stop()
+            elif state.global_step == steps:
                 self.rss["rss_peak_bytes"] = h.proc_status_bytes("VmHWM")
 
     return Probe()
@@ -577,7 +589,7 @@ def launch_ranks(cfg: Config, opts: argparse.Namespace) -> dict:
         with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as tmp:
             result = Path(tmp) / "ranks.json"
             args = ["--worker", "--measure", measure, "--config", json.dumps(cfg._asdict()), "--result", str(result)]
-            args += ["--max_grad_norm", str(opts.max_grad_norm)]
+            args += ["--max_grad_norm", str(opts.max_grad_norm), "--rank_steps", str(opts.rank_steps)]
             config_file = ROOT / ACCELERATE_CONFIGS[cfg.sharding]
             runs[measure] = ranks.launch_ranks(Path(__file__).resolve(), config_file, args, result, opts.timeout, env)
     per_rank = []
@@ -638,6 +650,11 @@ def print_report(rows: list[dict], stats: dict) -> None:
     for r in rows:
         if r.get("plan_missing"):
             print(f"not planned: {r['name']}: {r['plan_missing']}")
+        for rank in r["real"].get("ranks", []):
+            steps = " ".join(h.mib(b) for b in rank["step_peak_bytes"])
+            held, reached = h.mib(rank["end_bytes"]), h.mib(rank["live_tensor_bytes_at_rest"])
+            print(f"{r['name']} rank {rank['rank']}: tensor peak per step {steps} MiB; held between steps {held} MiB, "
+                  f"of which Python reaches {reached}")  # fmt: skip
 
 
 def plot(report: dict, path: Path) -> None:
@@ -709,6 +726,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--list", action="store_true", help="print the selected configurations' names and stop")
     parser.add_argument("--split", action="store_true", help="also split the real peak into the plan's categories")
     parser.add_argument("--max_grad_norm", type=float, default=1.0, help="Trainer's default clipping")
+    parser.add_argument("--rank_steps", type=int, default=RANK_STEPS, help="2-rank runs: steps, the last measured")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per configuration")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
