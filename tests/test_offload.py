@@ -261,7 +261,12 @@ def test_device_side_is_bounded_by_what_is_in_flight(mode, ga):
 
 
 @pytest.mark.parametrize(
-    "saved_with, resumed_with", [("optimizer", "none"), ("none", "optimizer"), ("gradients", "optimizer")]
+    "saved_with, resumed_with",
+    [
+        ("optimizer", "none"),
+        pytest.param("none", "optimizer", marks=pytest.mark.slow),
+        pytest.param("gradients", "optimizer", marks=pytest.mark.slow),
+    ],
 )
 def test_checkpoints_resume_across_offload_on_and_off(tmp_path, saved_with, resumed_with):
     model = tiny_llama()
