@@ -36,16 +36,23 @@ def with_layers(config: Any, n: int) -> Any | None:
     return smaller
 
 
-def _line(a: SimulatedStep, b: SimulatedStep, n_a: int, n_b: int, n: int) -> Peak:
+def _line(a: Peak, b: Peak, n_a: int, n_b: int, n: int) -> Peak:
     """The peak of `n` layers on the line through the peaks of `n_a` and `n_b` layers."""
     k = (n - n_a) // (n_b - n_a)
-    by = {c: a.peak.by_category[c] + k * (b.peak.by_category[c] - a.peak.by_category[c]) for c in CATEGORIES}
-    return Peak(sum(by.values()), by, a.peak.phase)
+    by = {c: a.by_category[c] + k * (b.by_category[c] - a.by_category[c]) for c in CATEGORIES}
+    return Peak(sum(by.values()), by, a.phase)
 
 
-def _same_place(steps: list[SimulatedStep]) -> bool:
-    # The peak falls at the same point of the step (layer indices aside) in every copy.
-    return len({_INDEX.sub(".*", s.peak.phase) for s in steps}) == 1
+def _on_line(a: SimulatedStep, b: SimulatedStep, c: SimulatedStep, points: tuple[int, int, int]) -> bool:
+    # Every place in the step (layer indices aside) has its peak on one line through the three copies, and what
+    # stays between steps too: then the full model's peak is the largest of the places' lines.
+    if not (a.phase_peaks.keys() == b.phase_peaks.keys() == c.phase_peaks.keys()):
+        return False
+    for key, peak in c.phase_peaks.items():
+        if _line(a.phase_peaks[key], b.phase_peaks[key], *points).by_category != peak.by_category:
+            return False
+    steady = {k: 2 * b.steady_by_category[k] - a.steady_by_category[k] for k in a.steady_by_category}
+    return steady == c.steady_by_category
 
 
 def simulate_layers(config: Any, run: Callable[[Any], SimulatedStep]) -> tuple[SimulatedStep, bool]:
@@ -53,7 +60,10 @@ def simulate_layers(config: Any, run: Callable[[Any], SimulatedStep]) -> tuple[S
     `run(config)`'s result for the full model, from copies of a few layers when that is exact; returns it and whether
     it was extrapolated. Copies of 2, 3 and 4 layers first; when the first copy is not on the line yet (its peak
     meets the model's edge: under FSDP2 a reduce-scatter buffer of the head's unit instead of a layer's), the window
-    moves up by one layer, up to `MAX_LAYERS`, before the full model is simulated.
+    moves up by one layer, up to `MAX_LAYERS`, before the full model is simulated. Each place in the step is
+    extended on its own line, and the largest is the full model's peak: the place of the peak can move with the
+    number of layers (under FSDP2 a standard optimizer's step, whose temporaries grow with every layer, overtakes
+    backward, whose unsharded units do not).
 
     Args:
         config (`PretrainedConfig`): the full model's config.
@@ -69,15 +79,17 @@ def simulate_layers(config: Any, run: Callable[[Any], SimulatedStep]) -> tuple[S
             if n not in steps:
                 steps[n] = run(with_layers(config, n))
         a, b, c = (steps[n] for n in points)
-        check = _line(a, b, points[0], points[1], points[2])
-        steady = {k: 2 * b.steady_by_category[k] - a.steady_by_category[k] for k in a.steady_by_category}
-        if _same_place([a, b, c]) and check.by_category == c.peak.by_category and steady == c.steady_by_category:
-            peak = _line(a, b, points[0], points[1], total)
-            peak.phase = _renumber(c.peak.phase, points[2], total)
-            k = total - points[0]
-            split = {x: a.steady_by_category[x] + k * (b.steady_by_category[x] - a.steady_by_category[x])
-                     for x in a.steady_by_category}  # fmt: skip
-            return SimulatedStep(a.optimizer, peak, a.from_rule, sum(split.values()), split), True
+        if not _on_line(a, b, c, points):
+            continue
+        lines = {key: _line(a.phase_peaks[key], b.phase_peaks[key], points[0], points[1], total)
+                 for key in c.phase_peaks}  # fmt: skip
+        key = max(lines, key=lambda k: lines[k].total)
+        peak = lines[key]
+        peak.phase = _renumber(c.phase_peaks[key].phase, points[2], total)
+        k = total - points[0]
+        split = {x: a.steady_by_category[x] + k * (b.steady_by_category[x] - a.steady_by_category[x])
+                 for x in a.steady_by_category}  # fmt: skip
+        return SimulatedStep(a.optimizer, peak, a.from_rule, sum(split.values()), split), True
     return run(config), False
 
 

@@ -79,6 +79,7 @@ class SimulatedStep:
     from_rule: bool
     steady_bytes: int  # live after the step (weights + optimizer state, and gradients a step keeps)
     steady_by_category: dict[str, int] = dataclasses.field(default_factory=dict)  # its split
+    phase_peaks: dict[str, Peak] = dataclasses.field(default_factory=dict)  # the peak of each place in the step
 
 
 def fake_mode():
@@ -318,4 +319,6 @@ def simulate(
                 layerwise.detach()
             for handle in handles:
                 handle.remove()
-    return SimulatedStep(optimizer, tracker.peak, needs_rule(OPTIMIZER_RULES[base]), steady, steady_split)
+    return SimulatedStep(
+        optimizer, tracker.peak, needs_rule(OPTIMIZER_RULES[base]), steady, steady_split, dict(tracker.phase_peaks)
+    )

@@ -17,6 +17,8 @@ finds it in `optimizer.state`, and weights are the parameters and buffers regist
 from __future__ import annotations
 
 import contextlib
+import functools
+import re
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -40,6 +42,15 @@ class Peak:
     total: int = 0
     by_category: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
     phase: str = ""
+
+
+_INDEX = re.compile(r"\.\d+(?=\.|$|\s)")
+
+
+@functools.lru_cache(maxsize=4096)
+def phase_key(phase: str) -> str:
+    """A place in the step with its layer indices left out (`model.layers.*.mlp`)."""
+    return _INDEX.sub(".*", phase)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -81,6 +92,10 @@ class LiveBytes(TorchDispatchMode):
         self.stage = "backward"  # what a gradient hook names: "backward", or the layer-wise norm pass
         self.peak = Peak()
         self._peak_is_now = False
+        # The peak of each place in the step (layer indices aside), for the layer extrapolation: a place that is not
+        # the peak in a copy of a few layers may be in the full model.
+        self.phase_peaks: dict[str, Peak] = {}
+        self._phase_now: str | None = None
         self.label: str | None = None  # while set, the category of every new storage (collectives' buffers)
         self._resize = None
 
@@ -96,9 +111,7 @@ class LiveBytes(TorchDispatchMode):
             weakref.finalize(storage, self._free, key)
             self.totals[category] += nbytes
             self.current += nbytes
-            if self.current > self.peak.total:
-                self.peak = Peak(self.current, dict(self.totals), self.phase)
-                self._peak_is_now = True
+            self._rose()
             return
         if entry[1] != category:
             self.totals[entry[1]] -= entry[0]
@@ -107,6 +120,8 @@ class LiveBytes(TorchDispatchMode):
             if self._peak_is_now:
                 # Nothing was allocated or freed since the peak: it is this moment, so its split follows the label.
                 self.peak.by_category = dict(self.totals)
+            if self._phase_now is not None:
+                self.phase_peaks[self._phase_now].by_category = dict(self.totals)
 
     def track_tensors(self, tensors: Iterable[torch.Tensor], category: str) -> None:
         for storage in _storages(tensors):
@@ -117,6 +132,18 @@ class LiveBytes(TorchDispatchMode):
         self.totals[category] -= nbytes
         self.current -= nbytes
         self._peak_is_now = False
+        self._phase_now = None
+
+    def _rose(self) -> None:
+        key = phase_key(self.phase)
+        best = self.phase_peaks.get(key)
+        self._phase_now = None
+        if best is None or self.current > best.total:
+            self.phase_peaks[key] = Peak(self.current, dict(self.totals), self.phase)
+            self._phase_now = key
+        if self.current > self.peak.total:
+            self.peak = Peak(self.current, dict(self.totals), self.phase)
+            self._peak_is_now = True
 
     def _resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         # FSDP2 allocates and frees unsharded weights by resizing one storage (`alloc_storage` / `free_storage`).
@@ -132,11 +159,12 @@ class LiveBytes(TorchDispatchMode):
             entry[1] = self.label
         self.totals[entry[1]] += delta
         self.current += delta
-        if delta > 0 and self.current > self.peak.total:
-            self.peak = Peak(self.current, dict(self.totals), self.phase)
-            self._peak_is_now = True
+        if delta > 0:
+            self._peak_is_now = False
+            self._rose()
         elif delta:
             self._peak_is_now = False
+            self._phase_now = None
 
     @contextlib.contextmanager
     def labelled(self, category: str):
@@ -170,6 +198,8 @@ class LiveBytes(TorchDispatchMode):
         """Start a new peak from what is live now."""
         self.peak = Peak(self.current, dict(self.totals), self.phase)
         self._peak_is_now = True
+        self._phase_now = phase_key(self.phase)
+        self.phase_peaks = {self._phase_now: Peak(self.current, dict(self.totals), self.phase)}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
