@@ -332,6 +332,32 @@ def test_llamafactory_through_launcher_is_bit_identical_to_explicit_classes_and_
 
 @pytest.mark.slow
 @needs_llamafactory
+def test_llamafactory_on_two_processes_with_the_launcher_in_each_matches_stock_ddp(tmp_path):
+    # llamafactory-cli's own torchrun start runs its launcher.py in new processes; the launcher goes in each instead.
+    make_assets(tmp_path)
+    launched = llamafactory_config(tmp_path, "launched", OPTIM, ddp_backend="gloo")
+    stock = llamafactory_config(tmp_path, "stock", "adamw_torch", ddp_backend="gloo")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
+    result = run(*torchrun, free_port(), "-m", "layerwise_hf", "-m", "llamafactory.launcher", launched, cwd=tmp_path)
+    run(*torchrun, free_port(), "-m", "llamafactory.launcher", stock, cwd=tmp_path)
+
+    assert "world size: 2" in result.stdout + result.stderr
+    assert "layerwise_peak_grad_mib" in result.stdout + result.stderr
+    assert_trained(tmp_path / "launched", tmp_path / "model")
+    assert_same_weights(tmp_path / "launched", tmp_path / "stock")
+    assert losses(tmp_path / "launched") == losses(tmp_path / "stock")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@needs_llamafactory
 def test_llamafactory_without_launcher_refuses_the_name_as_transformers_does(tmp_path):
     make_assets(tmp_path)
     config = llamafactory_config(tmp_path, "plain", OPTIM)
