@@ -297,3 +297,20 @@ def test_llama_2_70b_on_8_fsdp2_ranks_is_fast():
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert cpu <= 60, cpu
     assert after.ru_maxrss * 1024 <= 2 * 2**30  # kilobytes on Linux
+
+
+@pytest.mark.slow
+def test_extrapolation_follows_a_peak_that_moves_with_the_layers():
+    # A large vocabulary and small layers under FSDP2: the copies of a few layers peak in backward (the unsharded
+    # embedding's gradient), the 16-layer model at the foreach step, whose temporaries grow with every layer.
+    model = dict(LLAMA, vocab_size=4096, num_hidden_layers=16)
+    options = dict(SMALL, device="cuda", world_size=2, sharding="fsdp2", gradient_checkpointing=True)
+    quick = plan(model, ["adamw_torch"], counterparts=False, **options)
+    full = plan(model, ["adamw_torch"], counterparts=False, extrapolate=False, **options)
+    assert quick.extrapolated
+    assert full.rows[0].when == "step: optimizer.step()"
+    assert (quick.rows[0].peak_bytes, quick.rows[0].categories, quick.rows[0].when) == (
+        full.rows[0].peak_bytes,
+        full.rows[0].categories,
+        full.rows[0].when,
+    )
