@@ -660,7 +660,13 @@ def print_report(rows: list[dict], stats: dict) -> None:
 def plot(report: dict, path: Path) -> None:
     plt = h.pyplot()
     rows = [r for r in report["rows"] if r.get("error") is not None]
-    fig, axes = plt.subplots(1, 2, figsize=(15, 6.5))
+    # Points outside a band are numbered; the numbers are named under the plots.
+    misses = [r["name"] for r in rows if abs(r["error"]) > GOAL or abs(r["rss_error"]) > RSS_GOAL]
+    fig = plt.figure(figsize=(15, 7.5 + 0.17 * len(misses)))
+    grid = fig.add_gridspec(2, 2, height_ratios=[7, 0.3 + 0.17 * len(misses)])
+    axes = [fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])]
+    notes_ax = fig.add_subplot(grid[1, :])
+    notes_ax.axis("off")
     for ax, key, goal, label in (
         (axes[0], "peak_bytes", GOAL, "measured peak of live tensor bytes (MiB)"),
         (axes[1], "rss_training_peak_bytes", RSS_GOAL, "measured RSS training peak (MiB)"),
@@ -678,7 +684,8 @@ def plot(report: dict, path: Path) -> None:
                 ax.scatter(*zip(*picked), color=color, marker=marker, s=28, label=kind, zorder=3)
         for x, y, r in zip(xs, ys, rows):
             if abs(y / x - 1) > goal:
-                ax.annotate(r["name"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+                ax.annotate(str(misses.index(r["name"]) + 1), (x, y), fontsize=7, xytext=(4, -3),
+                            textcoords="offset points")  # fmt: skip
         ax.set(xlim=(0, top), ylim=(0, top), xlabel=label, ylabel="planned peak (MiB)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper left")
@@ -686,6 +693,11 @@ def plot(report: dict, path: Path) -> None:
     title = (f"layerwise-hf plan vs real CPU runs, one point per configuration: {s['within_goal']}/{s['compared']} "
              f"within {GOAL:.0%} of the tensor peak, {s['within_rss_goal']}/{s['compared']} within {RSS_GOAL:.0%} of "
              f"the RSS training peak")  # fmt: skip
+    if misses:
+        errors = {r["name"]: r for r in rows}
+        notes = [f"{k}: {n} ({h.pct(errors[n]['error'])} / {h.pct(errors[n]['rss_error'])})" for k, n in
+                 enumerate(misses, 1)]  # fmt: skip
+        notes_ax.text(0, 1, "outside a band (tensor / RSS error):\n" + "\n".join(notes), fontsize=8, va="top")
     h.save_figure(fig, path, title)
 
 
