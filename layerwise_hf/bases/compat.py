@@ -20,8 +20,9 @@ here that handles it is named in brackets:
     [`create_optimizer_args`,
     `trainer_method_parameters`]
     clipping and the logged `grad_norm`      5.2: inline in the training loop,     5.3: `Trainer._clip_grad_norm` and
-    [`route_inline_grad_norm`,               `accelerator.clip_grad_norm_`, only   `Trainer._get_grad_norm`
-    `trainer_method_parameters`]             when `max_grad_norm > 0`
+    [`route_inline_grad_norm`,               `accelerator.clip_grad_norm_`, only   `Trainer._get_grad_norm`, logged
+    `trainer_method_parameters`,             when `max_grad_norm > 0` (else no     at every step
+    `trainer_logs_grad_norm`]                `grad_norm` is logged)
     `Trainer.train` parameters               4.57: `(..., ignore_keys_for_eval,    5.0: no `**kwargs`
     [`trainer_method_parameters`]            **kwargs)`
     activation checkpointing arguments       5.22: `gradient_checkpointing`,       5.23: `activation_checkpointing`,
@@ -71,6 +72,7 @@ __all__ = [
     "safe_globals",
     "set_ddp_handler_early",
     "tested_range",
+    "trainer_logs_grad_norm",
     "trainer_method_parameters",
 ]
 
@@ -313,6 +315,22 @@ def _trainer_clips_inline() -> bool:
     from transformers import Trainer
 
     return not hasattr(Trainer, "_clip_grad_norm")
+
+
+def trainer_logs_grad_norm(max_grad_norm: float) -> bool:
+    """
+    Whether Trainer logs `grad_norm` with this `max_grad_norm`: always from transformers 5.3, only when it clips
+    (`max_grad_norm > 0`) before.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.bases.compat import trainer_logs_grad_norm
+    >>> trainer_logs_grad_norm(1.0)
+    True
+    ```
+    """
+    return bool(max_grad_norm and max_grad_norm > 0) or not _trainer_clips_inline()
 
 
 def route_inline_grad_norm(accelerator, layerwise_optimizer: Callable[[], Any]) -> None:
