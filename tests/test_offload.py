@@ -49,20 +49,23 @@ def _plain_loop(ga: int, max_grad_norm: float, delay: float = 0.003, steps: int 
     optimizer.attach()
     standard = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     torch.manual_seed(1)
-    norms = []
-    for _ in range(steps):
-        for k in range(ga):
-            sync[0] = k == ga - 1
-            x = torch.randn(5, 8)
-            model(x).pow(2).sum().backward()
+    batches = [[torch.randn(5, 8) for _ in range(ga)] for _ in range(steps)]
+    expected = []
+    for window in batches:  # the reference first: between two layer-wise steps nothing else runs a forward
+        for x in window:
             reference(x).pow(2).sum().backward()
         if max_grad_norm:
-            norms.append(
-                (optimizer.grad_norm(), torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm))
-            )
-        optimizer.step()
+            expected.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm))
         standard.step()
         standard.zero_grad()
+    norms = []
+    for window in batches:
+        for k, x in enumerate(window):
+            sync[0] = k == ga - 1
+            model(x).pow(2).sum().backward()
+        if max_grad_norm:
+            norms.append((optimizer.grad_norm(), expected[len(norms)]))
+        optimizer.step()
         assert all(p.grad is None for p in model.parameters())
     end_training(optimizer)
     return model, reference, norms
@@ -81,7 +84,7 @@ def test_plain_loop_matches_standard_with_late_copies(mode, ga, clip):
 def test_the_next_forward_waits_for_the_host_steps(monkeypatch):
     # Without the wait before the next forward, it runs on weights whose update is still being copied back.
     monkeypatch.setattr(HostRunner, "wait", lambda self: self.pending.clear())
-    model, reference, _ = _plain_loop(1, max_grad_norm=0.0, delay=0.01, steps=2, mode="optimizer")
+    model, reference, _ = _plain_loop(1, max_grad_norm=0.0, delay=0.05, steps=2, mode="optimizer")
     assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
 
 
