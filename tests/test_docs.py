@@ -3,13 +3,22 @@
 import re
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PINS = dict(
+    line.split("==") for line in (ROOT / "ci" / "default.txt").read_text().splitlines() if "==" in line
+)
 
 
+@pytest.mark.skipif(
+    version("transformers") != DEFAULT_PINS["transformers"],
+    reason="the tables list the optimizer names of the default combination's transformers (ci/default.txt)",
+)
 def test_readme_tables_are_generated_from_the_registry():
     result = subprocess.run([sys.executable, "scripts/gen_readme.py", "--check"], cwd=ROOT, capture_output=True)
     assert result.returncode == 0, result.stderr.decode()
