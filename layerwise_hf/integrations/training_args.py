@@ -16,6 +16,7 @@ from ..bases.support import (
     fsdp_version_of_args,
 )
 from ..optim.clipping import CLIP_MODES, ClipMode
+from ..optim.offloading import check_host_step_base
 from ..optim.optimizer import check_layerwise_arguments
 
 
@@ -149,6 +150,8 @@ class LayerwiseTrainingArguments(TrainingArguments):
                 f"layerwise_offload={self.layerwise_offload!r} with fp16=True: offload with fp16 loss scaling is not "
                 "supported yet. Use bf16=True, or layerwise_offload='none'."
             )
+        if self.layerwise_offload == "optimizer":
+            check_host_step_base(name)  # a base that cannot step on the host is refused here, before training
 
     @property
     def is_layerwise(self) -> bool:

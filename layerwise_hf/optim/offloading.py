@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..bases.params import LayerwiseFactory
+from ..bases.registry import parse_optim_name
 from .host_step import HostRunner, HostStepOptimizer, wrap_host_steps
 from .offload import GradientOffload, parse_offload
 from .transfer import Transfer, offload_simulated
@@ -21,6 +22,54 @@ if TYPE_CHECKING:
     from .optimizer import LayerwiseOptimizer
 
 logger = logging.getLogger(__name__)
+
+# Bases whose step cannot run on the host: `layerwise_offload="optimizer"` refuses them before training.
+NOT_ON_HOST = {
+    "adamw_torch_npu_fused": "its fused step runs on Ascend NPUs only",
+    "adamw_torch_xla": "its step runs on XLA devices only",
+    "galore_adamw_8bit": (
+        "bitsandbytes' CPU 8-bit step fails on GaLore's projected gradients (RuntimeError: mat1 and mat2 shapes "
+        "cannot be multiplied; benchmarks/host_step_pace.py)"
+    ),
+}
+# Bases whose host step is slower than the backward it should overlap: layer host step / layer backward, measured
+# by benchmarks/host_step_pace.py (one Llama layer, hidden 2048, 1 x 512 tokens, fp32, 2 CPU threads; the host
+# worker falls behind and the next forward waits for it).
+SLOW_ON_HOST = {}
+_warned: set[str] = set()
+
+
+def check_host_step_base(optimizer_name: str | None) -> None:
+    """
+    Refuse (`ValueError`) a base whose step cannot run on the host with `layerwise_offload="optimizer"`, and warn
+    once per base for one measured slower on the host than the backward it overlaps (`SLOW_ON_HOST`).
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.optim.offloading import check_host_step_base
+    >>> check_host_step_base("adamw_torch_layerwise")  # steps on the host faster than backward: nothing to say
+    ```
+    """
+    base = parse_optim_name(optimizer_name) if optimizer_name else None
+    if not base:
+        return  # a registered custom factory: the user knows what it steps
+    if base in NOT_ON_HOST:
+        raise ValueError(
+            f"layerwise_offload='optimizer' cannot step optim={optimizer_name!r} on the host: {NOT_ON_HOST[base]}. "
+            "Use layerwise_offload='gradients' (states and the step stay on the device; gradients wait on the "
+            "host), or a base that steps on the host: adamw_torch_layerwise, adafactor_layerwise, sgd_layerwise."
+        )
+    if base in SLOW_ON_HOST and base not in _warned:
+        _warned.add(base)
+        logger.warning(
+            "layerwise_offload='optimizer' with optim=%r: its host (CPU) step measured %.1fx the backward it should "
+            "overlap (benchmarks/host_step_pace.py: one Llama layer, hidden 2048, 512 tokens), so the next forward "
+            "waits for the host. layerwise_offload='gradients' keeps the step on the device; adamw_torch_layerwise "
+            "keeps pace on the host.",
+            optimizer_name,
+            SLOW_ON_HOST[base],
+        )
 
 
 def host_step_factory(factory: LayerwiseFactory, mode: str) -> tuple[LayerwiseFactory, HostRunner | None]:
@@ -81,6 +130,8 @@ def enable_offload(
     gate.offload = None
     if mode == "none":
         return
+    if mode == "optimizer":
+        check_host_step_base(optimizer.optimizer_name)
     hosted = all(isinstance(inner, HostStepOptimizer) for inner in optimizer.inner)
     if (mode == "optimizer") != hosted or (hosted and runner is None):
         raise ValueError(
