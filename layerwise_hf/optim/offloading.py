@@ -35,7 +35,13 @@ NOT_ON_HOST = {
 # Bases whose host step is slower than the backward it should overlap: layer host step / layer backward, measured
 # by benchmarks/host_step_pace.py (one Llama layer, hidden 2048, 1 x 512 tokens, fp32, 2 CPU threads; the host
 # worker falls behind and the next forward waits for it).
-SLOW_ON_HOST = {}
+SLOW_ON_HOST = {
+    "adamw_bnb_8bit": 1.16,
+    "adamw_8bit": 1.24,
+    "ademamix_8bit": 1.82,
+    "adamw_torch_4bit": 1.45,
+    "muon": 10.98,  # Newton-Schulz iterations: matrix products on the host
+}
 _warned: set[str] = set()
 
 
@@ -51,9 +57,11 @@ def check_host_step_base(optimizer_name: str | None) -> None:
     >>> check_host_step_base("adamw_torch_layerwise")  # steps on the host faster than backward: nothing to say
     ```
     """
-    base = parse_optim_name(optimizer_name) if optimizer_name else None
+    name = str(optimizer_name or "")
+    # The base as the user named it (muon_layerwise's Trainer base is adamw_torch, yet it steps Muon).
+    base = name.removesuffix("_layerwise") if parse_optim_name(name) else None
     if not base:
-        return  # a registered custom factory: the user knows what it steps
+        return  # not a layer-wise name: a registered custom factory, the user knows what it steps
     if base in NOT_ON_HOST:
         raise ValueError(
             f"layerwise_offload='optimizer' cannot step optim={optimizer_name!r} on the host: {NOT_ON_HOST[base]}. "
