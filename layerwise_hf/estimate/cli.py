@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from .accelerate_mode import accelerate_estimate
 from .core import MemoryEstimate, estimate
 from .models import ModelSpec, ModuleSpec, list_presets, load_model_spec
-from .optimizers import known_names
+from .offload import OFFLOAD_MODES
+from .optimizers import known_names, parse_optimizer
 from .units import (
     ACCELERATE_DTYPES,
     DEFAULT_LORA_TARGETS,
@@ -163,6 +164,13 @@ def _add_training_setup_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="Above 1, a layer-wise optimizer holds every gradient during the window, like the standard one.",
     )
+    parser.add_argument(
+        "--offload",
+        choices=OFFLOAD_MODES,
+        default="none",
+        help="layerwise_offload of the layer-wise rows: 'gradients' (gradients wait in host memory), 'optimizer' "
+        "(states, a copy of the parameters and the gradients in host memory); adds a Host column.",
+    )
     parser.add_argument("--world-size", type=int, default=1, help="Number of devices.")
     parser.add_argument("--sharding", choices=SHARDINGS, help="Default: none on one device, ddp on several.")
     parser.add_argument(
@@ -216,8 +224,15 @@ def _run(args: argparse.Namespace) -> str:
     spec = load_model_spec(args.model)
     # The command line's options are estimate()'s keyword arguments, under the same names.
     options = {name: getattr(args, name) for name in ESTIMATE_OPTIONS}
+    # A standard optimizer has no offload: its rows stay the comparison.
     estimates = [
-        estimate(spec, optimizer=optim, dtype=dtype, **options)
+        estimate(
+            spec,
+            optimizer=optim,
+            dtype=dtype,
+            offload=args.offload if parse_optimizer(optim)[1] else "none",
+            **options,
+        )
         for dtype in args.dtypes or ["bfloat16"]
         for optim in args.optim
     ]
@@ -238,6 +253,7 @@ def _run_accelerate(args: argparse.Namespace) -> str:
             ("--sharding", args.sharding, None),
             ("--gradient-accumulation-steps", args.gradient_accumulation_steps, 1),
             ("--frozen-dtype", args.frozen_dtype, None),
+            ("--offload", args.offload, "none"),
         )
         if value != default
     ]
@@ -272,6 +288,11 @@ def _estimates_table(spec: ModelSpec | ModuleSpec, estimates: list[MemoryEstimat
         ]
         for e in estimates
     ]
+    if any(e.offload != "none" for e in estimates):
+        # The device columns are what stays on the device; the host's share is beside them, per device's process.
+        headers.append("Host (offload)")
+        for row, e in zip(rows, estimates):
+            row.append(f"{format_bytes(e.host_bytes, units)} ({e.offload})" if e.offload != "none" else "-")
     lines = [render_table(title, headers, rows)]
     lw = next((e for e in estimates if e.layerwise), None)
     if lw is not None and lw.sharding != "ddp" and lw.gradient_accumulation_steps == 1:

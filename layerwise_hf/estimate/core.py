@@ -13,6 +13,7 @@ from typing import Any
 from . import units
 from .buckets import assign_buckets, bucket_size_limits, ddp_in_flight_bound, held_step_bound
 from .models import ModelSpec, ModuleSpec, TensorSpec, load_model_spec
+from .offload import apply_offload
 from .optimizers import OPTIMIZER_RULES, OptimizerRule, fsdp2_refusal, parse_optimizer, tensor_state_bytes, uses_qmaps
 from .units import DEFAULT_LORA_TARGETS, DTYPE_BYTES, SHARDINGS, EstimateError, blocks, format_bytes, normalize_dtype
 
@@ -39,7 +40,7 @@ class MemoryEstimate:
             embedding; the largest FSDP2 unit under FSDP2).
         weight_bytes, gradient_bytes, optimizer_state_bytes (`int`):
             The three terms. Under DDP `gradient_bytes` includes the standard reducer's bucket buffers, or, layer-wise,
-            the gradient buckets in flight (`ddp_in_flight_bytes`).
+            the gradient buckets in flight (`ddp_in_flight_bytes`). With `offload`: what stays on the device.
         total_bytes (`int`):
             Their sum.
         per_gpu_bytes (`int`):
@@ -53,6 +54,7 @@ class MemoryEstimate:
         ddp_in_flight_bytes (`int`, *optional*):
             Layer-wise under DDP with no gradient accumulation: the most gradient bytes the data-parallel route holds
             at once (see `ddp_in_flight_bound`); `None` otherwise.
+        offload (`str`), host_bytes (`int`): `layerwise_offload` and what one device's process holds in host memory.
 
     Example:
 
@@ -85,6 +87,8 @@ class MemoryEstimate:
     notes: list[str] = field(default_factory=list)
     bucket_cap_mb: float | None = None
     ddp_in_flight_bytes: int | None = None
+    offload: str = "none"
+    host_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -445,6 +449,7 @@ class _Options:
     sharding: str = "none"
     gradient_as_bucket_view: bool = False
     bucket_cap_mb: float | None = None
+    offload: str = "none"
 
     @classmethod
     def check(cls, frozen_dtype: str | None = None, sharding: str | None = None, **kwargs: Any) -> _Options:
@@ -494,6 +499,7 @@ def estimate(
     sharding: str | None = None,
     gradient_as_bucket_view: bool = False,
     bucket_cap_mb: float | None = None,
+    offload: str = "none",
 ) -> MemoryEstimate:
     """
     Estimate the weights, gradients and optimizer state of training `model`.
@@ -534,6 +540,7 @@ def estimate(
         bucket_cap_mb (`float`, *optional*):
             DDP's `bucket_cap_mb` (Trainer's `ddp_bucket_cap_mb`): the layer-wise route's bucket size under DDP.
             `None`: DDP's default, 25 MiB after a first bucket of 1 MiB.
+        offload (`str`, *optional*, defaults to `"none"`): `layerwise_offload`, see `layerwise_hf.estimate.offload`.
 
     Example:
 
@@ -560,6 +567,7 @@ def _steps(spec: ModelSpec | ModuleSpec, rule: OptimizerRule, layerwise: bool, o
         raise EstimateError(f"{spec.name}: nothing is trainable.")
     state = _state_notes(counts, rule, layerwise, notes)
     grads = _gradient_term(counts, layerwise, opts, notes, entries, getattr(spec, "use_order", ()))
+    grads, state, host = apply_offload(opts, layerwise, entries, grads, state, notes)
     in_flight = None
     if opts.sharding == "ddp" and layerwise and opts.gradient_accumulation_steps == 1:
         in_flight = _ddp_in_flight(entries, getattr(spec, "use_order", ()), counts, opts, notes)
@@ -587,4 +595,6 @@ def _steps(spec: ModelSpec | ModuleSpec, rule: OptimizerRule, layerwise: bool, o
         notes=notes,
         bucket_cap_mb=opts.bucket_cap_mb if opts.sharding == "ddp" else None,
         ddp_in_flight_bytes=in_flight,
+        offload=opts.offload,
+        host_bytes=host,
     )
