@@ -58,10 +58,10 @@ def check_host_step_base(optimizer_name: str | None) -> None:
     ```
     """
     name = str(optimizer_name or "")
-    # The base as the user named it (muon_layerwise's Trainer base is adamw_torch, yet it steps Muon).
-    base = name.removesuffix("_layerwise") if parse_optim_name(name) else None
-    if not base:
-        return  # not a layer-wise name: a registered custom factory, the user knows what it steps
+    # A registered custom factory (or an optimizer built without a name): the user knows what it steps.
+    if not name.endswith("_layerwise") or not parse_optim_name(name):
+        return
+    base = name.removesuffix("_layerwise")  # as the user named it: muon_layerwise's Trainer base is adamw_torch
     if base in NOT_ON_HOST:
         raise ValueError(
             f"layerwise_offload='optimizer' cannot step optim={optimizer_name!r} on the host: {NOT_ON_HOST[base]}. "
