@@ -20,6 +20,7 @@ from transformers import (
 
 from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer
 from layerwise_hf.bases import support
+from layerwise_hf.bases.compat import dtype_kwargs
 from layerwise_hf.estimate import (
     OPTIMIZER_RULES,
     PRESETS,
@@ -93,7 +94,7 @@ def test_accelerate_mode_prints_what_accelerate_computes(preset):
 
     config, _, _ = resolve_config(preset)
     with torch.device("meta"):
-        model = AutoModel.from_config(config, dtype=torch.float32)
+        model = AutoModel.from_config(config, **dtype_kwargs(torch.float32))
     total, (largest, _) = calculate_maximum_sizes(model)
     divisors = {"float32": 1, "float16": 2, "int8": 4, "int4": 8}
     for row in accelerate_estimate(preset):
@@ -114,7 +115,7 @@ def test_accelerate_mode_for_an_architecture_without_formula(tmp_path):
     GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300).to_json_file(tmp_path / "config.json")
     config, _, _ = resolve_config(tmp_path)
     with torch.device("meta"):
-        total, _ = calculate_maximum_sizes(AutoModel.from_config(config, dtype=torch.float32))
+        total, _ = calculate_maximum_sizes(AutoModel.from_config(config, **dtype_kwargs(torch.float32)))
     (row,) = accelerate_estimate(tmp_path, ["float32"])
     assert row.total_bytes == total and row.training_bytes == 4 * total
 

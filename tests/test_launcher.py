@@ -4,6 +4,7 @@ explicit classes (`LayerwiseTrainer`, `LayerwiseTrainingArguments`, `LayerwiseSF
 included."""
 
 import importlib.util
+import inspect
 import json
 import os
 import subprocess
@@ -135,8 +136,16 @@ def test_install_is_idempotent_and_uninstall_restores_every_method(tmp_path):
 @pytest.mark.parametrize(
     "owner, name, replacement, expected",
     [
-        (Trainer, "create_optimizer", lambda self: None, r"Trainer\.create_optimizer has parameters \(self\)"),
-        (Trainer, "_clip_grad_norm", None, r"Trainer\._clip_grad_norm is missing"),
+        # The tested versions have (self) up to transformers 5.2, (self, model) from 5.3 (bases/compat.py): a third
+        # parameter is neither.
+        (Trainer, "create_optimizer", lambda self, model, extra: None, r"Trainer\.create_optimizer has parameters "),
+        # Trainer._clip_grad_norm exists from transformers 5.3; before, training_step stands for a missing method.
+        (
+            Trainer,
+            "_clip_grad_norm" if hasattr(Trainer, "_clip_grad_norm") else "training_step",
+            None,
+            r"Trainer\.\w+ is missing",
+        ),
         (TrainingArguments, "set_optimizer", lambda self, name: None, r"TrainingArguments\.set_optimizer has"),
         ("accelerate", "backward", lambda self, loss, scaler: None, r"accelerate\.Accelerator\.backward has"),
     ],
@@ -148,10 +157,15 @@ def test_install_refuses_when_a_replaced_method_changed(monkeypatch, tmp_path, o
         monkeypatch.delattr(owner, name)
     else:
         monkeypatch.setattr(owner, name, replacement)
-    with pytest.raises(patching.UnsupportedVersionError, match=expected) as err:
-        layerwise_hf.install()
+    try:
+        with pytest.raises(patching.UnsupportedVersionError, match=expected) as err:
+            layerwise_hf.install()
+    finally:
+        installed = patching.is_installed()
+        if installed:  # a failed refusal must not leave the tests after this one patched
+            layerwise_hf.uninstall()
     assert "tested with transformers 4.55 to 5.24, accelerate 1.10 to 1.15" in str(err.value)
-    assert not patching.is_installed()
+    assert not installed
     with pytest.raises(ValueError, match="not a valid OptimizerNames"):
         TrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise")
 
@@ -342,6 +356,9 @@ def _sft_inputs(tmp_path):
     from test_trl import sft_dataset, tiny_model, tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
+    # trl 0.18's script gives a tokenizer without a chat template ChatML tokens, with embedding rows drawn before
+    # anything seeds torch (a new draw in each process); the data is plain text, which no template changes.
+    tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
     tiny_model(tokenizer).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     (tmp_path / "data").mkdir()
@@ -355,26 +372,41 @@ SFT_RUN = dict(
 )  # fmt: skip
 
 
-def test_trl_sft_script_through_launcher_matches_layerwise_sft_trainer(tmp_path):
+def test_trl_sft_script_through_launcher_matches_layerwise_sft_trainer(tmp_path, monkeypatch):
+    import trl.scripts.sft as script
     from datasets import load_dataset
 
     from layerwise_hf.integrations.trl import LayerwiseSFTConfig, LayerwiseSFTTrainer
 
     model, data = _sft_inputs(tmp_path)
     options = [x for k, v in SFT_RUN.items() for x in (f"--{k}", str(v).lower() if v is True else str(v))]
-    result = launch(
-        "-m", "trl.scripts.sft", "--model_name_or_path", model, "--dataset_name", data,
-        "--output_dir", tmp_path / "launched", "--optim", "adamw_torch_layerwise", *options,
-    )  # fmt: skip
+    argv = [
+        "--model_name_or_path", str(model), "--dataset_name", str(data), "--optim", "adamw_torch_layerwise", *options,
+    ]  # fmt: skip
+    result = launch("-m", "trl.scripts.sft", *argv, "--output_dir", tmp_path / "launched")
     assert result.returncode == 0, result.stderr[-4000:]
 
     # What trl/scripts/sft.py does with these arguments, with the explicit classes.
-    args = LayerwiseSFTConfig(output_dir=str(tmp_path / "explicit"), optim="adamw_torch_layerwise", **SFT_RUN)
-    args.model_init_kwargs = dict(revision="main", trust_remote_code=False, attn_implementation=None, dtype="float32")
-    dataset = load_dataset(str(data))["train"]
-    trainer = LayerwiseSFTTrainer(model=str(model), args=args, train_dataset=dataset)
-    trainer.train()
-    trainer.save_model(args.output_dir)
+    if "model_init_kwargs" in inspect.getsource(script.main):  # trl 1.x: SFTTrainer loads the model by name
+        args = LayerwiseSFTConfig(output_dir=str(tmp_path / "explicit"), optim="adamw_torch_layerwise", **SFT_RUN)
+        args.model_init_kwargs = dict(
+            revision="main", trust_remote_code=False, attn_implementation=None, dtype="float32"
+        )
+        dataset = load_dataset(str(data))["train"]
+        trainer = LayerwiseSFTTrainer(model=str(model), args=args, train_dataset=dataset)
+        trainer.train()
+        trainer.save_model(args.output_dir)
+    else:  # trl 0.18: the script loads the model and tokenizer itself (and may add a chat format): run its main()
+        from trl import ModelConfig, ScriptArguments, TrlParser
+
+        monkeypatch.setattr(script, "SFTTrainer", LayerwiseSFTTrainer)
+        parser = TrlParser((ScriptArguments, LayerwiseSFTConfig, ModelConfig))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as the launched process (OMP_NUM_THREADS=1)
+        try:
+            script.main(*parser.parse_args_into_dataclasses([*argv, "--output_dir", str(tmp_path / "explicit")]))
+        finally:
+            torch.set_num_threads(threads)
     for name in ("checkpoint-2", "checkpoint-3", "."):
         assert_same_files(tmp_path / "explicit" / name, tmp_path / "launched" / name)
 

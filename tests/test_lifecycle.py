@@ -401,7 +401,14 @@ def test_checkpoint_of_transformers_own_galore_resumes_with_a_fresh_optimizer(tm
     pytest.importorskip("galore_torch")
     galore = dict(optim_target_modules=["q_proj", "v_proj"], weight_decay=0.0, max_steps=4)
     args = training_args(tmp_path / "stock", "galore_adamw_layerwise", save_strategy="steps", save_steps=2, **galore)
-    train(tiny_llama(), args, trainer_cls=Trainer)  # transformers' own layer-wise GaLore: a dummy optimizer state
+    try:
+        train(tiny_llama(), args, trainer_cls=Trainer)  # transformers' own layer-wise GaLore: a dummy optimizer state
+    except ValueError as error:
+        # transformers 4.x's LayerWiseDummyScheduler has one lr for no param group, which torch 2.13's
+        # scheduler refuses (zip(..., strict=True)): that stack cannot write such a checkpoint at all.
+        if "zip() argument 2 is longer than argument 1" not in str(error):
+            raise
+        pytest.skip(f"transformers' own layer-wise GaLore does not train on this transformers/torch: {error}")
     uninterrupted = train(tiny_llama(), training_args(tmp_path / "whole", "galore_adamw_layerwise", **galore))
     model = tiny_llama()
     before = params(model)
@@ -422,6 +429,9 @@ def checkpoint_wrap_layers(model):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+    # transformers 4.x keeps a KV cache in training unless told not to (its own gradient checkpointing turns it
+    # off; a wrapper applied from outside does not), and each recomputed layer would append to it a second time.
+    model.config.use_cache = False
     apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, LlamaDecoderLayer))
     assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
 
@@ -445,7 +455,10 @@ def test_activation_checkpoint_wrapper_applied_after_the_optimizer_trains_like_s
 
 def test_checkpoint_saved_unwrapped_resumes_into_a_checkpoint_wrapped_model(tmp_path):
     args = dict(max_steps=4, save_strategy="steps", save_steps=2)
-    whole = train(tiny_llama(), training_args(tmp_path / "whole", "adamw_torch_layerwise", **args))
+    unwrapped_model = tiny_llama()
+    # as checkpoint_wrap_layers sets it: on transformers 4.55, use_cache on and off differ in the last bits
+    unwrapped_model.config.use_cache = False
+    whole = train(unwrapped_model, training_args(tmp_path / "whole", "adamw_torch_layerwise", **args))
     model = tiny_llama()
     checkpoint_wrap_layers(model)
     resumed = train(

@@ -1,5 +1,7 @@
 """The registry: built-in bases resolve through Trainer; third-party optimizers register and train."""
 
+import importlib.util
+
 import pytest
 import torch
 from helpers import assert_params_equal, clone, tiny_llama, train, training_args
@@ -49,7 +51,13 @@ def test_trainer_settings_reach_the_inner_optimizers(tmp_path):
     assert factory.optimizer_cls is torch.optim.AdamW
     assert factory.kwargs["betas"] == (0.7, 0.8) and factory.kwargs["eps"] == 1e-5
     sgd = resolve_factory(training_args(tmp_path, "sgd_layerwise", optim_args="momentum=0.9,nesterov=true"))
-    assert sgd.kwargs["momentum"] == 0.9 and sgd.kwargs["nesterov"] is True
+    stock_cls, stock_kwargs = Trainer.get_optimizer_cls_and_kwargs(
+        training_args(tmp_path, "sgd", optim_args="momentum=0.9,nesterov=true")
+    )
+    assert sgd.optimizer_cls is stock_cls and sgd.kwargs == stock_kwargs
+    # transformers reads SGD's optim_args from 5.2 (the `trainer_optimizer` module); 4.x ignores them for SGD.
+    if importlib.util.find_spec("transformers.trainer_optimizer") is not None:
+        assert sgd.kwargs["momentum"] == 0.9 and sgd.kwargs["nesterov"] is True
 
 
 def test_bitsandbytes_private_manager_ignores_global_overrides(tmp_path):

@@ -26,9 +26,12 @@ here that handles it is named in brackets:
     `Trainer.train` parameters               4.57: `(..., ignore_keys_for_eval,    5.0: no `**kwargs`
     [`trainer_method_parameters`]            **kwargs)`
     activation checkpointing arguments       5.22: `gradient_checkpointing`,       5.23: `activation_checkpointing`,
-    [`checkpointing_kwargs`]                 `gradient_checkpointing_kwargs`       `..._kwargs` (old names: aliases)
+    [`checkpointing_kwargs`,                 `gradient_checkpointing_kwargs`       `..._kwargs` (old names: aliases)
+    `checkpointing_kwargs_name`]
     `from_config(config, dtype=...)`         4.55: `torch_dtype=` only             4.56: `dtype=` (`torch_dtype`: old)
     [`dtype_kwargs`]
+    meta-device forward (the estimator's     4.x: rotary embeddings open           5.x: no autocast there
+    order of use) [`meta_forward`]           `torch.autocast("meta")`, refused
     DDP settings given to Accelerate         5.2: set in `Trainer._wrap_model`,    5.3: when the Accelerator is made
     (`find_unused_parameters`,               after the optimizer is made;
     `bucket_cap_mb`, `broadcast_buffers`)    `find_unused_parameters` defaults
@@ -45,11 +48,12 @@ release should have, reads the version number.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -62,9 +66,11 @@ __all__ = [
     "UntestedVersionWarning",
     "check_versions",
     "checkpointing_kwargs",
+    "checkpointing_kwargs_name",
     "create_optimizer_args",
     "create_optimizer_takes_model",
     "dtype_kwargs",
+    "meta_forward",
     "is_optimizer_factory",
     "optimizer_base_requirements",
     "parse_optim_args",
@@ -440,6 +446,60 @@ def _checkpointing_field() -> str:
 
     fields = TrainingArguments.__dataclass_fields__
     return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+
+
+@contextlib.contextmanager
+def meta_forward() -> Iterator[None]:
+    """
+    Lets a model's forward run on the meta device: transformers 4.x's rotary embeddings open
+    `torch.autocast(device_type=x.device.type, enabled=False)`, which torch refuses for "meta" ("unsupported
+    scalarType"); inside this context such an autocast is made for "cpu" instead (disabled either way, so nothing is
+    computed differently). Where torch accepts it (the rotary embeddings of transformers 5.x do not open one), nothing
+    is changed.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.bases.compat import meta_forward
+    >>> with meta_forward(), torch.autocast(device_type="meta", enabled=False):
+    ...     pass
+    ```
+    """
+    original = torch.autocast
+    try:
+        original(device_type="meta", enabled=False)
+    except RuntimeError:
+        pass
+    else:
+        yield
+        return
+
+    class _MetaAsCpu(original):
+        def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
+            super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+    torch.autocast = _MetaAsCpu
+    try:
+        yield
+    finally:
+        torch.autocast = original
+
+
+def checkpointing_kwargs_name() -> str:
+    """
+    The installed transformers' name of the `TrainingArguments` field for activation checkpointing's keyword
+    arguments (`activation_checkpointing_kwargs` from 5.23, `gradient_checkpointing_kwargs` before), for messages.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.bases.compat import checkpointing_kwargs_name
+    >>> checkpointing_kwargs_name() in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
+    True
+    ```
+    """
+    return f"{_checkpointing_field()}_kwargs"
 
 
 def checkpointing_kwargs(enabled: bool = True, kwargs: dict | None = None) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..bases.compat import dtype_kwargs
 from .models import resolve_config
 from .units import ACCELERATE_DTYPES, EstimateError, accelerate_format_bytes
 
@@ -83,7 +84,7 @@ def accelerate_estimate(model: Any, dtypes: Sequence[str] = ACCELERATE_DTYPES) -
     # accelerate's own computation on the meta-device base model: its "layer" is a decoder block
     # (`_no_split_modules`) or a leaf module such as the embedding, and its total counts buffers too.
     with torch.device("meta"):
-        base = AutoModel.from_config(config, dtype=torch.float32)
+        base = AutoModel.from_config(config, **dtype_kwargs(torch.float32))
     fp32_total, (fp32_largest, _) = calculate_maximum_sizes(base)
     rows = []
     for key in keys:

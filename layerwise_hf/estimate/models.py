@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..bases.compat import meta_forward
 from .units import LINEAR_MODULES, EstimateError
 
 PRESETS_DIR = Path(__file__).with_name("presets")
@@ -194,7 +195,7 @@ def forward_use_order(model: Any) -> tuple[str, ...]:
         for kwargs in ({"use_cache": True}, {}):
             order.clear()
             try:
-                with torch.no_grad():
+                with torch.no_grad(), meta_forward():
                     model(input_ids=torch.zeros(1, 2, dtype=torch.long, device="meta"), **kwargs)
                 return tuple(order)
             except Exception:  # noqa: BLE001  any architecture that will not run on meta keeps parameter order

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..bases.compat import checkpointing_kwargs_name
 from ..bases.streams import step_in_backward
 from ..bases.support import check_fp16_clip_mode, check_fp16_weights
 from .clipping import ClipMode, make_clipper
@@ -111,7 +112,7 @@ class GradientGate:
             raise RuntimeError(
                 f"The gradient hook of {self.names[i]} fired twice before optimizer.step(): it would be stepped "
                 "twice. This happens with reentrant activation checkpointing when a parameter is used in two "
-                "checkpointed segments (use activation_checkpointing_kwargs={'use_reentrant': False}), or with "
+                f"checkpointed segments (use {checkpointing_kwargs_name()}={{'use_reentrant': False}}), or with "
                 "several backward passes per step outside gradient accumulation (use accelerator.accumulate or "
                 "gradient_accumulation_steps)."
             )

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ..bases.compat import checkpointing_kwargs_name
 from ..bases.support import check_ddp_comm_hook
 from .hooks import LocalHooks
 
@@ -386,7 +387,7 @@ class DataParallelReducer(LocalHooks):
         if bucket.ready[k]:
             raise RuntimeError(
                 f"The gradient hook of {optimizer.names[i]} fired twice in one backward (reentrant activation "
-                "checkpointing with a parameter in two segments?): use activation_checkpointing_kwargs="
+                f"checkpointing with a parameter in two segments?): use {checkpointing_kwargs_name()}="
                 "{'use_reentrant': False}."
             )
         _merge_host_sum(optimizer, i, self.params[i])
