@@ -91,7 +91,11 @@ def set_ddp_settings(trainer, bucket_cap_mb: float, gradient_as_bucket_view: boo
     after the optimizer is made (layerwise_hf.bases.compat): there the cap goes into the arguments, and
     gradient_as_bucket_view onto the handler once it is made."""
     accelerator = trainer.accelerator
-    if hasattr(type(trainer), "_clip_grad_norm"):  # transformers >= 5.3: the handler exists from the start
+    from transformers import Trainer
+
+    # transformers >= 5.3 (which has Trainer._clip_grad_norm; LayerwiseTrainer defines one on every version): the
+    # handler exists from the start.
+    if hasattr(Trainer, "_clip_grad_norm"):
         accelerator.ddp_handler.bucket_cap_mb = bucket_cap_mb
         if gradient_as_bucket_view is not None:
             accelerator.ddp_handler.gradient_as_bucket_view = gradient_as_bucket_view

@@ -27,6 +27,7 @@ from common import (
 from transformers import Trainer, TrainerCallback
 
 from layerwise_hf import LayerwiseTrainer
+from layerwise_hf.bases.compat import checkpointing_kwargs
 
 torch.set_num_threads(1)
 
@@ -161,7 +162,7 @@ def main(report_path, quick=False):
         (
             "adamw_torch ga1 activation checkpointing",
             "adamw_torch",
-            {"activation_checkpointing": True, "bucket_cap_mb": 0.01, "max_grad_norm": 0.5},
+            {**checkpointing_kwargs(True), "bucket_cap_mb": 0.01, "max_grad_norm": 0.5},
         ),
         ("adamw_torch ga1 torch_compile", "adamw_torch", {"torch_compile": True, "max_grad_norm": 0.5}),
         (
@@ -175,8 +176,7 @@ def main(report_path, quick=False):
             "adamw_torch ga1 reentrant checkpointing, head frozen",
             "adamw_torch",
             {
-                "activation_checkpointing": True,
-                "activation_checkpointing_kwargs": {"use_reentrant": True},
+                **checkpointing_kwargs(True, {"use_reentrant": True}),
                 "frozen": ("lm_head.weight", "model.norm.weight"),
                 "bucket_cap_mb": 0.01,
             },
