@@ -52,19 +52,32 @@ class RuleOptimizer(torch.optim.Optimizer):
     ```
     """
 
-    def __init__(self, params, rule: OptimizerRule, specs: dict[int, TensorSpec], lr: float = 1e-3):
+    def __init__(
+        self, params, rule: OptimizerRule, specs: dict[int, TensorSpec], lr: float = 1e-3, device: str = "cuda"
+    ):
         super().__init__(list(params), {"lr": lr, "weight_decay": 0.0})
         self.rule = rule
         self.specs = specs
         self._qmaps_allocated = False
+        # NOTE: bitsandbytes' CPU step is torch code inside one custom op: per tensor it allocates 5 x numel float32
+        # temporaries when stepped in 8 bits (dequantized moments and the update) and 3 x numel in 32 bits, all freed
+        # before the next tensor (measured with the profiler on bitsandbytes 0.50). Its CUDA kernels are fused and
+        # allocate none. The stand-in allocates and drops the same scratch on CPU.
+        self.cpu_scratch = device == "cpu" and rule.family == "bnb"
 
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None or self.state[p]:
+                if p.grad is None:
                     continue
                 spec = self._spec(p)
+                if self.cpu_scratch:
+                    factor = 5 if uses_qmaps(self.rule, spec, spec.is_embedding) else 3
+                    scratch = torch.empty(factor * spec.numel * 4, dtype=torch.uint8, device=p.device)
+                    del scratch
+                if self.state[p]:
+                    continue
                 nbytes = tensor_state_bytes(self.rule, spec, p.element_size(), spec.is_embedding)
                 self.state[p]["rule_state"] = torch.empty(nbytes, dtype=torch.uint8, device=p.device)
                 if uses_qmaps(self.rule, spec, spec.is_embedding) and not self._qmaps_allocated:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -181,7 +183,9 @@ def build_standard(model: torch.nn.Module, base: str, args: Any, setup: StepSetu
     decay = set(Trainer.get_decay_parameter_names(None, model))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if needs_rule(rule):
-        return RuleOptimizer([p for _, p in named], rule, _named_specs(model), lr=setup.learning_rate)
+        return RuleOptimizer(
+            [p for _, p in named], rule, _named_specs(model), lr=setup.learning_rate, device=setup.device
+        )
     groups = [
         {"params": [p for n, p in named if n in decay], "weight_decay": setup.weight_decay},
         {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
@@ -202,7 +206,9 @@ def build_layerwise(model: torch.nn.Module, base: str, args: Any, setup: StepSet
         specs = _named_specs(model)
 
         def factory(lp, _args):
-            inner = RuleOptimizer([lp.param], rule, {id(lp.param): specs[id(lp.param)]}, lr=setup.learning_rate)
+            inner = RuleOptimizer(
+                [lp.param], rule, {id(lp.param): specs[id(lp.param)]}, lr=setup.learning_rate, device=setup.device
+            )
             # NOTE: under FSDP2 the real optimizers (bitsandbytes', torchao's) step the rank's local shard, with a
             # state of the shard's size: the stand-in steps it the same way.
             return LocalShardOptimizer(inner) if setup.sharding == "fsdp2" else inner
@@ -239,7 +245,7 @@ def run_step(model, optimizer, layerwise, setup: StepSetup, tracker: LiveBytes, 
         def forward_backward() -> None:
             tracker.phase = "forward: inputs"
             ids = torch.randint(0, vocab, (setup.micro_batch, setup.seq_len))
-            with autocast(setup):
+            with autocast(setup), unpacked_rows():
                 # NOTE: Trainer's compute_loss keeps only the loss: the outputs (logits) are gone before backward.
                 loss = model(input_ids=ids, labels=ids).loss / setup.grad_accum
             del ids
@@ -264,6 +270,26 @@ def run_step(model, optimizer, layerwise, setup: StepSetup, tracker: LiveBytes, 
     tracker.phase = "step: optimizer.step()"
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def unpacked_rows():
+    """The mask the real run builds for unpacked rows (one sequence each): none, SDPA's `is_causal`."""
+    # NOTE: transformers' masking_utils treats a FakeTensor as tracing, so find_packed_sequence_indices keeps its
+    # packed-sequence mask and every layer's SDPA gets (and saves for backward) a float mask of seq x seq. The real run
+    # reads the position ids, finds one sequence per row and passes no mask: layers x seq^2 x 4 bytes the plan counted
+    # and the run never holds (4 MiB on a 4-layer model at 512 tokens; 5 GiB on Llama-2-70B at 4096).
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
+        yield
+        return
+    # A plain function, not a MagicMock: a mock keeps its calls' arguments (the position ids) alive.
+    with mock.patch.object(masking, "find_packed_sequence_indices", _no_packed_sequences):
+        yield
+
+
+def _no_packed_sequences(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 def _labelled_backward(tracker: LiveBytes):
