@@ -183,6 +183,8 @@ def build_model(cfg: Config):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from layerwise_hf.bases.compat import enable_activation_checkpointing
+
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**MODELS[cfg.model]))
     model.config.use_cache = False
@@ -193,7 +195,7 @@ def build_model(cfg: Config):
                           target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")  # fmt: skip
         model = get_peft_model(model, lora)
     if cfg.checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
         if cfg.lora_r:
             model.enable_input_require_grads()
     model.train()

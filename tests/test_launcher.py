@@ -320,6 +320,29 @@ def test_install_layerwise_clip_reaches_stock_arguments(tmp_path):
         layerwise_hf.uninstall()
 
 
+def test_install_layerwise_preflight_reaches_stock_arguments(tmp_path):
+    from layerwise_hf.integrations.launcher import build_parser
+
+    assert build_parser().parse_args(["--layerwise_preflight"]).layerwise_preflight is True
+    assert build_parser().parse_args([]).layerwise_preflight is None, "unset: stock arguments get no field"
+    layerwise_hf.install(layerwise_preflight=True)
+    try:
+        args = TrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise", report_to="none")
+        assert args.layerwise_preflight is True
+        other = TrainingArguments(output_dir=str(tmp_path), optim="adamw_torch", report_to="none")
+        assert not hasattr(other, "layerwise_preflight"), "a standard optim trains exactly as before"
+        with pytest.raises(ValueError, match="layerwise_preflight"):
+            layerwise_hf.install(layerwise_preflight="yes")
+    finally:
+        layerwise_hf.uninstall()
+    layerwise_hf.install()
+    try:
+        args = TrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise", report_to="none")
+        assert not hasattr(args, "layerwise_preflight"), "uninstall() forgets the setting"
+    finally:
+        layerwise_hf.uninstall()
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

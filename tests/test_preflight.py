@@ -131,15 +131,21 @@ def test_through_the_launchers_patched_trainer(monkeypatch, caplog, tmp_path):
                                   per_device_train_batch_size=4, max_grad_norm=0.0, save_strategy="no",
                                   report_to="none", use_cpu=True, disable_tqdm=True)  # fmt: skip
         stock.layerwise_preflight = True
+        # ... or set for every stock argument by install(layerwise_preflight=True) (`--layerwise_preflight`) ...
+        layerwise_hf.install(layerwise_preflight=True)
+        installed = TrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise", max_steps=2,
+                                      per_device_train_batch_size=4, max_grad_norm=0.0, save_strategy="no",
+                                      report_to="none", use_cpu=True, disable_tqdm=True)  # fmt: skip
+        assert installed.layerwise_preflight is True
         # ... or LayerwiseTrainingArguments given to a stock Trainer.
         explicit = training_args(tmp_path, "adamw_torch_layerwise", max_steps=2, layerwise_preflight=True)
-        for args in (stock, explicit):
+        for args in (stock, installed, explicit):
             trainer = Trainer(model=tiny_llama(), args=args, train_dataset=TokenDataset())
             assert isinstance(trainer, layerwise_hf.LayerwiseTrainerMixin)
             trainer.train()
     finally:
         layerwise_hf.uninstall()
-    assert len(records(caplog)) == 2 and all("will not fit" in r.getMessage() for r in records(caplog))
+    assert len(records(caplog)) == 3 and all("will not fit" in r.getMessage() for r in records(caplog))
 
 
 def test_bad_value_is_refused_naming_the_field(tmp_path):

@@ -66,6 +66,7 @@ __all__ = [
     "UntestedVersionWarning",
     "check_versions",
     "checkpointing_kwargs",
+    "enable_activation_checkpointing",
     "checkpointing_kwargs_name",
     "create_optimizer_args",
     "create_optimizer_takes_model",
@@ -517,3 +518,25 @@ def checkpointing_kwargs(enabled: bool = True, kwargs: dict | None = None) -> di
     """
     field = _checkpointing_field()
     return {field: enabled, **({f"{field}_kwargs": kwargs} if kwargs is not None else {})}
+
+
+def enable_activation_checkpointing(model: Any, kwargs: dict | None = None) -> None:
+    """
+    Turn activation checkpointing on as Trainer does, under the installed transformers' method name
+    (`activation_checkpointing_enable` from 5.23, `gradient_checkpointing_enable` before); non-reentrant by default.
+
+    Example:
+
+    ```python
+    >>> from transformers import AutoModelForCausalLM, LlamaConfig
+    >>> from layerwise_hf.bases.compat import enable_activation_checkpointing
+    >>> config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    >>> model = AutoModelForCausalLM.from_config(config)
+    >>> enable_activation_checkpointing(model)
+    ```
+    """
+    kwargs = {"use_reentrant": False} if kwargs is None else kwargs
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

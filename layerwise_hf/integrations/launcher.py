@@ -15,7 +15,7 @@ import sys
 
 from ..optim.clipping import CLIP_MODES
 
-USAGE = "python -m layerwise_hf [-h] [--layerwise_clip MODE] (SCRIPT | -m MODULE) [ARGS...]"
+USAGE = "python -m layerwise_hf [-h] [--layerwise_clip MODE] [--layerwise_preflight] (SCRIPT | -m MODULE) [ARGS...]"
 DESCRIPTION = (
     "Run a training script unchanged, with layerwise_hf.install() in effect: transformers' TrainingArguments, "
     "HfArgumentParser and Trainer, and every subclass (TRL's SFTConfig / SFTTrainer, ...), accept "
@@ -33,6 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="how max_grad_norm is applied with a layer-wise optim, as LayerwiseTrainingArguments.layerwise_clip: "
         "'exact' (the default: Trainer's global clipping; without gradient accumulation backward runs twice a step), "
         "'previous' (one pass, the previous step's global norm), 'per_param' or 'off'",
+    )
+    parser.add_argument(
+        "--layerwise_preflight",
+        action="store_true",
+        default=None,
+        help="as LayerwiseTrainingArguments.layerwise_preflight: plan the run's own step before the first one and "
+        "warn when it will not fit the device (see `layerwise-hf plan`)",
     )
     parser.add_argument("-m", dest="module", metavar="MODULE", help="run a module as a script, as `python -m` does")
     parser.add_argument("script", nargs="?", metavar="SCRIPT", help="the training script (a .py file)")
@@ -75,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     from .patching import UnsupportedVersionError, install
 
     try:
-        install(layerwise_clip=options.layerwise_clip)
+        install(layerwise_clip=options.layerwise_clip, layerwise_preflight=options.layerwise_preflight)
     except UnsupportedVersionError as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 1

@@ -34,6 +34,7 @@ from ..bases.compat import (
     trainer_method_parameters,
 )
 from ..bases.registry import parse_optim_name
+from ..bases.support import check_bool_argument
 from ..optim.clipping import CLIP_MODES, ClipMode
 
 __all__ = ["CLIP_MODES", "UnsupportedVersionError", "install", "is_installed", "uninstall"]
@@ -65,8 +66,9 @@ _LOCK = threading.Lock()
 _UNDO: list = []
 _ABSENT = object()
 _STATE = {"installed": False}
-# install(layerwise_clip=...): given to stock arguments made with a layer-wise name (they have no such field).
-_SETTINGS: dict[str, str | None] = {"layerwise_clip": None}
+# install(layerwise_clip=..., layerwise_preflight=...): given to stock arguments made with a layer-wise name (they
+# have no such fields).
+_SETTINGS: dict[str, str | bool | None] = {"layerwise_clip": None, "layerwise_preflight": None}
 _LAYERWISE_CLASSES: dict[type, type] = {}
 _FIX = (
     "This Trainer was created before layerwise_hf.install() (or after uninstall()), so it was not made layer-wise: "
@@ -93,7 +95,7 @@ def is_installed() -> bool:
     return _STATE["installed"]
 
 
-def install(*, layerwise_clip: str | None = None) -> None:
+def install(*, layerwise_clip: str | None = None, layerwise_preflight: bool | None = None) -> None:
     """
     Make stock `TrainingArguments`, `HfArgumentParser` and `Trainer` (and every subclass: TRL's `SFTConfig` /
     `SFTTrainer`, a script's own `Trainer` subclass) accept `optim="<base>_layerwise"` and train layer-wise with it,
@@ -109,6 +111,9 @@ def install(*, layerwise_clip: str | None = None) -> None:
             `LayerwiseTrainingArguments.layerwise_clip` for stock arguments made from now on with a layer-wise
             `optim` (`"exact"`, `"previous"`, `"per_param"` or `"off"`); unset, they clip `"exact"`ly. A later call
             changes it (`python -m layerwise_hf --layerwise_clip previous SCRIPT`).
+        layerwise_preflight (`bool`, *optional*):
+            `LayerwiseTrainingArguments.layerwise_preflight` for those arguments: plan the run before its first step
+            and warn when it will not fit (`python -m layerwise_hf --layerwise_preflight SCRIPT`).
 
     Raises:
         UnsupportedVersionError: a method it replaces is missing or has other parameters than in the tested
@@ -130,6 +135,8 @@ def install(*, layerwise_clip: str | None = None) -> None:
     with _LOCK:
         if layerwise_clip is not None:
             _SETTINGS["layerwise_clip"] = ClipMode.parse(layerwise_clip).value
+        if layerwise_preflight is not None:
+            _SETTINGS["layerwise_preflight"] = check_bool_argument("layerwise_preflight", layerwise_preflight)
         if _STATE["installed"]:
             return
         from transformers import Trainer, TrainingArguments
@@ -172,7 +179,7 @@ def uninstall() -> None:
         if not _STATE["installed"]:
             return
         _STATE["installed"] = False
-        _SETTINGS["layerwise_clip"] = None
+        _SETTINGS.update(layerwise_clip=None, layerwise_preflight=None)
         while _UNDO:
             _UNDO.pop()()
 
@@ -288,8 +295,9 @@ def _wrap_post_init(original):
         base = _layerwise_base(name)
         if base is None:
             return original(self)
-        if _SETTINGS["layerwise_clip"] is not None and "layerwise_clip" not in self.__dataclass_fields__:
-            self.layerwise_clip = _SETTINGS["layerwise_clip"]  # read by the Trainer mixin and the callback
+        for field, value in _SETTINGS.items():  # read by the Trainer mixin and the callback
+            if value is not None and field not in self.__dataclass_fields__:
+                setattr(self, field, value)
         # The checks LayerwiseTrainingArguments makes, written once there; its layerwise_* fields at their defaults.
         view = _WithLayerwiseDefaults(self, LayerwiseTrainingArguments)
         _check_arguments_trainer_uses_late(view)

@@ -18,6 +18,7 @@ from unittest import mock
 
 import torch
 
+from ..bases.compat import dtype_kwargs, enable_activation_checkpointing
 from ..estimate.optimizers import OPTIMIZER_RULES
 from ..estimate.units import DEFAULT_LORA_TARGETS
 from .ranks import RankRoute, fake_group
@@ -98,14 +99,14 @@ def build_model(config: Any, setup: StepSetup, mode: Any) -> torch.nn.Module:
 
     if not setup.lora_r:
         with mode:
-            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[setup.torch_dtype])
+            model = AutoModelForCausalLM.from_config(config, **dtype_kwargs(DTYPES[setup.torch_dtype]))
     else:
         from peft import LoraConfig, get_peft_model
 
         # NOTE: peft moves each adapter with `.to()`, which swaps a fake parameter and fails ("Cannot swap t1 because
         # it has weakref associated with it"): build on the meta device, then give every tensor a fake twin.
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[setup.torch_dtype])
+            model = AutoModelForCausalLM.from_config(config, **dtype_kwargs(DTYPES[setup.torch_dtype]))
         lora = LoraConfig(r=setup.lora_r, lora_alpha=2 * setup.lora_r, lora_dropout=0.0,
                           target_modules=list(setup.lora_targets), task_type="CAUSAL_LM")  # fmt: skip
         model = get_peft_model(model, lora)
@@ -138,10 +139,7 @@ def to_fake(model: torch.nn.Module, mode: Any) -> None:
 
 def enable_checkpointing(model: torch.nn.Module) -> None:
     """Activation checkpointing as Trainer turns it on (non-reentrant, its default kwargs)."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:  # transformers before 5.24
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model)
 
 
 def training_args(optimizer: str, setup: StepSetup, output_dir: str):
