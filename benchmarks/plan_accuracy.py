@@ -304,10 +304,14 @@ def allocator_peak(prof, marker: str) -> dict:
 
 
 def live_tensor_bytes() -> int:
-    """The storages of every tensor Python can reach (distinct, in full)."""
+    """The storages of every real tensor Python can reach (distinct, in full)."""
     import torch
+    from torch._subclasses.fake_tensor import is_fake
 
-    return h.storage_bytes([o for o in gc.get_objects() if isinstance(o, torch.Tensor)])
+    # Fake and meta tensors (a plan made earlier in this process) hold no memory and have no data pointer.
+    return h.storage_bytes(
+        [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type != "meta" and not is_fake(o)]
+    )
 
 
 def measure_real(cfg: Config, max_grad_norm: float, split: bool = False) -> dict:
