@@ -30,9 +30,12 @@ Two runs of the configuration in that process, each creating the optimizer state
 
 On 2 ranks the two runs are two launches of `--rank_steps` (4) Trainer steps, the last one measured (DDP rebuilds its
 buckets in the second step), and each rank reports its own figures and every step's tensor peak; the table shows the
-rank with the higher peak. On CPU, gloo keeps buffers no Python tensor reaches (one rank of standard DDP holds a
-second bucket-sized buffer between steps; under FSDP2 what the ranks hold between steps grows step by step), which
-a plan for CUDA ranks does not model.
+rank with the higher peak. There the tensor peak comes from the CPU allocator counted on every thread
+(`benchmarks/_thread_memory.py`), not from the profiler: the profiler sees an allocation or a free only on a thread
+where it is enabled, and gloo frees a collective's tensors on its own worker thread when that thread drops the last
+reference to the work, so the profiler's sum grew with frees it never saw (+20 MiB on one DDP rank; +3-20 MiB per
+step under FSDP2), while the counted bytes, the tensors Python reaches and RSS stayed flat over 30 steps. On one
+process both agree to the byte.
 
 Goal: the plan within 5% of the tensor peak and within 10% of the RSS training peak. bitsandbytes' CPU step
 allocates temporaries its CUDA kernels do not; the plan counts the state from the estimator's rules and no kernel
@@ -444,8 +447,8 @@ def planned(cfg: Config, max_grad_norm: float) -> dict:
 
 def rank_worker(opts: argparse.Namespace) -> None:
     """One rank of a 2-rank configuration, Trainer (or LayerwiseTrainer) for `RANK_STEPS` steps, the last measured:
-    `--measure tensor` profiles from before the model exists (each step's peak is kept); `--measure rss` (a launch of
-    its own, as on one process) measures by RSS."""
+    `--measure tensor` counts the CPU allocator from before the model exists (each step's peak is kept); `--measure
+    rss` (a launch of its own, as on one process) measures by RSS."""
     import torch
     from accelerate.utils import DistributedType
 
@@ -455,9 +458,7 @@ def rank_worker(opts: argparse.Namespace) -> None:
     limit_mmap_threshold()
     torch.set_num_threads(1)
     cfg = Config(**json.loads(opts.config))
-    probe = StepProbe(profiled=opts.measure == "tensor", steps=opts.rank_steps)
-    if probe.prof is not None:
-        probe.prof.start()
+    probe = StepProbe(counted=opts.measure == "tensor", steps=opts.rank_steps)
     trainer = build_trainer(cfg, opts.max_grad_norm, Path(opts.result).parent / "trainer_output", probe)
     expected = DistributedType.FSDP if cfg.sharding == "fsdp2" else DistributedType.MULTI_CPU
     accelerator = trainer.accelerator
@@ -475,10 +476,8 @@ def rank_worker(opts: argparse.Namespace) -> None:
         "route": None if lw is None else lw.route,
         "norm_pass": None if lw is None else norm_pass_name(lw),
     }
-    if probe.prof is not None:
-        steps = [allocator_peak(probe.prof, f"{MARK} {k}") for k in range(1, opts.rank_steps + 1)]
-        result.update(steps[-1], step_peak_bytes=[s["peak_bytes"] for s in steps])
-        probe.prof = None
+    if probe.counter is not None:
+        result.update(probe.measured[-1], step_peak_bytes=[s["peak_bytes"] for s in probe.measured])
     trainer.accelerator.free_memory()
     del trainer
     ranks.write_gathered_and_finish(opts.result, result)
@@ -516,25 +515,25 @@ def build_trainer(cfg: Config, max_grad_norm: float, out: Path, probe):
 RANK_STEPS = 4  # DDP rebuilds its buckets in the second step: the last of these is the steady state measured (default)
 
 
-def StepProbe(profiled: bool, steps: int = RANK_STEPS):  # noqa: N802 - a class made where transformers is imported
-    """A callback: each step inside a range of its own (`MARK k`), the profiler (`profiled`) stopped after the last;
-    or (not `profiled`) the last step's RSS."""
-    from torch.autograd.profiler import record_function
-    from torch.profiler import ProfilerActivity, profile
+def StepProbe(counted: bool, steps: int = RANK_STEPS):  # noqa: N802 - a class made where transformers is imported
+    """A callback: (`counted`) each step's tensor peak and the bytes held before and after it, from the CPU allocator
+    counted on every thread (installed here, before the model exists); or (not `counted`) the last step's RSS."""
     from transformers import TrainerCallback
+
+    from benchmarks._thread_memory import CountingAllocator
 
     class Probe(TrainerCallback):
         def __init__(self):
-            self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if profiled else None
-            self.range = None
+            self.counter = CountingAllocator() if counted else None
+            self.measured: list[dict] = []
             self.rss: dict = {}
             self.steps = steps
 
         def on_step_begin(self, args, state, control, **kwargs):
             # NOTE: Trainer counts finished steps: global_step is k - 1 when step k begins.
-            if self.prof is not None:
-                self.range = record_function(f"{MARK} {state.global_step + 1}")
-                self.range.__enter__()
+            if self.counter is not None:
+                self.measured.append({"start_bytes": self.counter.current()})
+                self.counter.reset_peak()
             elif state.global_step == steps - 1:
                 h.settle()
                 self.rss = {"live": live_tensor_bytes(),
@@ -542,10 +541,8 @@ def StepProbe(profiled: bool, steps: int = RANK_STEPS):  # noqa: N802 - a class 
                 h.reset_peak_rss()
 
         def on_step_end(self, args, state, control, **kwargs):
-            if self.prof is not None:
-                self.range.__exit__(None, None, None)
-                if state.global_step == steps:
-                    self.prof.stop()
+            if self.counter is not None:
+                self.measured[-1].update(peak_bytes=self.counter.peak(), end_bytes=self.counter.current())
             elif state.global_step == steps:
                 self.rss["rss_peak_bytes"] = h.proc_status_bytes("VmHWM")
 
@@ -586,7 +583,9 @@ def launch_ranks(cfg: Config, opts: argparse.Namespace) -> dict:
     """`cfg` on 2 gloo ranks under its Accelerate config, twice (tensor peak, then RSS: see `rank_worker`); the rank
     with the higher tensor peak, and both ranks."""
     from benchmarks import _ranks as ranks
+    from benchmarks import _thread_memory
 
+    _thread_memory.build()  # once, here, rather than in both ranks at the same time
     env = h.worker_env(threads=1)
     if cfg.sharding == "fsdp2":
         env["LAYERWISE_HF_FORCE_FSDP_CPU"] = "1"
