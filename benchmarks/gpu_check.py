@@ -3,7 +3,7 @@
 Run it through `bash benchmarks/gpu_check.sh` (picks the interpreter, sets the environment, refuses to start without
 CUDA, bounds the time), or directly:
 
-    python benchmarks/gpu_check.py                      # CUDA: the six checks below (not yet run on a GPU)
+    python benchmarks/gpu_check.py                      # CUDA: the seven checks below (not yet run on a GPU)
     python benchmarks/gpu_check.py --tiny               # CPU dry run: tiny models, same code paths (~4 min, 2 cores)
     python benchmarks/gpu_check.py --checks parity,fp16 --output /tmp/gpu_check.json
 
@@ -47,6 +47,18 @@ try/except so that one failing keeps the others' numbers:
    (bitsandbytes' own `torch.cuda.synchronize()` after every parameter, which the layer-wise step removes), each in
    a fresh process, with the number of those syncs counted. Passes when the syncs are where they should be (none in
    the layer-wise run, one per parameter and step with the variable set); the times are reported, not judged.
+7. `offload`: host offload (`layerwise_offload`). Parity: `adamw_torch` through `Trainer` against
+   `adamw_torch_layerwise` with `layerwise_offload="gradients"` and `"optimizer"`, the small model, GA 1 and 2, exact
+   clipping: `"gradients"` bit-exact (the gradients go to host buffers and back; the step is the device's), and
+   `"optimizer"` bit-exact on CPU but on CUDA within `--offload_rtol` of the updates (it steps AdamW on the host,
+   whose kernel is not CUDA's; a missing wait for a copy gives wrong weights by far more); every gradient waited in a
+   host buffer, and with `"optimizer"` every state is on the CPU. Then the ~1B model of check 5 (bf16, activation
+   checkpointing, exact clipping), `adamw_torch`, `adamw_torch_layerwise` and it with each offload mode, one after
+   the other in ONE fresh process (emptied, peak statistics reset before each): `max_memory_allocated()`, the
+   median step time against `adamw_torch`, where the states are. Passes when parity passes, every run finishes,
+   `"optimizer"` keeps no state on the device and peaks below the layer-wise run without offload; the times are
+   reported, not judged. On CPU (`--tiny`) the offload code runs its CPU stand-in (a copy thread with a delay on
+   every copy) and memory is not measured.
 
 Writes one JSON (`--output`, default `benchmarks/results/gpu_check.json`, rewritten after every check so a run cut
 short keeps what it measured) and prints a table. Exit status: 0 when every check passed, 1 otherwise, 2 when the
@@ -90,7 +102,7 @@ from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments  # noqa: E
 from layerwise_hf.estimate import estimate  # noqa: E402
 
 MIB = 2**20
-CHECKS = ("parity", "fp16", "fp16_norm_pass", "fsdp2_8bit", "memory", "step_time")
+CHECKS = ("parity", "fp16", "fp16_norm_pass", "fsdp2_8bit", "memory", "step_time", "offload")
 PARITY_OPTIMS = ("adamw_torch", "adamw_8bit", "sgd")
 MEMORY_OPTIMS = ("adamw_8bit", "adamw_8bit_layerwise")
 MAX_GRAD_NORM = 1.0  # Trainer's default; with layerwise_clip="exact"
@@ -100,6 +112,14 @@ STEP_TIME_RUNS = (
     ("adamw_8bit", "adamw_8bit", None),
     ("adamw_8bit_layerwise", "adamw_8bit_layerwise", None),
     ("adamw_8bit_layerwise bnb sync", "adamw_8bit_layerwise", "1"),
+)
+OFFLOAD_MODES = ("gradients", "optimizer")
+# The offload check's ~1B runs, one process, one after the other: (label, optim, layerwise_offload or None).
+OFFLOAD_RUNS = (
+    ("adamw_torch", "adamw_torch", None),
+    ("adamw_torch_layerwise", "adamw_torch_layerwise", "none"),
+    ("adamw_torch_layerwise offload=gradients", "adamw_torch_layerwise", "gradients"),
+    ("adamw_torch_layerwise offload=optimizer", "adamw_torch_layerwise", "optimizer"),
 )
 
 # Sizes of the full (CUDA) run and of --tiny (CPU dry run). The small model keeps every decoder matrix >= 4096
@@ -115,6 +135,7 @@ SIZES = {
                           num_attention_heads=32, num_key_value_heads=4),
         memory_seq=512, memory_batch=4, memory_steps=3, memory_timeout=200,
         step_time_steps=10, step_time_warmup=3, step_time_timeout=150,
+        offload_steps=6, offload_warmup=2, offload_timeout=120,
     ),
     "tiny": dict(
         small_model=dict(vocab_size=1024, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
@@ -125,20 +146,26 @@ SIZES = {
                           num_attention_heads=4, num_key_value_heads=2),
         memory_seq=32, memory_batch=2, memory_steps=2, memory_timeout=240,
         step_time_steps=4, step_time_warmup=1, step_time_timeout=240,
+        offload_steps=3, offload_warmup=1, offload_timeout=300,
     ),
 }  # fmt: skip
 
 
 # Seconds each check is planned to take on one H200 (estimates from the work each does; none was run on a GPU yet),
-# 420 in all, inside gpu_check.sh's 430 s --time_limit and its 8 minutes with the preflight. The JSON and the progress
-# lines show each check's time next to its budget; subprocesses are cut at --time_limit whatever the budget.
+# 435 in all, inside gpu_check.sh's 445 s --time_limit and its 8 minutes with the preflight. The JSON and the progress
+# lines show each check's time next to its budget; subprocesses are cut at --time_limit whatever the budget. The
+# offload check came last, with 75 s: the earlier budgets were cut by 55 s to make room (a process of the ~1B model
+# is ~12 s of imports and CUDA start-up, ~3 s to build, steps of ~0.2 s), and --time_limit grew by 15 s.
 CHECK_BUDGET_S = {
-    "parity": 60,  # 12 Trainer runs of 6 steps on the 13M Llama, CUDA and cuBLAS start-up included
+    "parity": 55,  # 12 Trainer runs of 6 steps on the 13M Llama, CUDA and cuBLAS start-up included
     "fp16": 25,  # 4 runs
     "fp16_norm_pass": 15,  # 1 run
     "fsdp2_8bit": 70,  # 1 accelerate launch (imports, NCCL, 2 runs); a second on 2 GPUs
-    "memory": 100,  # 2 processes: imports, a 1.1B model built on the GPU, 3 steps; the plan (~15 s) runs beside them
-    "step_time": 150,  # 3 processes, 10 steps each
+    "memory": 85,  # 2 processes: imports, a 1.1B model built on the GPU, 3 steps; the plan (~15 s) runs beside them
+    "step_time": 110,  # 3 processes, 10 steps each
+    # 6 Trainer runs of 6 steps on the 13M Llama (~25 s), then ONE process for the 4 runs of the ~1B model (~12 s
+    # start-up, 4 x ~3 s to build, 6 steps each: the host AdamW step of 1.1B bf16 parameters ~1-2 s a step)
+    "offload": 75,
 }
 
 
@@ -339,6 +366,11 @@ def compare_runs(base_model, std, lw, steps: int, criterion: str, opts) -> dict:
 
 def optimizer_state_bytes(trainer) -> int:
     """Bytes of the tensors in the optimizer's state, each storage once (bitsandbytes shares its quantization maps)."""
+    return sum(state_bytes_by_device(trainer).values())
+
+
+def state_bytes_by_device(trainer) -> dict[str, int]:
+    """The optimizer state's bytes on each device type, each storage once (host offload keeps states on the CPU)."""
     layerwise = trainer.layerwise_optimizer if isinstance(trainer, LayerwiseTrainer) else None
     opts = list(layerwise.inner) if layerwise is not None else [getattr(trainer.optimizer, "optimizer", None)]
     seen = {}
@@ -348,7 +380,10 @@ def optimizer_state_bytes(trainer) -> int:
                 if torch.is_tensor(value):
                     storage = value.untyped_storage()
                     seen[(value.device.type, storage.data_ptr())] = storage.nbytes()
-    return sum(seen.values())
+    out: dict[str, int] = {}
+    for (kind, _), nbytes in seen.items():
+        out[kind] = out.get(kind, 0) + nbytes
+    return out
 
 
 def cleanup(device: str) -> None:
@@ -972,6 +1007,7 @@ def run_case(spec: dict, sizes: dict, device: str) -> dict:
             # the norm pass that streams. 'auto' would hold every gradient where activations outweigh them (the
             # tiny CPU dry run), which the estimator does not model; `layerwise-hf plan` does.
             **({"layerwise_norm_pass": "retain"} if optim.endswith("_layerwise") else {}),
+            **({"layerwise_offload": spec["offload"]} if spec.get("offload") else {}),
         )
         trainer = make_trainer(model, args, dataset, [timer], device=device)
         cleanup(device)
@@ -1011,6 +1047,8 @@ def run_case(spec: dict, sizes: dict, device: str) -> dict:
     layerwise = trainer.layerwise_optimizer if isinstance(trainer, LayerwiseTrainer) else None
     if layerwise is not None:
         result["layerwise_peak_grad_bytes"] = int(layerwise.peak_grad_bytes)
+    if spec.get("offload"):
+        result.update(offload_summary(trainer, spec["offload"]))
     if spec.get("memory"):
         est = estimate(config, optimizer=optim, dtype="bfloat16")
         result["estimate"] = {
@@ -1033,6 +1071,58 @@ def launch_case(spec: dict, opts, timeout: float, device_sync: str | None = None
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return json.loads(lines[-1].split(" ", 1)[1])
+
+
+def run_cases(specs: list[dict], sizes: dict, device: str) -> None:
+    """`run_case` of each spec in turn in this process, each printed as a `CASE_JSON` line (an error as one too);
+    the device is emptied between them, and `run_case` resets the peak statistics before each `train()`."""
+    for spec in specs:
+        try:
+            out = run_case(spec, sizes, device)
+        except Exception:
+            out = {"optim": spec["optim"], "error": traceback.format_exc()[-4000:]}
+        cleanup(device)
+        print("CASE_JSON " + json.dumps({"label": spec.get("label"), **out}), flush=True)
+
+
+def launch_cases(specs: list[dict], opts, timeout: float) -> list[dict]:
+    """`run_cases(specs)` in one fresh process: one start-up for all; a run it did not reach reads as an error."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--cases", json.dumps(specs), "--device", opts.device]
+    if opts.tiny:
+        cmd.append("--tiny")
+    env = {k: v for k, v in os.environ.items() if k != KEEP_DEVICE_SYNC_ENV}
+    try:
+        proc = run_subprocess(cmd, opts, timeout, env=env)
+        stdout, stderr, why = proc.stdout, proc.stderr, f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired as e:
+        decode = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+        stdout, stderr, why = decode(e.stdout), decode(e.stderr), f"timed out after {e.timeout:.0f} s"
+    done = [json.loads(ln.split(" ", 1)[1]) for ln in stdout.splitlines() if ln.startswith("CASE_JSON ")]
+    missing = [{"label": spec.get("label"), "optim": spec["optim"], "error": f"not reached ({why})\n{stderr[-3000:]}"}
+               for spec in specs[len(done):]]  # fmt: skip
+    return done + missing
+
+
+def offload_summary(trainer, mode: str) -> dict:
+    """Where a layer-wise run with `layerwise_offload=mode` kept its gradients and states."""
+    from layerwise_hf.optim.host_step import HostStepOptimizer
+    from layerwise_hf.optim.offloading import offload_of
+
+    out = {"layerwise_offload": mode, "state_bytes_by_device": state_bytes_by_device(trainer)}
+    layerwise = trainer.layerwise_optimizer if isinstance(trainer, LayerwiseTrainer) else None
+    offload = offload_of(layerwise) if layerwise is not None else None
+    if offload is not None:
+        out["host_gradient_buffer_bytes"] = offload.host_bytes()
+        out["device_gradient_copies_peak_bytes"] = offload.peak_device_bytes
+        out["transfer"] = type(offload.transfer).__name__ if offload.transfer is not None else None
+    if layerwise is not None and mode == "optimizer":
+        out["host_stepped_tensors"] = sum(isinstance(inner, HostStepOptimizer) for inner in layerwise.inner)
+        out["host_parameter_copy_bytes"] = sum(
+            inner.host.numel() * inner.host.element_size()
+            for inner in layerwise.inner
+            if isinstance(inner, HostStepOptimizer)
+        )
+    return out
 
 
 def plan_memory(sizes: dict, device: str) -> dict:
@@ -1208,6 +1298,137 @@ def check_step_time(opts, sizes, device, record) -> dict:
     return result
 
 
+# ---- check 7: host offload ----
+
+
+def simulate_offload_on_cpu(device: str) -> None:
+    """On CPU the device and the host are the same memory: the offload code's CPU stand-in (a copy thread with a
+    delay on every copy, host buffers of their own) runs the path a GPU takes, and this says that is intended."""
+    if device == "cpu":
+        from layerwise_hf.optim.transfer import DELAY_ENV, SIMULATE_ENV
+
+        os.environ.setdefault(SIMULATE_ENV, "1")
+        os.environ.setdefault(DELAY_ENV, "0.001")
+
+
+def train_one(optim, base_model, dataset, device, **overrides):
+    """`optim` trained from a copy of `base_model` (LayerwiseTrainer for a layer-wise name)."""
+    with tempfile.TemporaryDirectory() as out:
+        trainer = make_trainer(copy.deepcopy(base_model), training_args(out, optim, device, **overrides), dataset,
+                               device=device)  # fmt: skip
+        trainer.train()
+    return trainer
+
+
+def offload_parity(opts, sizes, device, cases: list, record) -> None:
+    """adamw_torch through Trainer against adamw_torch_layerwise with each offload mode, GA 1 and 2, exact clipping."""
+    config = llama_config(sizes["small_model"], sizes["small_seq"], attn="eager")
+    base_model = build_model(config)
+    steps, batch = sizes["parity_steps"], sizes["small_batch"]
+    # The host's AdamW is not CUDA's kernel: on a GPU, 'optimizer' is compared by its updates, not bit for bit.
+    host_opts = argparse.Namespace(**{**vars(opts), "update_rtol": opts.offload_rtol})
+    for ga in (1, 2):
+        dataset = TokenDataset(batch * ga * steps, sizes["small_seq"], config.vocab_size)
+        common = dict(max_steps=steps, per_device_train_batch_size=batch, gradient_accumulation_steps=ga)
+        try:
+            std = train_one("adamw_torch", base_model, dataset, device, **common)
+        except Exception:
+            cases.extend(
+                {"mode": m, "ga": ga, "passed": False, "error": traceback.format_exc()} for m in OFFLOAD_MODES
+            )
+            record({})
+            continue
+        for mode in OFFLOAD_MODES:
+            case = {"mode": mode, "ga": ga}
+            cases.append(case)
+            try:
+                t0 = time.perf_counter()
+                lw = train_one("adamw_torch_layerwise", base_model, dataset, device, layerwise_offload=mode, **common)
+                exact = mode == "gradients" or not device.startswith("cuda")
+                case.update(compare_runs(base_model, std, lw, steps, "bit-exact" if exact else "update_rtol",
+                                         opts if exact else host_opts))  # fmt: skip
+                case.update(offload_summary(lw, mode), clipped_steps=sum(
+                    n > MAX_GRAD_NORM for n in logged(std, "grad_norm") if math.isfinite(n)
+                ), seconds=round(time.perf_counter() - t0, 2))  # fmt: skip
+                # The gradients waited on the host (exact clipping needs every one before a step), and with
+                # 'optimizer' no state is left on the device.
+                on_host = case["host_gradient_buffer_bytes"] > 0
+                hosted = case.get("host_stepped_tensors") == len(lw.layerwise_optimizer.inner)
+                on_cpu = not device.startswith("cuda") or set(case["state_bytes_by_device"]) <= {"cpu"}
+                states_off_device = mode == "gradients" or (hosted and on_cpu)
+                case["passed"] = bool(case["passed"] and on_host and states_off_device)
+                del lw
+            except Exception:
+                case.update(passed=False, error=traceback.format_exc())
+            finally:
+                cleanup(device)
+            record({})
+        del std
+
+
+def check_offload(opts, sizes, device, record) -> dict:
+    simulate_offload_on_cpu(device)
+    cuda = device.startswith("cuda")
+    steps, warmup = sizes["offload_steps"], sizes["offload_warmup"]
+    cases, runs = [], []
+    result = {
+        "parity_model": sizes["small_model"],
+        "parity_steps": sizes["parity_steps"],
+        "max_grad_norm": MAX_GRAD_NORM,
+        "layerwise_clip": "exact",
+        "criterion": {
+            "gradients": "bit-exact weights and grad_norm against adamw_torch",
+            "optimizer": f"updates within {opts.offload_rtol:g} of their norm per parameter, grad_norm within it "
+            "(the host's AdamW kernel against CUDA's)"
+            if cuda
+            else "bit-exact (host and device are both the CPU)",
+        },
+        "cases": cases,
+        "model": sizes["memory_model"],
+        "dtype": "bfloat16",
+        "seq": sizes["memory_seq"],
+        "batch": sizes["memory_batch"],
+        "steps": steps,
+        "warmup_steps_dropped": warmup,
+        "activation_checkpointing": "use_reentrant=False",
+        "isolation": "one process for the four runs, emptied and peak statistics reset before each",
+        "runs": runs,
+    }
+    record(result)
+    offload_parity(opts, sizes, device, cases, lambda _: record(result))
+    specs = [{"label": label, "optim": optim, "offload": offload, "steps": steps, "max_grad_norm": MAX_GRAD_NORM}
+             for label, optim, offload in OFFLOAD_RUNS]  # fmt: skip
+    for out in launch_cases(specs, opts, sizes["offload_timeout"]):
+        run = {"run": out.pop("label"), **out}
+        if "error" not in run:
+            timed = run["step_seconds"][warmup:]
+            run.update(median_step_ms=round(1000 * statistics.median(timed), 2), steps_run=len(run["step_seconds"]))
+        runs.append(run)
+    record(result)
+    by = {r["run"]: r for r in runs}
+    std, none = by[OFFLOAD_RUNS[0][0]], by[OFFLOAD_RUNS[1][0]]
+    grads, host = by[OFFLOAD_RUNS[2][0]], by[OFFLOAD_RUNS[3][0]]
+    finished = all("error" not in r and r["steps_run"] == steps for r in runs)
+    if finished:
+        for r in runs:
+            r["vs_standard"] = round(r["median_step_ms"] / std["median_step_ms"], 3)
+            r["grad_norm_max_abs_diff_vs_standard"] = list_diff(
+                [float(x) for x in std["grad_norm"]], [float(x) for x in r["grad_norm"]]
+            )
+    result["measured"] = finished and all(r.get("measured") for r in runs)
+    if result["measured"]:
+        for r in (grads, host):
+            r["peak_allocated_saved_vs_no_offload_bytes"] = none["peak_allocated_bytes"] - r["peak_allocated_bytes"]
+    memory_ok = not result["measured"] or host["peak_allocated_bytes"] < none["peak_allocated_bytes"]
+    # Every tensor stepped on the host; on CUDA every state on the CPU (on CPU the device is the CPU too).
+    states_ok = finished and host.get("host_stepped_tensors") == host["num_tensors"]
+    states_ok = states_ok and (not cuda or set(host["state_bytes_by_device"]) <= {"cpu"})
+    result["passed"] = bool(all(c.get("passed") for c in cases) and finished and memory_ok and states_ok)
+    if not result["measured"]:
+        result["note"] = "memory not measured on CPU; the times are the CPU stand-in's, not what a GPU shows"
+    return result
+
+
 # ---- report ----
 
 
@@ -1348,6 +1569,27 @@ def table_rows(checks: dict) -> list[tuple[str, str, str]]:
                 f"bitsandbytes device syncs {c['bnb_device_syncs']} in {c['steps_run']} steps",
             )
         )
+    offload = checks.get("offload", {})
+    for c in offload.get("cases", []):
+        where = f"states on {sorted(c.get('state_bytes_by_device', {})) or '-'}, host gradient buffers " + mib(
+            c.get("host_gradient_buffer_bytes")
+        )  # fmt: skip
+        rows.append((f"offload parity {c['mode']} GA{c['ga']}", case_status(c), f"{comparison(c)}; {where} MiB"))
+    for r in offload.get("runs", []):
+        if "error" in r:
+            rows.append((f"offload {r['run']}", "ERROR", ""))
+            continue
+        peak = f"peak alloc {mib(r['peak_allocated_bytes'])} MiB; " if r.get("measured") else "memory not measured; "
+        by_device = r.get("state_bytes_by_device") or {"all": r.get("optimizer_state_bytes_measured")}
+        state = ", ".join(f"{k} {mib(v)}" for k, v in sorted(by_device.items()))
+        rows.append(
+            (
+                f"offload {r['run']}",
+                "-",
+                f"{peak}median step {r['median_step_ms']} ms ({r.get('vs_standard', '-')}x standard); "
+                f"state MiB: {state or '-'}",
+            )
+        )
     return rows
 
 
@@ -1377,6 +1619,15 @@ def summary_line(name: str, check: dict) -> str:
             f"{check['sync_removed_saves_percent']}%; layer-wise - standard {check['layerwise_vs_standard_ms']} ms)"
         )
         line += f" [{check['note_cpu']}]" if "note_cpu" in check else ""
+    if name == "offload" and check.get("runs"):
+        by = {r["run"]: r for r in check["runs"]}
+        parts = []
+        for label, _, mode in OFFLOAD_RUNS[2:]:
+            r = by.get(label, {})
+            saved = r.get("peak_allocated_saved_vs_no_offload_bytes")
+            saved_s = f", saves {mib(saved)} MiB peak" if saved is not None else ""
+            parts.append(f"{mode}: {r.get('vs_standard', '-')}x standard step time{saved_s}")
+        line += f" ({'; '.join(parts)})"
     if name == "fsdp2_8bit":
         skipped = [r["reason"] for r in check.get("runs", []) if r.get("skipped")]
         line += f" (skipped: {'; '.join(skipped)})" if skipped else ""
@@ -1438,7 +1689,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--time_limit", type=float, default=None, help="seconds: no subprocess runs past it (gpu_check.sh sets it)"
     )
+    parser.add_argument(
+        "--offload_rtol",
+        type=float,
+        default=1e-4,
+        help="the offload check on CUDA: layerwise_offload='optimizer' steps AdamW on the host, whose kernel is not "
+        "CUDA's; its updates must be within this of the standard ones (per parameter, relative to their norm)",
+    )
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # internal: one run of the ~1B model
+    parser.add_argument("--cases", default=None, help=argparse.SUPPRESS)  # internal: several, in one process
     parser.add_argument("--fsdp_case", default=None, help=argparse.SUPPRESS)  # internal: one FSDP2 rank
     opts = parser.parse_args(argv)
     opts.device = opts.device or ("cpu" if opts.tiny else "cuda")
@@ -1476,6 +1735,7 @@ def run_checks(opts, sizes, report, write) -> int:
         "fsdp2_8bit": check_fsdp2,
         "memory": check_memory,
         "step_time": check_step_time,
+        "offload": check_offload,
     }
     rc = 0
     for name in opts.checks:
@@ -1523,6 +1783,10 @@ def main(argv=None) -> int:
         return 2
     if opts.case:
         print("CASE_JSON " + json.dumps(run_case(json.loads(opts.case), sizes, opts.device)), flush=True)
+        return 0
+    if opts.cases:
+        simulate_offload_on_cpu(opts.device)
+        run_cases(json.loads(opts.cases), sizes, opts.device)
         return 0
     if opts.fsdp_case:
         fsdp_case(sizes, opts.device, opts.fsdp_case)

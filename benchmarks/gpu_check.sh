@@ -25,7 +25,9 @@
 # 2 when two GPUs are visible) against the same optimizer stepped by hand on the local shards, peak CUDA memory of a
 # ~1.1B bf16 Llama with adamw_8bit vs adamw_8bit_layerwise next to the estimator's prediction and to
 # `layerwise-hf plan`'s simulated peak (measured / planned printed per optimizer), and the step time of
-# the same model with and without bitsandbytes' per-parameter device sync.
+# the same model with and without bitsandbytes' per-parameter device sync, and host offload (layerwise_offload
+# "gradients" and "optimizer"): parity against adamw_torch on the small model, then max_memory_allocated and step time
+# of the ~1B model with adamw_torch, adamw_torch_layerwise and it with each offload mode (one process for the four).
 # Writes benchmarks/results/gpu_check.json (rewritten after every check) and prints a table.
 #
 # Installs nothing and downloads nothing (models are built from configs).
@@ -44,7 +46,7 @@ elif command -v python >/dev/null 2>&1; then
 else
     PY=python3
 fi
-LIMIT="${GPU_CHECK_TIMEOUT:-440}" # seconds for the Python part; the preflight below takes a few more
+LIMIT="${GPU_CHECK_TIMEOUT:-455}" # seconds for the Python part; the preflight below takes a few more
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8 # deterministic cuBLAS (with torch.use_deterministic_algorithms)

@@ -27,7 +27,29 @@ layer-wise hook's own work before its step: the norm it records, its bookkeeping
 (2) `torch.profiler` operator totals, layer-wise minus standard (per-norm time is the norm operators' row);
 (3) `cProfile` of the layer-wise steps, top functions by own time.
 
-Writes `<output_dir>/step_time.json` and `.png`.
+`--offload` adds host offload (`layerwise_offload`, issue 19) to the same rounds, so every ratio below is measured
+side by side. The offload code runs its GPU path on CPU: host buffers apart from the parameters, the host worker
+thread, and a copy thread standing in for the side stream (`LAYERWISE_HF_OFFLOAD_SIMULATE=1`, no injected delay):
+
+- no clipping, against `standard`: `offload_optimizer` (`layerwise_offload="optimizer"`: each gradient is copied to
+  the host as it is final and the host worker steps it while backward goes on) and `offload_optimizer_after` (the
+  same, with the host worker held until backward has returned, then stepping everything: the way torchao's
+  `CPUOffloadOptimizer` and DeepSpeed's ZeRO-Offload step; gradients are still copied out during backward);
+- exact clipping at GA 1 (`max_grad_norm=1.0`), against `standard_clip` (`clip_grad_norm_` before `step()`):
+  `layerwise_norm_pass` (no offload; `backward_with_norm_pass(norm_pass="retain")`: a measuring backward, then the
+  stepping one) and `offload_gradients` (`layerwise_offload="gradients"`: one backward; each gradient's norm taken
+  and the gradient copied out as it is final, copied back one at a time in `step()`, the next copy overlapping the
+  current step).
+
+Every offload step ends by waiting for the host (`wait_for_host_steps`, what the next forward would wait for), so a
+step's time holds all of its host work. Where the time goes, per step (median): `forward`, `backward` (both
+backwards for the norm pass), `step` (`step()` + `zero_grad()`; for `offload_gradients` the copies back and the
+device steps), `wait` (host work still running after `step()`), `host_step` (the host worker inside the wrapped
+optimizers' `step()`, torch's step hooks on them) and how much of it ran while backward did, and the CPU seconds of
+the copy thread and of the host worker (`/proc/self/task/<tid>/stat`, 10 ms ticks, summed over all timed steps).
+`--offload_only` times only the offload rows and their references (no `layerwise`); `--rows` names the rows to time.
+
+Writes `<output_dir>/step_time.json` and `.png` (`--name` for another name).
 """
 
 from __future__ import annotations
@@ -37,6 +59,7 @@ import os
 import pstats
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -50,6 +73,17 @@ from benchmarks import _common as h  # noqa: E402
 
 OPTIM = "adamw_torch_layerwise"
 KINDS = ("standard", "layerwise")
+# --offload: (kind, what it is timed against); each reference row is timed in the same rounds.
+OFFLOAD_KINDS = {
+    "offload_optimizer": "standard",
+    "offload_optimizer_after": "standard",
+    "standard_clip": "standard_clip",
+    "layerwise_norm_pass": "standard_clip",
+    "offload_gradients": "standard_clip",
+}
+# Ratios printed and stored beside the ones against the references: (kind, against).
+OFFLOAD_PAIRS = (("offload_optimizer", "offload_optimizer_after"), ("offload_gradients", "layerwise_norm_pass"))
+MAX_GRAD_NORM = 1.0  # the clipping rows: Trainer's default, exact
 LEARNING_RATE = 1e-4
 WEIGHT_DECAY = 0.1
 GOAL = 1.03  # layer-wise / standard median step time, after the core refactor
@@ -66,27 +100,119 @@ def parse_args(argv=None):
         "--profile", action="store_true", help="then profile a few steps: hooks, torch.profiler, cProfile"
     )
     parser.add_argument("--profile_steps", type=int, default=3, help="steps of each optimizer per profiler")
+    parser.add_argument("--offload", action="store_true", help="add the host offload rows (see the docstring)")
+    parser.add_argument(
+        "--offload_only", action="store_true", help="the offload rows and their references only (no `layerwise`)"
+    )
+    parser.add_argument("--name", default="step_time", help="the report's file name: <output_dir>/<name>.json, .png")
+    parser.add_argument(
+        "--rows", default=None, help="comma-separated rows to time (their references are added), e.g. "
+        "standard_clip,layerwise_norm_pass,offload_gradients",
+    )  # fmt: skip
     opts = parser.parse_args(argv)
     h.fill_sizes(opts, FULL, SMALL)
+    if opts.rows:
+        rows = [r.strip() for r in opts.rows.split(",") if r.strip()]
+        unknown = set(rows) - set(KINDS) - set(OFFLOAD_KINDS)
+        if unknown or not any(r not in ("standard", "standard_clip") for r in rows):
+            parser.error(f"--rows: name at least one layer-wise row of {', '.join([*KINDS, *OFFLOAD_KINDS])}")
+        opts.rows = rows
+        opts.offload = opts.offload or any(r in OFFLOAD_KINDS for r in rows)
+        if opts.profile and "layerwise" not in rows:
+            parser.error("--profile profiles `layerwise` against `standard`: add layerwise to --rows")
+    opts.offload = opts.offload or opts.offload_only
+    if opts.offload_only and opts.profile:
+        parser.error("--profile profiles `layerwise` against `standard`: not with --offload_only")
     return opts
 
 
+def kinds_of(opts) -> list[str]:
+    """The rows timed: `standard` and `layerwise`, and with `--offload` the offload rows."""
+    if opts.rows:
+        wanted = set(opts.rows) | {reference_of(r) for r in opts.rows}
+        return [k for k in (*KINDS, *OFFLOAD_KINDS) if k in wanted]
+    kinds = ["standard"] if opts.offload_only else list(KINDS)
+    return kinds + (list(OFFLOAD_KINDS) if opts.offload else [])
+
+
+def reference_of(kind: str) -> str:
+    return OFFLOAD_KINDS.get(kind, "standard")
+
+
+# ---- offload instrumentation ----
+
+
+def thread_cpu_seconds(native_ids) -> float:
+    """User + system CPU seconds of this process's threads `native_ids` so far (Linux; 0 for a thread gone)."""
+    total = 0
+    for tid in native_ids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat(5))
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+class HostStepClock:
+    """
+    The host worker's optimizer steps (`layerwise_offload="optimizer"`): torch's step hooks on each wrapped optimizer
+    (`unwrap_host_step`) record when each host step ran; `overlap(start, end)` says how much of it fell in a window.
+    """
+
+    def __init__(self, optimizer):
+        from layerwise_hf.optim.host_step import unwrap_host_step
+
+        self.spans: list[tuple[float, float]] = []
+        self._started: dict[int, float] = {}
+        self.handles = []
+        for inner in optimizer.inner:
+            base = unwrap_host_step(inner)
+            self.handles.append(base.register_step_pre_hook(self._pre))
+            self.handles.append(base.register_step_post_hook(self._post))
+
+    def _pre(self, opt, args, kwargs) -> None:
+        self._started[id(opt)] = time.perf_counter()
+
+    def _post(self, opt, args, kwargs) -> None:
+        self.spans.append((self._started.pop(id(opt)), time.perf_counter()))
+
+    def take(self) -> list[tuple[float, float]]:
+        spans, self.spans = self.spans, []
+        return spans
+
+    @staticmethod
+    def overlap(spans, start: float, end: float) -> float:
+        return sum(max(0.0, min(b, end) - max(a, start)) for a, b in spans)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 class Run(h.TimedRun):
-    """One optimizer on its own copy of the model."""
+    """One optimizer (a row of the table) on its own copy of the model."""
 
     def __init__(self, base_model, kind: str):
         super().__init__()
         self.kind = kind
         self.model = h.copy_model(base_model)
-        args = h.training_args(OPTIM if kind == "layerwise" else "adamw_torch", learning_rate=LEARNING_RATE,
-                               weight_decay=WEIGHT_DECAY, max_grad_norm=0.0)  # fmt: skip
+        self.offload = {"offload_optimizer": "optimizer", "offload_optimizer_after": "optimizer",
+                        "offload_gradients": "gradients"}.get(kind, "none")  # fmt: skip
+        self.clip = MAX_GRAD_NORM if kind in ("standard_clip", "layerwise_norm_pass", "offload_gradients") else 0.0
+        self.layerwise = not kind.startswith("standard")
+        args = h.training_args(OPTIM if self.layerwise else "adamw_torch", learning_rate=LEARNING_RATE,
+                               weight_decay=WEIGHT_DECAY, max_grad_norm=self.clip)  # fmt: skip
         self.track_grad_norm_passed = None
-        if kind == "layerwise":
+        if self.layerwise:
             from layerwise_hf import build_layerwise_optimizer
 
             wanted = {"track_grad_norm": False, "sync_gradients": lambda: True}
+            if self.offload != "none":
+                wanted["offload"] = self.offload
             self.track_grad_norm_passed = "track_grad_norm" in h.supported_keywords(build_layerwise_optimizer, wanted)
-            self.optimizer = h.layerwise_optimizer(self.model, args, **wanted)
+            self.optimizer = h.layerwise_optimizer(self.model, args, clip=(self.clip, "exact"), **wanted)
         else:
             from transformers import Trainer
 
@@ -99,27 +225,86 @@ class Run(h.TimedRun):
             self.optimizer = torch.optim.AdamW(groups, lr=LEARNING_RATE)
         self.optimizer_seconds = 0.0  # time in the explicit step() + zero_grad() of the last step
         self.timer: h.InnerStepTimer | None = None  # set while profiling: paused in the explicit step()
+        # Where the time goes, per step: forward, backward, step, wait (and host steps with offload).
+        self.parts: list[dict] = []
+        self.backwards = 0
+        self.model.get_input_embeddings().weight.register_hook(self._count_backward)
+        self.host_clock = HostStepClock(self.optimizer) if self.offload == "optimizer" else None
+        self.threads: list[int] = []  # the offload's copy thread and host worker (`find_threads`)
+
+    def _count_backward(self, grad):
+        self.backwards += 1
+
+    def find_threads(self, ids) -> None:
+        """One step, noting the threads it starts: this run's copy thread and host worker (started on first use)."""
+        before = {t.native_id for t in threading.enumerate()}
+        self.one_step(ids)
+        self.threads = [t.native_id for t in threading.enumerate() if t.native_id not in before]
+        self.parts.clear()
+
+    def _hold_host_worker(self) -> threading.Event:
+        # The host worker runs its tasks in order: a task that waits for this event keeps every host step queued
+        # behind it until backward has returned (the copies out still run during backward, on the copy thread).
+        released = threading.Event()
+        self.optimizer.inner[0].runner.worker.submit(released.wait)
+        return released
 
     def one_step(self, ids) -> None:
-        loss = self.model(input_ids=ids, labels=ids).loss
-        loss.backward()
         t0 = time.perf_counter()
+        backwards = self.backwards
+        loss = self.model(input_ids=ids, labels=ids).loss
+        t1 = time.perf_counter()
+        held = self._hold_host_worker() if self.kind == "offload_optimizer_after" else None
+        if self.layerwise and self.clip:
+            # The norm pass: a measuring backward over the retained graph, then the stepping one. With offload the
+            # gradients wait on the host for the global norm instead, and this is one backward.
+            self.optimizer.backward_with_norm_pass(loss, norm_pass="retain")
+        else:
+            loss.backward()
+        t2 = time.perf_counter()
+        if held is not None:
+            held.set()
         if self.timer is not None:
             self.timer.paused = True
+        if self.kind == "standard_clip":
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.timer is not None:
             self.timer.paused = False
-        self.optimizer_seconds = time.perf_counter() - t0
+        t3 = time.perf_counter()
+        self.optimizer_seconds = t3 - t2
+        if self.offload != "none":
+            from layerwise_hf.optim.offloading import wait_for_host_steps
+
+            wait_for_host_steps(self.optimizer)  # what the next forward waits for: counted in this step
+        t4 = time.perf_counter()
+        part = {"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2, "wait": t4 - t3,
+                "backwards": self.backwards - backwards}  # fmt: skip
+        if self.host_clock is not None:
+            spans = self.host_clock.take()
+            part["host_step"] = sum(b - a for a, b in spans)
+            part["host_step_in_backward"] = HostStepClock.overlap(spans, t1, t2)
+        self.parts.append(part)
 
     def steps(self, batches: list) -> tuple[float, float]:
-        """The mean wall and CPU seconds of one step over `batches`."""
+        """The mean wall and CPU seconds of one step over `batches`; the offload threads' CPU time is summed."""
+        before = thread_cpu_seconds(self.threads)
         wall, cpu = self.clock(lambda: [self.one_step(ids) for ids in batches])
+        self.thread_cpu_s = getattr(self, "thread_cpu_s", []) + [thread_cpu_seconds(self.threads) - before]
         return wall / len(batches), cpu / len(batches)
 
     def close(self) -> None:
-        if self.kind == "layerwise":
+        if self.host_clock is not None:
+            self.host_clock.remove()
+        if self.layerwise:
             self.optimizer.detach()
+        if self.offload != "none":
+            from layerwise_hf.optim.offloading import offload_of
+
+            offload_of(self.optimizer).close()  # the copy thread and the host worker
+            if self.offload == "optimizer":
+                self.optimizer.inner[0].runner.close()  # and the global forward pre-hook that waits for the host
 
 
 def round_batches(opts, rnd: int) -> list:
@@ -131,14 +316,65 @@ def round_batches(opts, rnd: int) -> list:
 
 def time_runs(runs: dict, opts) -> dict:
     h.interleaved_rounds(list(runs.values()), opts, lambda run, rnd: run.steps(round_batches(opts, rnd)))
-    ref = runs["standard"]
     timing = {}
     for kind, run in runs.items():
+        ref = runs[reference_of(kind)]
         stats = h.timing_stats(run.times, run.cpu_times, ref.times, ref.cpu_times)
+        stats["reference"] = reference_of(kind)
         stats["paired_ratios"] = h.paired_ratios(run.times, ref.times)
         stats["paired_ratio_quartiles"] = h.quartiles(stats["paired_ratios"])
         timing[kind] = stats
     return timing
+
+
+def breakdown(runs: dict, opts) -> dict:
+    """Where each row's time goes: the median per step of each part over the timed rounds (warm-up dropped)."""
+    out = {}
+    timed = opts.rounds * opts.steps_per_round
+    for kind, run in runs.items():
+        parts = run.parts[-timed:]
+        med = {key: statistics.median(p[key] for p in parts) for key in parts[0]}
+        entry = {f"{key}_s": value for key, value in med.items() if key != "backwards"}
+        entry["backwards_per_step"] = med["backwards"]
+        if "host_step" in med:
+            total = sum(p["host_step"] for p in parts)
+            inside = sum(p["host_step_in_backward"] for p in parts)
+            entry["host_step_in_backward_fraction"] = inside / total if total else None
+        if run.threads:
+            thread_cpu = run.thread_cpu_s[-opts.rounds :]
+            entry["offload_threads_cpu_s_per_step"] = sum(thread_cpu) / timed
+        out[kind] = entry
+    return out
+
+
+def pair_ratios(timing: dict) -> dict:
+    """The offload pairs timed in the same rounds: ratio of medians and the median same-round ratio."""
+    out = {}
+    for kind, against in OFFLOAD_PAIRS:
+        if kind in timing and against in timing:
+            a, b = timing[kind]["times_s"], timing[against]["times_s"]
+            out[f"{kind}/{against}"] = {
+                "ratio": statistics.median(a) / statistics.median(b),
+                "paired_ratio_median": statistics.median(h.paired_ratios(a, b)),
+                "paired_ratio_quartiles": h.quartiles(h.paired_ratios(a, b)),
+            }
+    return out
+
+
+def copy_seconds(model) -> float:
+    """One copy of every trainable tensor into a buffer of its own, on this thread: what one direction of the
+    offload's copies costs on this machine (the copy thread runs them one by one, beside the compute)."""
+    params = [p.detach() for p in model.parameters() if p.requires_grad]
+    buffers = [torch.empty_like(p) for p in params]
+    for b, p in zip(buffers, params):  # first touch of the pages
+        b.copy_(p)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for b, p in zip(buffers, params):
+            b.copy_(p)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 # ---- profile ----
@@ -286,23 +522,25 @@ def print_report(report: dict) -> None:
     print(f"\n{report['description']}")
     t = report["timing"]
     rows = [
-        [kind, f"{e['median_s']:.4f}", f"{e['ratio']:.3f}x", f"{e['paired_ratio_median']:.3f}",
+        [kind, f"{e['median_s']:.4f}", e["reference"], f"{e['ratio']:.3f}x", f"{e['paired_ratio_median']:.3f}",
          f"{e['paired_ratio_quartiles'][0]:.3f}-{e['paired_ratio_quartiles'][2]:.3f}", f"{e['cpu_median_s']:.4f}",
          f"{e['cpu_ratio']:.3f}x", " ".join(f"{x:.3f}" for x in e["times_s"])]
         for kind, e in t.items()
     ]  # fmt: skip
     h.print_table(
-        [("optimizer", 10), ("median s", 8), ("vs std", 7), ("paired", 7), ("quartiles", 11), ("cpu med s", 9),
-         ("vs std", 7), ("", 0)],
+        [("optimizer", 23), ("median s", 8), ("against", 13), ("ratio", 7), ("paired", 7), ("quartiles", 11),
+         ("cpu med s", 9), ("cpu", 7), ("", 0)],
         rows,
     )  # fmt: skip
-    lw = t["layerwise"]
-    verdict = "PASS" if lw["ratio"] <= GOAL else "FAIL"
-    print(
-        f"layer-wise / standard: {lw['ratio']:.3f}x (paired {lw['paired_ratio_median']:.3f}, "
-        f"cpu {lw['cpu_ratio']:.3f}x); goal <= {GOAL}x after the core refactor: {verdict}. "
-        f"track_grad_norm=False passed: {report['track_grad_norm_passed']}"
-    )
+    if "layerwise" in t:
+        lw = t["layerwise"]
+        verdict = "PASS" if lw["ratio"] <= GOAL else "FAIL"
+        print(
+            f"layer-wise / standard: {lw['ratio']:.3f}x (paired {lw['paired_ratio_median']:.3f}, "
+            f"cpu {lw['cpu_ratio']:.3f}x); goal <= {GOAL}x after the core refactor: {verdict}. "
+            f"track_grad_norm=False passed: {report['track_grad_norm_passed']}"
+        )
+    print_breakdown(report)
     prof = report.get("profile")
     if not prof:
         return
@@ -350,25 +588,57 @@ def print_report(report: dict) -> None:
     h.print_table(cols, fn_rows(cp["layerwise_hf_functions"][:8]), title="layerwise_hf functions, cumulative:")
 
 
+def print_breakdown(report: dict) -> None:
+    b = report["breakdown"]
+    cols = [("optimizer", 23), ("forward", 8), ("backward", 8), ("bwds", 4), ("step", 8), ("wait", 8),
+            ("host step", 9), ("in bwd", 6), ("threads cpu", 11)]  # fmt: skip
+
+    def ms(x):
+        return "-" if x is None else f"{1000 * x:.1f}"
+
+    def pct(x):
+        return "-" if x is None else f"{100 * x:.0f}%"
+
+    rows = [
+        [kind, ms(e["forward_s"]), ms(e["backward_s"]), f"{e['backwards_per_step']:g}", ms(e["step_s"]),
+         ms(e["wait_s"]), ms(e.get("host_step_s")),
+         pct(e.get("host_step_in_backward_fraction")),
+         ms(e.get("offload_threads_cpu_s_per_step"))]
+        for kind, e in b.items()
+    ]  # fmt: skip
+    h.print_table(cols, rows, title="\nwhere the time goes, ms per step (median; threads cpu: the copy thread and "
+                                    "host worker, mean)")  # fmt: skip
+    for name, e in report.get("offload_pairs", {}).items():
+        q = e["paired_ratio_quartiles"]
+        print(f"  {name}: {e['ratio']:.3f}x (same-round median {e['paired_ratio_median']:.3f}, {q[0]:.3f}-{q[2]:.3f})")
+    if "copy_one_direction_s" in report:
+        print(
+            f"  one copy of every trainable tensor ({report['trainable_bytes'] / h.MIB:.1f} MiB) on one thread: "
+            f"{1000 * report['copy_one_direction_s']:.1f} ms"
+        )
+
+
 def plot(report: dict, path: Path) -> None:
     plt = h.pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     t = report["timing"]
-    for k, kind in enumerate(KINDS):
+    for k, kind in enumerate(t):
         left.plot(range(1, len(t[kind]["times_s"]) + 1), t[kind]["times_s"], marker="o", label=kind, color=f"C{k}")
     left.set_xlabel("timed round")
     left.set_ylabel("mean step time in the round (s)")
     left.set_title("step time per round")
     left.legend(fontsize=8)
-    ratios = t["layerwise"]["paired_ratios"]
-    right.plot(range(1, len(ratios) + 1), ratios, marker="o", color="C2", label="same-round ratio")
-    right.axhline(
-        t["layerwise"]["ratio"], color="C2", ls="--", lw=1, label=f"median ratio {t['layerwise']['ratio']:.3f}"
-    )
-    right.axhline(GOAL, color="red", ls="--", lw=1, label=f"goal {GOAL}x")
+    for k, kind in enumerate(t):
+        if t[kind]["reference"] == kind:
+            continue
+        ratios = t[kind]["paired_ratios"]
+        label = f"{kind} / {t[kind]['reference']} (median {t[kind]['ratio']:.3f})"
+        right.plot(range(1, len(ratios) + 1), ratios, marker="o", color=f"C{k}", label=label)
+    if "layerwise" in t:
+        right.axhline(GOAL, color="red", ls="--", lw=1, label=f"layer-wise goal {GOAL}x")
     right.axhline(1.0, color="0.5", lw=0.8)
     right.set_xlabel("timed round")
-    right.set_ylabel("layer-wise / standard")
+    right.set_ylabel("row / its reference, same round")
     right.set_title("ratio per round")
     right.legend(fontsize=8)
     h.save_figure(fig, path, report["description"], fontsize=9)
@@ -378,31 +648,49 @@ def main(argv=None) -> int:
     opts = parse_args(argv)
     torch.set_num_threads(opts.threads)
     started, load_start = time.perf_counter(), os.getloadavg()
+    if opts.offload:
+        from layerwise_hf.optim import transfer
+
+        # The GPU path on CPU: separate host buffers, the host worker and the copy thread, no injected delay.
+        os.environ.setdefault(transfer.SIMULATE_ENV, "1")
     base_model = h.build_llama(opts, seed=opts.seed)
     num_params = sum(p.numel() for p in base_model.parameters())
-    runs = {kind: Run(base_model, kind) for kind in KINDS}
+    kinds = kinds_of(opts)
+    runs = {kind: Run(base_model, kind) for kind in kinds}
+    for run in runs.values():
+        if run.offload != "none":
+            run.find_threads(h.random_tokens(opts.vocab_size, opts.batch_size, opts.seq_len, seed=999))
+    rows = " / ".join(kinds)
     desc = (
-        f"{OPTIM} vs torch.optim.AdamW, plain loop, Llama {num_params / 1e6:.1f}M params (vocab {opts.vocab_size}, "
+        f"{rows}, plain loop, Llama {num_params / 1e6:.1f}M params (vocab {opts.vocab_size}, "
         f"hidden {opts.hidden_size}, {opts.num_hidden_layers} layers, untied), fp32, batch {opts.batch_size}x"
-        f"{opts.seq_len}, no clipping, {opts.threads} thread(s), {opts.rounds} rounds x {opts.steps_per_round} steps "
+        f"{opts.seq_len}, {opts.threads} thread(s), {opts.rounds} rounds x {opts.steps_per_round} steps "
         f"after {opts.warmup} warm-up, CPU"
     )
     print(f"timing: {desc}", flush=True)
     timing = time_runs(runs, opts)
+    lw = runs.get("layerwise", next(r for r in runs.values() if r.layerwise))
     report = {
         "description": desc,
         "model": {k: getattr(opts, k) for k in FULL} | {"num_params": num_params, "tie_word_embeddings": False},
         "settings": {k: getattr(opts, k) for k in ("warmup", "rounds", "steps_per_round", "threads", "seed")}
-        | {"learning_rate": LEARNING_RATE, "weight_decay": WEIGHT_DECAY, "max_grad_norm": 0.0, "optim": OPTIM},
-        "track_grad_norm_passed": runs["layerwise"].track_grad_norm_passed,
-        "num_trainable_tensors": len(runs["layerwise"].optimizer.inner),
+        | {"learning_rate": LEARNING_RATE, "weight_decay": WEIGHT_DECAY, "max_grad_norm": 0.0, "optim": OPTIM}
+        | {"offload": opts.offload, "clip_rows_max_grad_norm": MAX_GRAD_NORM},
+        "track_grad_norm_passed": lw.track_grad_norm_passed,
+        "num_trainable_tensors": len(lw.optimizer.inner),
         "goal_ratio": GOAL,
         "timing": timing,
-        "ratio": timing["layerwise"]["ratio"],
-        "paired_ratio_median": timing["layerwise"]["paired_ratio_median"],
+        "breakdown": breakdown(runs, opts),
         "environment": {"torch": torch.__version__, "python": h.python_version(), "cpus": os.cpu_count()}
         | {"loadavg_start": load_start},
     }
+    if "layerwise" in timing:
+        report["ratio"] = timing["layerwise"]["ratio"]
+        report["paired_ratio_median"] = timing["layerwise"]["paired_ratio_median"]
+    if opts.offload:
+        report["offload_pairs"] = pair_ratios(timing)
+        report["copy_one_direction_s"] = copy_seconds(base_model)
+        report["trainable_bytes"] = sum(p.numel() * p.element_size() for p in base_model.parameters())
     if opts.profile:
         report["profile"] = profile_runs(runs, opts)
     for run in runs.values():
@@ -410,7 +698,7 @@ def main(argv=None) -> int:
     report["environment"]["loadavg_end"] = os.getloadavg()
     report["wall_time_s"] = time.perf_counter() - started
     print_report(report)
-    h.write_report(opts.output_dir, "step_time", report, plot)
+    h.write_report(opts.output_dir, opts.name, report, plot)
     return 0
 
 

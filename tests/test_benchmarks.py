@@ -90,6 +90,36 @@ def test_step_time_small(tmp_path):
 
 
 @pytest.mark.slow
+def test_step_time_offload_rows_small(tmp_path):
+    result = run_script(
+        "step_time.py", "--small", "--warmup", "1", "--rounds", "2", "--steps_per_round", "2", "--offload_only",
+        "--output_dir", str(tmp_path), "--name", "offload",
+    )  # fmt: skip
+    report = report_of(tmp_path, "offload")
+    timing, parts = report["timing"], report["breakdown"]
+    rows = {"standard", "offload_optimizer", "offload_optimizer_after", "standard_clip", "layerwise_norm_pass",
+            "offload_gradients"}  # fmt: skip
+    assert set(timing) == set(parts) == rows
+    assert {k: timing[k]["reference"] for k in rows} == {
+        "standard": "standard", "offload_optimizer": "standard", "offload_optimizer_after": "standard",
+        "standard_clip": "standard_clip", "layerwise_norm_pass": "standard_clip", "offload_gradients": "standard_clip",
+    }  # fmt: skip
+    # Exact clipping: the norm pass runs a second backward, gradients offload one.
+    assert parts["layerwise_norm_pass"]["backwards_per_step"] == 2
+    assert parts["offload_gradients"]["backwards_per_step"] == 1 == parts["standard_clip"]["backwards_per_step"]
+    # The host worker stepped every step; held until backward returned, none of it ran during backward.
+    for kind in ("offload_optimizer", "offload_optimizer_after"):
+        assert parts[kind]["host_step_s"] > 0 and parts[kind]["offload_threads_cpu_s_per_step"] >= 0
+    assert parts["offload_optimizer_after"]["host_step_in_backward_fraction"] == 0.0
+    assert "host_step_s" not in parts["offload_gradients"] and "host_step_s" not in parts["standard"]
+    assert set(report["offload_pairs"]) == {
+        "offload_optimizer/offload_optimizer_after", "offload_gradients/layerwise_norm_pass"
+    }  # fmt: skip
+    assert report["copy_one_direction_s"] > 0 and report["trainable_bytes"] > 0
+    assert "where the time goes" in result.stdout and "offload_gradients/layerwise_norm_pass" in result.stdout
+
+
+@pytest.mark.slow
 def test_memory_suite_small(tmp_path):
     run_script("memory_suite.py", "--small", "--output_dir", str(tmp_path))
     report = report_of(tmp_path, "memory_suite")

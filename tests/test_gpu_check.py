@@ -219,7 +219,9 @@ def test_gpu_check_tiny_dry_run_on_cpu(tmp_path):
     assert report["tiny"] is True and report["passed"] is True
     assert report["environment"]["device"] == "cpu"
     assert report["environment"]["torch_build"] == ("CUDA" if torch.version.cuda else "CPU")
-    assert set(report["checks"]) == {"parity", "fp16", "fp16_norm_pass", "fsdp2_8bit", "memory", "step_time"}
+    assert set(report["checks"]) == {
+        "parity", "fp16", "fp16_norm_pass", "fsdp2_8bit", "memory", "step_time", "offload"
+    }  # fmt: skip
     for name, check in report["checks"].items():
         assert check["status"] == "PASS", (name, check)
         assert "error" not in check
@@ -312,3 +314,90 @@ def test_gpu_check_tiny_dry_run_on_cpu(tmp_path):
     for c in by.values():
         assert c["steps_run"] == steps and c["median_step_ms"] > 0
     assert step_time["syncs_where_expected"] and "sync_removed_saves_ms" in step_time
+    assert_offload_rows(report["checks"]["offload"], report["sizes"])
+
+
+def assert_offload_rows(offload: dict, sizes: dict) -> None:
+    """The offload check's rows from a CPU dry run: parity of both modes, where the states went, the ~1B runs."""
+    assert offload["status"] == "PASS", offload
+    cases = offload["cases"]
+    assert {(c["mode"], c["ga"]) for c in cases} == {(m, ga) for m in ("gradients", "optimizer") for ga in (1, 2)}
+    for c in cases:
+        # On CPU both modes are bit-exact with stock Trainer + adamw_torch, and the clip really bit.
+        assert c["passed"] and c["exact"] and c["criterion"] == "bit-exact", c
+        assert c["max_abs_param_diff"] == 0.0 and c["grad_norm_max_abs_diff"] == 0.0 and c["clipped_steps"] > 0
+        # The CPU stand-in of the side stream ran the copies, and every gradient waited in a host buffer.
+        assert c["transfer"] == "ThreadTransfer" and c["host_gradient_buffer_bytes"] > 0
+        if c["mode"] == "optimizer":
+            assert c["host_stepped_tensors"] > 0 and c["host_parameter_copy_bytes"] > 0
+    runs = {r["run"]: r for r in offload["runs"]}
+    assert list(runs) == ["adamw_torch", "adamw_torch_layerwise", "adamw_torch_layerwise offload=gradients",
+                          "adamw_torch_layerwise offload=optimizer"]  # fmt: skip
+    for r in runs.values():
+        assert "error" not in r, r
+        assert r["steps_run"] == sizes["offload_steps"] and r["median_step_ms"] > 0 and r["vs_standard"] > 0
+        assert r["measured"] is False and "peak_allocated_bytes" not in r
+        # The same batches from the same weights: the logged norms agree (bf16 weights; not judged on a GPU).
+        assert r["grad_norm_max_abs_diff_vs_standard"] is not None
+    none, host = runs["adamw_torch_layerwise"], runs["adamw_torch_layerwise offload=optimizer"]
+    grads = runs["adamw_torch_layerwise offload=gradients"]
+    assert host["state_bytes_by_device"] == {"cpu": none["state_bytes_by_device"]["cpu"]}  # all of it, on the host
+    assert host["host_parameter_copy_bytes"] == 2 * host["num_parameters"]  # a bf16 copy of every parameter
+    assert grads["host_gradient_buffer_bytes"] == 2 * grads["num_parameters"]  # every gradient waited on the host
+    assert "host_gradient_buffer_bytes" not in none and "host_stepped_tensors" not in none  # no offload there
+    assert host["host_stepped_tensors"] == host["num_tensors"]
+    assert offload["measured"] is False and "note" in offload
+
+
+@pytest.mark.slow
+def test_gpu_check_tiny_offload_rows_on_cpu(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--checks", "offload", "--output", str(out)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert_offload_rows(report["checks"]["offload"], report["sizes"])
+    assert "offload parity optimizer GA2" in result.stdout and "offload adamw_torch_layerwise offload=optimizer" in (
+        result.stdout
+    )
+
+
+def test_offload_check_judges_memory_and_where_the_states_are(monkeypatch):
+    # The GPU runs stood in for (no GPU here): what the check concludes from them, as on CUDA.
+    check = gpu_check()
+    sizes = check.SIZES["tiny"]
+    steps = sizes["offload_steps"]
+    monkeypatch.setattr(check, "offload_parity", lambda opts, sizes, device, cases, record: cases.append(
+        {"mode": "gradients", "ga": 1, "passed": True}))  # fmt: skip
+
+    def runs(optimizer_peak, optimizer_states):
+        def launch_cases(specs, opts, timeout):
+            peaks = {"none": 10_000, "gradients": 9_000, "optimizer": optimizer_peak, None: 12_000}
+            states = {"none": {"cuda": 4_000}, "gradients": {"cuda": 4_000}, "optimizer": optimizer_states}
+            return [
+                {"label": s["label"], "optim": s["optim"], "measured": True, "step_seconds": [0.1 + k] * steps,
+                 "grad_norm": [1.0] * steps, "peak_allocated_bytes": peaks[s["offload"]], "num_tensors": 3,
+                 "host_stepped_tensors": 3 if s["offload"] == "optimizer" else None,
+                 **({"state_bytes_by_device": states[s["offload"]]} if s["offload"] else {})}
+                for k, s in enumerate(specs)
+            ]  # fmt: skip
+
+        monkeypatch.setattr(check, "launch_cases", launch_cases)
+        opts = SimpleNamespace(deadline=None, offload_rtol=1e-4)
+        return check.check_offload(opts, sizes, "cuda", lambda partial: None)
+
+    result = runs(6_000, {"cpu": 4_000})
+    assert result["passed"] and result["measured"]
+    by = {r["run"]: r for r in result["runs"]}
+    assert by["adamw_torch_layerwise offload=optimizer"]["peak_allocated_saved_vs_no_offload_bytes"] == 4_000
+    assert by["adamw_torch_layerwise offload=gradients"]["peak_allocated_saved_vs_no_offload_bytes"] == 1_000
+    assert by["adamw_torch_layerwise offload=optimizer"]["vs_standard"] == round(3.1 / 0.1, 3)
+    assert "optimizer: 31.0x standard step time, saves" in check.summary_line("offload", result)
+    assert not runs(10_000, {"cpu": 4_000})["passed"]  # no lower than without offload
+    assert not runs(6_000, {"cpu": 3_000, "cuda": 1_000})["passed"]  # a state left on the device
