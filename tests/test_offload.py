@@ -294,8 +294,3 @@ def test_checkpoints_resume_across_offload_on_and_off(tmp_path, saved_with, resu
     )
     assert_params_equal(full.model, saved.model)
     assert_params_equal(full.model, resumed.model)
-
-
-def test_fp16_with_offload_is_refused_when_the_arguments_are_made(tmp_path):
-    with pytest.raises(ValueError, match="layerwise_offload='gradients' with fp16=True.*bf16=True"):
-        training_args(tmp_path, "adamw_torch_layerwise", fp16=True, layerwise_offload="gradients")

@@ -96,9 +96,11 @@ class LayerwiseTrainingArguments(TrainingArguments):
     layerwise_offload: str = field(
         default="none",
         metadata={
-            "help": "'gradients': gradients waiting for the step (gradient accumulation, exact clipping) wait in host "
-            "memory instead of on the device; exact clipping then needs no norm pass. 'optimizer': besides, optimizer "
-            "states and the step live on the host, stepped during backward. 'none': off.",
+            "help": "'gradients': gradients waiting for the step (gradient accumulation, exact clipping, fp16 loss "
+            "scaling) wait in host memory instead of on the device; exact clipping and fp16's inf check then need no "
+            "norm pass. 'optimizer': besides, optimizer states and the step live on the host, stepped during "
+            "backward. fp16 with a GradScaler works in both modes (a skipped step changes no weight and no state). "
+            "'none': off.",
             "choices": ["none", "gradients", "optimizer"],
         },
     )
@@ -145,11 +147,6 @@ class LayerwiseTrainingArguments(TrainingArguments):
         check_fp16_clip_mode(self.layerwise_clip, self.fp16, self.max_grad_norm)
         check_deepspeed(name, self.deepspeed)
         check_fsdp_version(name, fsdp_version_of_args(self))
-        if self.fp16 and self.layerwise_offload != "none":
-            raise ValueError(
-                f"layerwise_offload={self.layerwise_offload!r} with fp16=True: offload with fp16 loss scaling is not "
-                "supported yet. Use bf16=True, or layerwise_offload='none'."
-            )
         if self.layerwise_offload == "optimizer":
             check_host_step_base(name)  # a base that cannot step on the host is refused here, before training
 

@@ -123,9 +123,17 @@ class GradientGate:
         offload = self.offload
         if action not in (Action.ACCUMULATE, Action.HOLD) and not (action is Action.STEP and offload.holds(i)):
             return False
-        if action is not Action.ACCUMULATE and not offload.holds(i):
-            self.window.record_norm(i, self.params[i])  # the whole gradient is on the device: measured there
-        measure = action is not Action.ACCUMULATE and (self.wants_norms() or self.clipper.needs_global_norm)
+        final, scaler, window = action is not Action.ACCUMULATE, self.scaler, self.window
+        inv_scale = None  # fp16: a host sum is unscaled and inf-checked by the host worker
+        if final and not offload.holds(i):
+            # The whole gradient is on the device: checked and measured there, before it is copied.
+            if scaler is not None:
+                scaler.capture(window)
+                scaler.unscale(window, self.params[i].grad)
+            window.record_norm(i, self.params[i])
+        elif final and scaler is not None:
+            inv_scale = scaler.inverse_scale(window, offload.host[i].device)
+        measure = final and (self.wants_norms() or self.clipper.needs_global_norm)
         inner = self.inner[i]
         if not offload.holds(i) and isinstance(inner, HostStepOptimizer):
             inner.wait_host()  # its last host step may still read the buffer this gradient is copied into
@@ -133,8 +141,10 @@ class GradientGate:
         meter.hold(i, self.params[i].grad)
         # Logged as the gradient bytes alive on the device: this one and the copies out still reading theirs.
         meter.peak_bytes = max(meter.peak_bytes, meter.held_bytes + offload.device_bytes)
-        offload.stash(i, self.params[i], measure)
+        offload.stash(i, self.params[i], measure, final, inv_scale)
         meter.release(i)
+        if final and scaler is not None:
+            scaler.check_offloaded(window, offload, self.params, self.wants_norms() or self.clipper.needs_global_norm)
         return True
 
     @torch.no_grad()
@@ -239,11 +249,6 @@ class GradientGate:
         if scaler is not None:
             check_fp16_clip_mode(self.clipper.mode.value, True, self.clipper.max_grad_norm)
             check_fp16_weights(zip(self.names, self.params))
-            if self.offload is not None:
-                raise ValueError(
-                    "layerwise_offload with fp16 loss scaling is not supported yet: use bf16, or layerwise_offload="
-                    "'none'."
-                )
         self.scaler = None if scaler is None else GradScalerBridge(scaler, owner)
 
     def whole_step(self) -> bool:
@@ -289,6 +294,9 @@ class GradientGate:
 
     def total_norm(self) -> torch.Tensor | None:
         if self.offload is not None:
+            if self.scaler is None and self.sync():
+                # A sum whose parameter got no gradient in the window's last micro-batch counts in the norm too.
+                self.offload.finish(self.wants_norms() or self.clipper.needs_global_norm)
             self.offload.settle(self.window, self.params)
         return self.window.total_norm(self.params)
 

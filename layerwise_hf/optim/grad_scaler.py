@@ -4,10 +4,16 @@ With fp16 loss scaling, the hooks see scaled gradients and free them before Trai
 unscales each gradient with GradScaler's own kernel as it arrives, collects the found-inf flags, and records them
 where `scaler.unscale_(optimizer)` would have put them, so `GradScaler.step` / `update` decide the skip and the scale
 exactly as they do for a standard optimizer.
+
+With host offload (`layerwise_hf.optim.offload`) the gradients wait in host buffers for the step, so no norm pass
+runs and no gradient is in `.grad` for `unscale_()` to find: each final gradient is unscaled and checked as it is
+offloaded (on the device when it is whole there, by the host worker on a window's host sum), and at the end of the
+window's last backward the flags are gathered and recorded for GradScaler (`check_offloaded`).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +55,8 @@ class GradScalerBridge:
     def __init__(self, scaler: Any, owner: Any):
         self.scaler = scaler
         self.owner_id = id(owner)
+        self._owner = weakref.ref(owner)
+        self._queued_task: int | None = None  # the backward whose end publishes the offloaded gradients' flags
         # The scaler record of the window in which a gradient overflowed only in the stepping pass, and of the one
         # whose stepping pass will make the ranks' flags agree.
         self.overflowed_record: dict[str, Any] | None = None
@@ -71,23 +79,31 @@ class GradScalerBridge:
         record = window.scaler_record
         return record is not None and self.scaler._per_optimizer_states.get(self.owner_id) is not record
 
-    def unscale(self, window: StepWindow, grad: torch.Tensor) -> None:
-        """Unscale `grad` in place, accumulating its device's found-inf flag in the window."""
-        # NOTE: the kernel GradScaler.unscale_ runs (elementwise, so one tensor at a time is bit-identical), on the
-        # local shard of an FSDP2 DTensor: found-inf is all-reduced once per step, not once per parameter.
-        grad = _local(grad)
-        device = grad.device
-        if device not in window.found_inf:
+    def inverse_scale(self, window: StepWindow, device: torch.device) -> torch.Tensor:
+        """The window's `1 / scale` on `device`, as `GradScaler.unscale_` makes it (double reciprocal, then float)."""
+        inv_scale = window.inv_scale.get(device)
+        if inv_scale is None:
             if self.scaler._scale is None:
                 raise RuntimeError(
                     "fp16: the loss was not scaled by the GradScaler given to use_grad_scaler (call "
                     "accelerator.backward(loss), or scaler.scale(loss).backward())."
                 )
-            # GradScaler's own inverse: double reciprocal, then float.
-            inv_scale = self.scaler._scale.double().reciprocal().float()
-            window.inv_scale[device] = inv_scale.to(device)
+            inv_scale = window.inv_scale[device] = self.scaler._scale.double().reciprocal().float().to(device)
+        return inv_scale
+
+    def _flag(self, window: StepWindow, device: torch.device) -> torch.Tensor:
+        if device not in window.found_inf:
+            self.inverse_scale(window, device)
             window.found_inf[device] = torch.zeros((), dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_([grad], window.found_inf[device], window.inv_scale[device])
+        return window.found_inf[device]
+
+    def unscale(self, window: StepWindow, grad: torch.Tensor) -> None:
+        """Unscale `grad` in place, accumulating its device's found-inf flag in the window."""
+        # NOTE: the kernel GradScaler.unscale_ runs (elementwise, so one tensor at a time is bit-identical), on the
+        # local shard of an FSDP2 DTensor: found-inf is all-reduced once per step, not once per parameter.
+        grad = _local(grad)
+        flag = self._flag(window, grad.device)
+        torch._amp_foreach_non_finite_check_and_unscale_([grad], flag, window.inv_scale[grad.device])
 
     def unscale_to_step(self, window: StepWindow, grad: torch.Tensor) -> bool:
         """
@@ -114,6 +130,47 @@ class GradScalerBridge:
         window.found_inf[grad.device].fill_(1.0)
         self.overflowed_record = window.scaler_record
         return False
+
+    def check_offloaded(self, window: StepWindow, offload: Any, params: Any, measure: bool) -> None:
+        """
+        With host offload: a final gradient of this window was offloaded (unscaled on the device, or its host sum
+        queued for the host worker's check). At the end of this backward (an autograd-engine callback) the flags are
+        gathered and recorded for GradScaler (`publish`), so whatever the driver calls next (`grad_norm()`,
+        `scaler.step`) sees every gradient checked. `offload` is the gate's `GradientOffload`; `measure`: the step
+        wants the norms of host sums finished there too.
+        """
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task == self._queued_task:
+            return
+
+        def gather(at_end: bool = True) -> None:
+            self._queued_task = None
+            if at_end and offload.unfinished():
+                # Summed in earlier micro-batches, no gradient in the last one: still scaled, checked now.
+                offload.finish(measure, self.inverse_scale(window, torch.device("cpu")))
+            offload.settle(window, params)
+            flag = self._flag(window, _local(params[0]).device)
+            if offload.found_inf is not None:
+                torch.maximum(flag, offload.found_inf.to(flag.device), out=flag)
+            self.publish(window, self.reduce_on_route)
+
+        if task == -1:
+            # Not inside the autograd engine (a hook called by hand): record what is known now, and again with each
+            # gradient; nothing can say which gradient is the window's last.
+            gather(at_end=False)
+            return
+        # NOTE: a backward nested in this one (a reentrant checkpoint) has a task of its own; its callback runs at
+        # its end, and a later gradient queues another: the last one to run has seen every gradient.
+        torch.autograd.Variable._execution_engine.queue_callback(gather)
+        self._queued_task = task
+
+    def reduce_on_route(self, flags: dict) -> None:
+        """Make the flags agree across ranks the way the owner's gradient route does (FSDP2: each rank checked its
+        own shards)."""
+        owner = self._owner()
+        route = getattr(owner, "gradient_route", None)
+        if route is not None:
+            route.reduce_found_inf(flags)
 
     def publish(self, window: StepWindow, reduce_found_inf: Callable[[dict], None]) -> None:
         """After a norm pass: record the flags where `unscale_()` would have, for GradScaler.step / update."""

@@ -12,7 +12,9 @@ The path of gradient `i` (the route has reduced it; `GradientGate.grad_ready` ha
    gradient of a window lands in the buffer itself; a later micro-batch's lands in a staging buffer that the host
    worker adds into it once the copy is done (`buffer += staged`: the order autograd accumulates `.grad` in, so the
    sum is bit-identical to the standard optimizer's). Without accumulation the gradient's norm is taken on the device
-   before the copy (the gate does it); with accumulation the norm of the sum is taken by the host worker.
+   before the copy (the gate does it); with accumulation the norm of the sum is taken by the host worker. Under fp16
+   loss scaling the inf check and unscale go the same way: on the device before the copy, or by the host worker on
+   the sum once the window's last micro-batch is in (`found_inf`, the host's flag; GradScalerBridge gathers it).
 2. `settle`: the end of the window's last backward waits for every copy and host task and records the host norms in
    the step window, so the global norm is known.
 3. `restore_each`: each held gradient is copied back into a fresh device tensor, the next one's copy started before
@@ -129,11 +131,16 @@ class GradientOffload:
         self.in_flight: collections.deque[tuple[Ticket, int]] = collections.deque()
         self.device_bytes = 0  # device gradient bytes being copied out now
         self.peak_device_bytes = 0
+        self.final: set[int] = set()  # the window's last micro-batch's gradient is in (or finish() closed it)
+        self.found_inf: torch.Tensor | None = None  # fp16: the host worker's inf/nan flag for this window's sums
+        # Called before a route asks what is held: forgets a window whose step GradScaler skipped (set by the gate).
+        self.check_window: Callable[[], None] = lambda: None
 
     # ---- during backward ----
 
     def holds(self, i: int) -> bool:
         """Whether gradient `i` of this window is (partly) in its host buffer."""
+        self.check_window()
         return self.filled.get(i, False)
 
     @property
@@ -147,9 +154,12 @@ class GradientOffload:
         return self.transfer
 
     @torch.no_grad()
-    def stash(self, i: int, param: torch.Tensor, measure: bool) -> None:
-        """Copy `param.grad` into (or, later in the window, add it to) `i`'s host buffer and free it on the device;
-        `measure`: the step will want the norm of an accumulated sum, taken by the host worker."""
+    def stash(
+        self, i: int, param: torch.Tensor, measure: bool, final: bool = True, inv_scale: torch.Tensor | None = None
+    ) -> None:
+        """Copy `param.grad` into (or, later in the window, add it to) `i`'s host buffer and free it on the device.
+        `final`: the window's last micro-batch's gradient; for a sum, `measure`: the step wants its norm and
+        `inv_scale` (fp16, a host tensor): unscale and inf-check it, both by the host worker."""
         grad = local_tensor(param.grad)
         transfer = self._transfer_for(grad)
         self._make_room()
@@ -170,8 +180,33 @@ class GradientOffload:
             self.accumulated.add(i)
         param.grad = None
         self._track(ticket, grad.numel() * grad.element_size())
-        if measure and i in self.accumulated:
+        if final:
+            self.final.add(i)
+            if i in self.accumulated:
+                self._host_checks(i, measure, inv_scale)
+
+    def _host_checks(self, i: int, measure: bool, inv_scale: torch.Tensor | None) -> None:
+        # After everything queued for buffer i: unscale it (fp16), then measure it.
+        waits = self.waits.setdefault(i, [])
+        buffer = self.host[i]
+        if inv_scale is not None:
+            if self.found_inf is None:
+                self.found_inf = torch.zeros((), dtype=torch.float32, device=buffer.device)
+            checked = self.worker.submit(_unscale_after, buffer, list(waits), self.found_inf, inv_scale)
+            waits[:] = [checked]
+        if measure:
             self.host_norms[i] = self.worker.submit(_norm_after, buffer, list(waits))
+
+    def unfinished(self) -> list[int]:
+        """Buffers filled in earlier micro-batches whose parameter got no gradient in the window's last one."""
+        return [i for i in self.pending() if i not in self.final]
+
+    def finish(self, measure: bool, inv_scale: torch.Tensor | None = None) -> None:
+        """At the end of the window's last backward: give each `unfinished()` buffer what a final gradient would
+        have (the host worker's norm of the sum when `measure`, its unscale and inf check with `inv_scale`)."""
+        for i in self.unfinished():
+            self.final.add(i)
+            self._host_checks(i, measure, inv_scale)
 
     def _make_room(self) -> None:
         # Before a new copy starts: at most max_in_flight - 1 others may still read device gradients.
@@ -255,6 +290,8 @@ class GradientOffload:
         self.host_norms.clear()
         self.filled.clear()
         self.accumulated.clear()
+        self.final.clear()
+        self.found_inf = None
 
     def host_bytes(self) -> int:
         """Bytes of the host buffers."""
@@ -279,6 +316,12 @@ def _add_after(buffer: torch.Tensor, staged: torch.Tensor, waits: Sequence[Any])
     _wait_all(waits)
     with torch.no_grad():
         buffer.add_(staged)
+
+
+def _unscale_after(buffer: torch.Tensor, waits: Sequence[Any], found_inf: torch.Tensor, inv: torch.Tensor) -> None:
+    _wait_all(waits)
+    # NOTE: GradScaler.unscale_'s kernel, on the host sum: the same product as on the device, elementwise.
+    torch._amp_foreach_non_finite_check_and_unscale_([buffer], found_inf, inv)
 
 
 def _norm_after(buffer: torch.Tensor, waits: Sequence[Any]) -> torch.Tensor:

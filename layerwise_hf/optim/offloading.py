@@ -103,7 +103,9 @@ def enable_offload(
     backward and freed on the device; `step()` copies each back and steps it, the next copy overlapping the step
     (`layerwise_hf.optim.offload`). Exact clipping then needs one forward and one backward per micro-batch, and
     gradient accumulation keeps only the gradients in flight on the device. Without either, gradients step in
-    backward as without offload. fp16 loss scaling is refused (not supported yet).
+    backward as without offload. Under fp16 loss scaling every gradient waits too: each is unscaled and inf-checked
+    as it is offloaded, and GradScaler gets the flags at the end of the window's last backward
+    (`GradScalerBridge.check_offloaded`), so a step it skips changes no parameter and no state.
 
     With `mode="optimizer"` (only through `build_layerwise_optimizer(offload="optimizer")`, which wraps each inner
     optimizer in a `layerwise_hf.optim.host_step.HostStepOptimizer` before any state exists) each parameter's
@@ -146,8 +148,6 @@ def enable_offload(
             "layerwise_offload='optimizer' must be chosen when the optimizer is built (its states are created on the "
             "host): pass offload='optimizer' to build_layerwise_optimizer, or set args.layerwise_offload."
         )
-    if gate.scaler is not None:
-        raise ValueError("layerwise_offload with fp16 loss scaling is not supported yet: use bf16.")
     if not torch.cuda.is_available() and not offload_simulated() and transfer is None:
         logger.warning(
             "layerwise_offload=%r on a machine without CUDA: the device and the host are the same memory, so offload "
@@ -159,6 +159,9 @@ def enable_offload(
         transfer = runner.transfer_for(optimizer.params[0]) if transfer is None else transfer
     worker = None if runner is None else runner.worker
     gate.offload = GradientOffload(transfer, max_in_flight, worker=worker, host_steps=runner is not None)
+    # NOTE: a route may ask what is held before any hook of the next window runs (the data-parallel route merges a
+    # host sum before reducing); a window GradScaler skipped must be forgotten by then.
+    gate.offload.check_window = gate.close_skipped_window
 
 
 def wait_for_host_steps(optimizer: LayerwiseOptimizer) -> None:
