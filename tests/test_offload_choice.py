@@ -3,6 +3,7 @@
 import pytest
 
 from layerwise_hf.estimate.offload_choice import (
+    OVERLAP,
     PCIE4_BYTES_PER_S,
     PCIE5_BYTES_PER_S,
     backward_seconds,
@@ -57,7 +58,24 @@ def test_transfers_hidden_behind_backward_and_the_steps_leave_the_first_and_last
     hidden = gradients_offload_seconds(grads, largest, backward_s=1.0, step_s=1.0, link_bytes_per_s=link)
     assert hidden == pytest.approx(2 * largest / link)
     exposed = gradients_offload_seconds(grads, largest, backward_s=0.1, step_s=0.0, link_bytes_per_s=link)
-    assert exposed == pytest.approx((grads / link - 0.1) + grads / link + 2 * largest / link)
+    assert exposed == pytest.approx((grads / link - OVERLAP * 0.1) + grads / link + 2 * largest / link)
+    # Perfect overlap hides a transfer as long as backward; none hides nothing.
+    perfect = gradients_offload_seconds(grads, 0, backward_s=0.2, step_s=0.0, link_bytes_per_s=link, overlap=1.0)
+    assert perfect == pytest.approx(2 * grads / link - 0.2)
+    assert gradients_offload_seconds(grads, 0, 5.0, 5.0, link, overlap=0.0) == pytest.approx(2 * grads / link)
+
+
+def test_the_cpu_measurements_behind_the_overlap_share():
+    # benchmarks/step_time.py, clipping rows, 20M Llama, 57 tensors, a delay on every copy (a slow link emulated):
+    # (one transfer s, backward s, steps s, largest copy s, measured s offload adds, measured s the norm pass adds).
+    runs = [(0.596, 0.962, 0.377, 0.0117, 0.784, 1.186), (1.726, 0.973, 0.375, 0.0317, 2.679, 0.998)]
+    for transfer, backward, steps, largest, offload, norm_pass in runs:
+        choice = choose_clipping_offload(
+            1_000_000, backward, largest_grad_bytes=round(1e6 * largest / transfer), step_s=steps,
+            link_bytes_per_s=1e6 / transfer,
+        )  # fmt: skip
+        assert choice.mode == ("gradients" if offload < norm_pass else "none")
+        assert choice.gradients_s == pytest.approx(offload, rel=0.35)
 
 
 def test_no_norm_pass_to_save_at_ga_above_one_or_without_exact_clipping():
@@ -77,6 +95,7 @@ def test_checkpointing_makes_backward_longer_by_one_forward():
         (dict(norm_pass="hold"), "norm_pass='hold'"),
         (dict(grad_accum=0), "grad_accum=0"),
         (dict(link_bytes_per_s=0.0), "link_bytes_per_s=0.0"),
+        (dict(overlap=1.5), "overlap=1.5"),
     ],
 )
 def test_bad_input_is_refused_by_name(kwargs, match):

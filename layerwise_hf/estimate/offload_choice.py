@@ -8,9 +8,15 @@ as it is final and freed, and `step()` copies each back and steps it. What each 
 - norm pass: `backward_s` (`retain`), or `forward_s + backward_s` (`rerun`);
 - gradients offload: two transfers of the gradients, `transfer_s = grad_bytes / link_bytes_per_s` each way, less what
   hides behind other work. The copies out run beside backward as the gradients become final, so only
-  `max(0, transfer_s - backward_s)` is left over, plus the last gradient's copy (it is final when backward ends). The
-  copies back run beside the device steps (the next one's copy starts before the current step), so
-  `max(0, transfer_s - step_s)` is left over, plus the first gradient's copy. The largest gradient stands for both.
+  `max(0, transfer_s - OVERLAP * backward_s)` is left over, plus the last gradient's copy (it is final when backward
+  ends). The copies back run beside the device steps (the next one's copy starts before the current step), so
+  `max(0, transfer_s - OVERLAP * step_s)` is left over, plus the first gradient's copy. The largest gradient stands
+  for both. `OVERLAP` (0.5) is the share of backward and of the steps the copies hide behind: not all of it, as
+  gradients come in bursts (a layer's small ones together) and at most two copies out may be in flight (a copy
+  slower than backward holds backward up). Measured on CPU with a slow link emulated (a delay on every copy, 20M
+  Llama, the table in benchmarks/README.md, `step_time.py`), the hidden share was 0.3-0.6; with 0.5 the model put the
+  cost of offload at 0.55 s and 2.8 s where 0.78 s and 2.7 s were measured, and chose as the measurements did at all
+  three delays (0, 10 and 30 ms a copy).
 
 `choose_clipping_offload` picks the cheaper. Backward grows with the tokens of a micro-batch and the transfers do not,
 so the norm pass wins at small micro-batches and offload at large ones; `crossover_tokens` says where. With gradient
@@ -30,6 +36,7 @@ import math
 # usual measured figure is ~80% of the link's nominal rate).
 PCIE4_BYTES_PER_S = 25e9
 PCIE5_BYTES_PER_S = 50e9
+OVERLAP = 0.5  # the share of backward / of the device steps that the copies out / back hide behind (module docstring)
 NORM_PASSES = ("retain", "rerun")
 
 
@@ -72,13 +79,18 @@ def backward_seconds(num_params: int, tokens: int, flops_per_s: float, checkpoin
 
 
 def gradients_offload_seconds(
-    grad_bytes: int, largest_grad_bytes: int, backward_s: float, step_s: float, link_bytes_per_s: float
+    grad_bytes: int,
+    largest_grad_bytes: int,
+    backward_s: float,
+    step_s: float,
+    link_bytes_per_s: float,
+    overlap: float = OVERLAP,
 ) -> float:
-    """What `layerwise_offload="gradients"` adds to a step: the transfers out and back not hidden behind backward and
-    the device steps (see the module docstring)."""
+    """What `layerwise_offload="gradients"` adds to a step: the transfers out and back not hidden behind `overlap` of
+    backward and of the device steps (see the module docstring)."""
     transfer = grad_bytes / link_bytes_per_s
     last = largest_grad_bytes / link_bytes_per_s
-    return max(0.0, transfer - backward_s) + last + max(0.0, transfer - step_s) + last
+    return max(0.0, transfer - overlap * backward_s) + last + max(0.0, transfer - overlap * step_s) + last
 
 
 def choose_clipping_offload(
@@ -92,6 +104,7 @@ def choose_clipping_offload(
     norm_pass: str = "retain",
     grad_accum: int = 1,
     exact_clipping: bool = True,
+    overlap: float = OVERLAP,
 ) -> OffloadChoice:
     """
     The faster way to clip exactly: `"gradients"` offload or `"none"` (the norm pass).
@@ -108,6 +121,8 @@ def choose_clipping_offload(
             second backward) or `"rerun"` (a second forward and backward).
         grad_accum (`int`, *optional*, defaults to 1): gradient accumulation steps (above 1 there is no norm pass).
         exact_clipping (`bool`, *optional*, defaults to `True`): `max_grad_norm > 0` with `layerwise_clip="exact"`.
+        overlap (`float`, *optional*, defaults to `OVERLAP`): the share of backward and of the steps the copies hide
+            behind.
 
     Example:
 
@@ -131,8 +146,10 @@ def choose_clipping_offload(
             raise ValueError(f"{name}={value!r}: it must be a positive number.")
     if grad_accum < 1:
         raise ValueError(f"grad_accum={grad_accum!r}: at least 1.")
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap={overlap!r}: a share, from 0 to 1.")
     transfer = grad_bytes / link_bytes_per_s
-    offload = gradients_offload_seconds(grad_bytes, largest_grad_bytes, backward_s, step_s, link_bytes_per_s)
+    offload = gradients_offload_seconds(grad_bytes, largest_grad_bytes, backward_s, step_s, link_bytes_per_s, overlap)
     if not exact_clipping or grad_accum > 1:
         why = "no exact clipping" if not exact_clipping else f"GA {grad_accum} holds the gradients until step()"
         return OffloadChoice(
@@ -163,6 +180,7 @@ def crossover_tokens(
     step_s: float = 0.0,
     link_bytes_per_s: float = PCIE4_BYTES_PER_S,
     checkpointing: bool = False,
+    overlap: float = OVERLAP,
 ) -> int:
     """
     The fewest tokens per micro-batch from which gradients offload beats a `retain` norm pass (GA 1, exact clipping),
@@ -173,13 +191,15 @@ def crossover_tokens(
     ```python
     >>> from layerwise_hf.estimate.offload_choice import crossover_tokens
     >>> crossover_tokens(8_000_000_000, 16 * 2**30, 400e12, largest_grad_bytes=2**30)
-    9664
+    12170
     ```
     """
 
     def offload_wins(tokens: int) -> bool:
         backward = backward_seconds(num_params, tokens, flops_per_s, checkpointing)
-        offload = gradients_offload_seconds(grad_bytes, largest_grad_bytes, backward, step_s, link_bytes_per_s)
+        offload = gradients_offload_seconds(
+            grad_bytes, largest_grad_bytes, backward, step_s, link_bytes_per_s, overlap
+        )
         return offload < backward
 
     high = 1
