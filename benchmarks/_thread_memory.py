@@ -48,8 +48,9 @@ SOURCE = r"""
 namespace {
 std::atomic<long long> current_bytes{0};
 std::atomic<long long> peak_bytes{0};
-std::mutex table_mutex;
-std::unordered_map<void*, size_t> sizes;  // data pointer -> bytes, for the deleter
+// Never destroyed: storages may be freed during interpreter teardown, after static destructors have run.
+std::mutex& table_mutex = *new std::mutex;
+std::unordered_map<void*, size_t>& sizes = *new std::unordered_map<void*, size_t>;  // data pointer -> bytes
 c10::Allocator* inner = nullptr;
 c10::DeleterFnPtr inner_deleter = nullptr;
 
@@ -91,7 +92,7 @@ struct CountingAllocator final : c10::Allocator {
   }
 };
 
-CountingAllocator counting;
+CountingAllocator& counting = *new CountingAllocator;
 }  // namespace
 
 extern "C" {
