@@ -35,7 +35,10 @@ rank with the higher peak. There the tensor peak comes from the CPU allocator co
 where it is enabled, and gloo frees a collective's tensors on its own worker thread when that thread drops the last
 reference to the work, so the profiler's sum grew with frees it never saw (+20 MiB on one DDP rank; +3-20 MiB per
 step under FSDP2), while the counted bytes, the tensors Python reaches and RSS stayed flat over 30 steps. On one
-process both agree to the byte.
+process both agree to the byte. What gloo really adds: its reduce-scatter all-reduces a clone of its input, and its
+all-gather fills a flat buffer of the output's size before copying out (NCCL does neither; the plan's fake group
+allocates nothing); and the layer-wise data-parallel route steps a bucket at the first gradient hook after its
+all-reduce completes, which depends on gloo's timing (the plan's fake works never complete before they are waited).
 
 Goal: the plan within 5% of the tensor peak and within 10% of the RSS training peak. bitsandbytes' CPU step
 allocates temporaries its CUDA kernels do not; the plan counts the state from the estimator's rules and no kernel
