@@ -294,3 +294,39 @@ def test_checkpoints_resume_across_offload_on_and_off(tmp_path, saved_with, resu
     )
     assert_params_equal(full.model, saved.model)
     assert_params_equal(full.model, resumed.model)
+
+
+@pytest.mark.parametrize("mode", ["gradients", "optimizer"])
+def test_a_sum_without_a_gradient_in_the_last_micro_batch_counts_in_the_norm(mode):
+    # `extra` gets gradients in the first micro-batches of each window only: its host sum has no final gradient to
+    # measure it as it arrives, and clip_grad_norm_ counts it all the same.
+    from test_offload_fp16 import Branches
+
+    model, ga = Branches(), 3
+    reference = clone(model)
+    sync = [True]
+    params = [LayerwiseParam(n, p, weight_decay=0.0) for n, p in model.named_parameters()]
+    factory, runner = host_step_factory(lambda lp, _: torch.optim.AdamW([lp.param], lr=1e-2), mode)
+    optimizer = LayerwiseOptimizer(params, factory, sync_gradients=lambda: sync[0])
+    optimizer.configure_clipping(0.5, "exact")
+    enable_offload(optimizer, mode, transfer=ThreadTransfer(0.003), runner=runner)
+    optimizer.attach()
+    standard = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    batches = [[torch.randn(5, 8) for _ in range(ga)] for _ in range(2)]
+    expected, norms = [], []
+    for net in (reference, model):
+        for window in batches:
+            for k, x in enumerate(window):
+                sync[0] = k == ga - 1
+                net(x, use_extra=k < ga - 1).pow(2).sum().backward()
+            if net is reference:
+                expected.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5))
+                standard.step()
+                standard.zero_grad()
+            else:
+                norms.append(optimizer.grad_norm())
+                optimizer.step()
+    end_training(optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(norms, expected)) and len(norms) == 2
+    assert_params_equal(model, reference)

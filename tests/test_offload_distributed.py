@@ -45,3 +45,27 @@ def test_offload_under_fsdp2_matches_standard_fsdp2(tmp_path, size):
         script_args=["fsdp2", size],
     )
     assert_exact(report, "fsdp2", sharded=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_offload_under_fp16_matches_standard_gradscaler(tmp_path, engine):
+    report = launch(
+        f"configs/accelerate/cpu_{engine}.yaml",
+        "tests/distributed/offload_fp16_trainer.py",
+        tmp_path / "r.json",
+        {**SIMULATED, "LAYERWISE_HF_FORCE_FSDP_CPU": "1"} if engine == "fsdp2" else SIMULATED,
+        launch_args=["--mixed_precision", "fp16"],
+    )
+    assert report["world_size"] == 2 and len(report["results"]) == 6
+    for case in report["results"]:
+        assert case["route"] == {"ddp": "data_parallel", "fsdp2": "fsdp2"}[engine], case
+        assert case["sharded"] == (engine == "fsdp2"), case
+        # Exact, every rank the same, and the run really skipped (injected on rank 0 only: under FSDP2 rank 1 checks
+        # only its own shards and learns of it from rank 0) and took steps.
+        assert case["max_diff"] == 0.0 and case["ranks_agree"], case
+        assert case["grad_norm_equal"] and case["lr_equal"] and case["scales_equal"], case
+        assert case["injected_step_skipped"], case
+        assert case["layerwise_steps_taken"] == case["steps_logged"] - case["skipped_steps"] > 0, case
+        assert case["host_bytes"] > 0, case  # every gradient waited on the host for the verdict
+        assert (case["host_steps"] == "HostStepOptimizer") == case["case"].startswith("optimizer"), case
