@@ -13,8 +13,9 @@ torch.compile only) and reduces gradients itself with torch's own collectives:
   gradients until its latest member is ready; so beyond 2 ranks, where the ring sums an element in an order set by
   its place in the buffer, the last bits can differ from DDP's, as DDP's own do with another bucket cap.);
 - a complete bucket is all-reduced asynchronously, buckets are launched in the same order on every rank, and at
-  most two are in flight; once a bucket is reduced its parameters step (the optimizer's `grad_ready`) and the
-  bucket is freed;
+  most two exist (one reducing, one filling); when the next is launched (or backward ends) the one reducing is
+  waited on, its parameters step (the optimizer's `grad_ready`) and the bucket is freed. It is not polled for
+  completion: the step's place in backward, and so the peak, stays the same on every link;
 - a bucket of one tensor at least as large as the cap, followed by smaller buckets (an untied `lm_head`, first in
   backward), is held once reduced and steps only right before the next such tensor's gradient is computed (the
   smaller buckets drained first), or at the end of backward. A step allocates temporaries of about twice its tensor
@@ -430,10 +431,12 @@ class DataParallelReducer(LocalHooks):
         return output
 
     def _launch_complete(self) -> None:
+        # NOTE: a bucket retires when the in-flight bound or the end of backward says so, never on `is_completed()`:
+        # polling made the step's place in backward depend on the link's speed (on gloo, lm_head stepped a few hooks
+        # early, its temporaries on top of the next bucket and more activations: +6.6% over the plan), and the
+        # planner's fake process group, like a busy NCCL stream, completes nothing until it is waited on.
         while self._next < len(self.buckets) and self.buckets[self._next].complete:
             self._launch(self.buckets[self._next])
-        while self._in_flight and self._in_flight[0].work.is_completed():
-            self._retire(self._in_flight.popleft())
 
     def _launch(self, bucket: _Bucket) -> None:
         for k, i in enumerate(bucket.indices):
