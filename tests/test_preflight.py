@@ -97,6 +97,22 @@ def test_plain_loop_report_is_the_plan_of_the_run(monkeypatch):
     assert sum(report.categories.values()) == report.peak_bytes and report.budget.total_bytes == SMALL
 
 
+def test_offload_run_is_planned_with_its_offload(monkeypatch, caplog):
+    model = tiny_llama()
+    with_budget(monkeypatch, SMALL)
+    args = SimpleNamespace(optim="adamw_torch_layerwise", gradient_accumulation_steps=2, max_grad_norm=0.0,
+                           layerwise_offload="gradients")  # fmt: skip
+    report = preflight(model, args, seq_len=SEQ, micro_batch=2)
+    without = planned_peak(model, micro_batch=2, grad_accum=2)
+    assert report.offload == "gradients" and report.peak_bytes == planned_peak(
+        model, micro_batch=2, grad_accum=2, offload="gradients"
+    )
+    assert report.peak_bytes < without  # GA 2: the gradients wait on the host, not on the device
+    assert report.host_peak_bytes > 0 and report.fits is False
+    (warning,) = records(caplog)
+    assert "offload gradients: host peak" in warning.getMessage()
+
+
 def test_lora_model_is_planned_with_its_adapters(monkeypatch):
     peft = pytest.importorskip("peft")
     with_budget(monkeypatch, 2**40)

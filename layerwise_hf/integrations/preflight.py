@@ -9,7 +9,7 @@ What is planned, and where each figure comes from:
   only place it is known; with dynamic padding later batches can be longer (pad to a fixed length, or plan the
   longest yourself with `layerwise-hf plan`). A plain loop passes `seq_len` (and `micro_batch`) itself;
 - the arguments: `optim`, `gradient_accumulation_steps`, `max_grad_norm`, `layerwise_clip`, `bf16` / `fp16`,
-  `gradient_checkpointing`;
+  `gradient_checkpointing`, `layerwise_offload` (the device peak is compared; the host peak is named);
 - the processes: world size and sharding (`ddp`, `fsdp2`) from the accelerator, when `plan()` takes them (else one
   process is planned, and the message says so);
 - the memory it is compared with (`available_memory`): on CUDA the device's free memory (`torch.cuda.mem_get_info`)
@@ -76,6 +76,8 @@ class PreflightReport:
         world_size (`int`), sharding (`str`): the processes planned (figures are per rank).
         note (`str`): what the plan could not follow (e.g. several processes planned as one).
         measured_peak_bytes (`int`, *optional*): CUDA: `torch.cuda.max_memory_allocated()` over the first step.
+        offload (`str`): `layerwise_offload` planned; `peak_bytes` is then the device side's.
+        host_peak_bytes (`int`): with offload, the most host memory the plan holds at once (0 without).
     """
 
     optimizer: str
@@ -91,6 +93,8 @@ class PreflightReport:
     sharding: str = "none"
     note: str = ""
     measured_peak_bytes: int | None = None
+    offload: str = "none"
+    host_peak_bytes: int = 0
 
 
 def check_preflight_argument(args: Any) -> bool:
@@ -217,6 +221,7 @@ def _plan_kwargs(model: torch.nn.Module, args: Any, seq_len: int, micro_batch: i
         torch_dtype=_weights_dtype(model),
         gradient_checkpointing=_checkpointing(model, args),
         device="cuda" if device.type == "cuda" else "cpu",
+        offload=str(getattr(args, "layerwise_offload", None) or "none"),
         **_lora(model),
     )
 
@@ -235,43 +240,13 @@ def _checkpointing(model: torch.nn.Module, args: Any) -> bool:
 @contextlib.contextmanager
 def _apart_from_training():
     # The plan runs its own forward and backward inside a training step: not under the run's autocast, and without
-    # moving the CPU generator the run's dropout and data order draw from.
+    # moving the CPU generator the run's dropout and data order draw from. `plan()` itself hides the launcher's
+    # rendezvous variables and keeps accelerate's process-wide state (`layerwise_hf.plan.isolation`).
     with torch.random.fork_rng(devices=[]), torch.autocast("cpu", enabled=False), contextlib.ExitStack() as stack:
         if torch.cuda.is_available():
             stack.enter_context(torch.autocast("cuda", enabled=False))
-        stack.enter_context(_accelerate_state_kept())
         with torch.enable_grad():
             yield
-
-
-_RENDEZVOUS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-               "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}  # fmt: skip
-_RENDEZVOUS_PREFIXES = ("PMI_", "OMPI_COMM_WORLD_", "MV2_COMM_WORLD_", "TORCHELASTIC_")
-
-
-@contextlib.contextmanager
-def _accelerate_state_kept():
-    # NOTE: the simulation makes TrainingArguments, whose device setup calls AcceleratorState._reset_state(
-    # reset_partial_state=True) and makes a PartialState(cpu=True): accelerate's process-wide state, which the
-    # running Trainer's Accelerator reads (num_processes in compute_loss), is put back as it was.
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    saved = [(cls._shared_state, dict(cls._shared_state)) for cls in (PartialState, AcceleratorState, GradientState)]
-    environ = dict(os.environ)
-    # NOTE: that PartialState reads the launcher's rendezvous variables (LOCAL_RANK, WORLD_SIZE, PMI_SIZE, ...) and
-    # would join this run's process group (or wait for it forever, from the process the plan spawns for one rank of
-    # a running group, which inherits os.environ): the plan sees a single process's environment.
-    for key in [k for k in os.environ if k in _RENDEZVOUS or k.startswith(_RENDEZVOUS_PREFIXES)]:
-        del os.environ[key]
-    try:
-        yield
-    finally:
-        for shared, copied in saved:
-            shared.clear()
-            shared.update(copied)
-        for key in set(os.environ) - set(environ):
-            del os.environ[key]
-        os.environ.update(environ)
 
 
 def preflight(
@@ -345,6 +320,8 @@ def preflight(
         world_size=kwargs.get("world_size", 1),
         sharding=kwargs.get("sharding", "none"),
         note=note,
+        offload=row.offload,
+        host_peak_bytes=row.host_peak_bytes,
     )
     _log_plan(report)
     return report
@@ -362,6 +339,8 @@ def describe(report: PreflightReport) -> str:
         f"{report.optimizer}, micro-batch {report.micro_batch} x {report.seq_len} tokens{ranks}: planned peak "
         f"{_gib(report.peak_bytes)} ({split}; at {report.when})"
     )
+    if report.offload != "none":
+        text += f"; offload {report.offload}: host peak {_gib(report.host_peak_bytes)} apart from the device's"
     return text + (f" [{report.note}]" if report.note else "")
 
 

@@ -8,10 +8,13 @@ gradients, optimizer state, activations and temporaries. Optimizers whose kernel
 (bitsandbytes, torchao) take their state from the estimator's rules (`rules`). Identical decoder layers are simulated
 2-4 at a time and extended when that is exact (`extrapolate`).
 
+With `offload=` (`layerwise_offload`) the layer-wise rows run the real host offload code (`offload`), and each row
+gives the device peak and the host peak apart.
+
 Layout: `tracker` (live storage bytes), `rules` (the stand-in for rule-only optimizers), `simulate` (model, optimizer,
-step), `extrapolate`, `advice`, `core` (`plan()`, validation, results), `batch` (the largest micro-batch that fits),
-`options` (the choices the command line lists), `cli` (the `plan` subcommand). Only `layerwise_hf.cli` imports this
-package.
+step), `offload` (host offload's stand-ins), `extrapolate`, `advice`, `core` (`plan()`, validation, results),
+`isolation` (a plan inside a launched run), `batch` (the largest micro-batch that fits), `options` (the choices the
+command line lists), `cli` (the `plan` subcommand). Only `layerwise_hf.cli` imports this package.
 
 Example:
 

@@ -45,17 +45,20 @@ def advise(row: PlanRow, setup: StepSetup) -> list[str]:
          "sequences"),
         (large("gradients") and not layerwise, cats["gradients"],
          grads + f"a layer-wise optimizer ({row.optimizer}{SUFFIX}) frees each gradient after its step"),
-        (large("gradients") and layerwise and setup.grad_accum > 1, cats["gradients"],
+        (large("gradients") and layerwise and setup.grad_accum > 1 and row.offload == "none", cats["gradients"],
          grads + "gradient accumulation keeps every gradient until the last micro-batch; fewer, larger "
-         "micro-batches let layer-wise free them"),
+         "micro-batches let layer-wise free them, or layerwise_offload='gradients' keeps the sums in host memory "
+         "(--offload gradients plans it)"),
         (large("optimizer_state"), cats["optimizer_state"],
-         "optimizer state dominates: an 8-bit optimizer (adamw_8bit) or adafactor, or LoRA (--lora-r)"),
+         "optimizer state dominates: an 8-bit optimizer (adamw_8bit) or adafactor, or LoRA (--lora-r)"
+         + (", or layerwise_offload='optimizer' (states on the host; --offload optimizer plans it)"
+            if layerwise and row.offload == "none" else "")),
         (large("temporaries"), cats["temporaries"],
          "temporaries dominate (the loss's float32 logits and their gradient, or a step's scratch): a smaller "
          "micro-batch or shorter sequences"),
         (layerwise and setup.clip_mode == "exact" and row.when.startswith("norm pass"), row.peak_bytes,
          "the peak is in exact clipping's norm pass, whose graph stays alive: --clip-mode previous or per_param "
-         "avoids it"),
+         "avoids it, and so does layerwise_offload='gradients' (exact clipping in one backward)"),
         (large("weights", 0.5), cats["weights"], _weights_advice(setup)),
     ]  # fmt: skip
     return [text for _, _, text in sorted((c for c in candidates if c[0]), key=lambda c: -c[1])]
@@ -69,4 +72,54 @@ def _weights_advice(setup: StepSetup) -> str:
             text += ("under mixed precision Accelerate keeps float32 master shards (bfloat16 weights without --bf16 "
                      "keep bfloat16 shards), ")  # fmt: skip
         return text + "more ranks, or LoRA on an 8-bit or 4-bit base"
-    return text + "bfloat16 weights (--torch-dtype bfloat16), LoRA on an 8-bit or 4-bit base, or FSDP2 across devices"
+    dtype = "bfloat16 weights (--torch-dtype bfloat16), " if setup.torch_dtype == "float32" else ""
+    return text + dtype + "LoRA on an 8-bit or 4-bit base, or FSDP2 across devices"
+
+
+def choose_offload(rows: list[PlanRow], device_memory: int | None, host_memory: int | None) -> list[str]:
+    """
+    For each layer-wise optimizer planned with several offload modes, which mode to use, from the simulated bytes
+    only: among the modes whose device peak fits (and host peak, with `host_memory`), the one with the least host
+    memory (no offload needs none; "gradients" less than "optimizer"); without a device memory, or when none fits,
+    the one with the lowest device peak. Speed is not weighed here: the host step must keep pace with backward
+    (`layerwise_hf.optim.offloading.SLOW_ON_HOST`) and every mode moves gradients over the host link.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.plan.core import PlanRow
+    >>> from layerwise_hf.plan.advice import choose_offload
+    >>> cats = dict(weights=0, gradients=0, optimizer_state=0, activations=0, temporaries=0)
+    >>> rows = [PlanRow("sgd_layerwise", 30, cats, "", False, offload="none"),
+    ...         PlanRow("sgd_layerwise", 20, cats, "", False, offload="gradients", host_peak_bytes=10)]
+    >>> choose_offload(rows, device_memory=24, host_memory=None)[0]
+    'sgd_layerwise: offload gradients (device peak 20 B, host 10 B): the least host memory among the modes that fit'
+    ```
+    """
+    from ..estimate.units import format_bytes
+
+    out = []
+    by_name: dict[str, list[PlanRow]] = {}
+    for row in rows:
+        if row.optimizer.endswith(SUFFIX):
+            by_name.setdefault(row.optimizer, []).append(row)
+    for name, candidates in by_name.items():
+        if len(candidates) < 2:
+            continue
+
+        def fits(r: PlanRow) -> bool:
+            device_ok = device_memory is not None and r.peak_bytes <= device_memory
+            return device_ok and (host_memory is None or r.host_peak_bytes <= host_memory)
+
+        fitting = [r for r in candidates if fits(r)]
+        if fitting:
+            best = min(fitting, key=lambda r: (r.host_peak_bytes, r.peak_bytes))
+            why = "the least host memory among the modes that fit"
+        else:
+            best = min(candidates, key=lambda r: (r.peak_bytes, r.host_peak_bytes))
+            why = "the lowest device peak" + (", and no mode fits" if device_memory is not None else "")
+        out.append(
+            f"{name}: offload {best.offload} (device peak {format_bytes(best.peak_bytes)}, host "
+            f"{format_bytes(best.host_peak_bytes)}): {why}"
+        )
+    return out

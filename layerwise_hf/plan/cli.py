@@ -14,7 +14,7 @@ from ..estimate.units import DTYPE_BYTES, SHARDINGS, EstimateError, format_bytes
 if TYPE_CHECKING:
     from .core import Plan
 
-from .options import CLIP_MODES, DEVICES
+from .options import CLIP_MODES, DEVICES, OFFLOAD_MODES
 
 JSON_SCHEMA = """--json prints one object:
   model, source          the model's name and where its dimensions come from
@@ -24,12 +24,16 @@ JSON_SCHEMA = """--json prints one object:
                          gradient_checkpointing, lora_r, lora_targets, weight_decay, learning_rate, device,
                          world_size, sharding
   device_memory          bytes, or null
+  host_memory            bytes (--host-memory), or null
+  offload                the offload modes planned for the layer-wise rows (--offload), e.g. ["none"]
   extrapolated_layers    true when 2-4 decoder layers were simulated and extended (exactly)
   seconds                time the simulation took
-  optimizers             one object per optimizer:
+  optimizers             one object per optimizer and offload mode:
     optimizer                   the Trainer name
-    peak_bytes                  the most bytes alive at once in a steady-state step
-    categories                  {weights, gradients, optimizer_state, activations, temporaries}: bytes at that peak
+    offload                     its layerwise_offload: none, gradients or optimizer (standard rows: none)
+    peak_bytes                  the most device bytes alive at once in a steady-state step
+    categories                  {weights, gradients, optimizer_state, activations, temporaries}: device bytes at
+                                that peak
     when                        where in the step the peak falls
     optimizer_state_from_rule   true: state from the estimator's rules (kernels that cannot run on fake tensors)
     fits, headroom_bytes        with --device-memory: peak_bytes <= device memory, and device memory - peak_bytes
@@ -38,6 +42,12 @@ JSON_SCHEMA = """--json prints one object:
     advice                      what would lower the peak
     between_steps               {same categories}: what stays alive after zero_grad() (weights, optimizer state,
                                 DDP's buckets)
+    host_peak_bytes             the most host bytes alive at once (offload: gradient buffers; with optimizer also
+                                the states, parameter copies and host step temporaries); 0 without offload
+    host_categories             {same categories}: host bytes at that peak
+    combined_peak_bytes         the most device + host bytes alive at once (one memory, as on a CPU-only machine)
+    host_fits, host_headroom_bytes  with --host-memory: host_peak_bytes <= host memory, and the difference
+  offload_advice         with several --offload modes: per layer-wise optimizer, the mode to use and why (bytes)
   notes                  optimizers left out (a counterpart FSDP2 cannot step)"""
 
 
@@ -86,6 +96,16 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--lora-target-modules", nargs="+", default=["q_proj", "v_proj"], help="LoRA's targets.")
     parser.add_argument("--device-memory", default=None, help="e.g. 80GiB: say whether each optimizer fits.")
     parser.add_argument(
+        "--offload",
+        nargs="+",
+        choices=OFFLOAD_MODES,
+        default=["none"],
+        help="layerwise_offload of the layer-wise rows (several: one row each). gradients: gradients wait in host "
+        "buffers (GA and exact clipping without a second backward); optimizer: states and the step on the host. "
+        "The table then shows the device peak and the host peak apart.",
+    )
+    parser.add_argument("--host-memory", default=None, help="e.g. 256GiB: say whether each offload row's host fits.")
+    parser.add_argument(
         "--device",
         choices=DEVICES,
         default="cuda",
@@ -131,6 +151,8 @@ def _options(args: argparse.Namespace) -> dict:
         extrapolate=not args.no_extrapolate,
         world_size=args.world_size,
         sharding=args.sharding or ("none" if args.world_size == 1 else "ddp"),
+        offload=tuple(args.offload),
+        host_memory=args.host_memory,
     )
 
 
@@ -165,24 +187,28 @@ def _run(args: argparse.Namespace) -> str:
     if args.json:
         payload = result.to_dict()
         for row in payload["optimizers"]:
-            if row["optimizer"] in batches:
-                row["max_micro_batch"] = batches[row["optimizer"]]
+            if (row["optimizer"], row["offload"]) in batches:
+                row["max_micro_batch"] = batches[(row["optimizer"], row["offload"])]
         return json.dumps(payload, indent=2)
     text = result.format(args.units)
-    for name, batch in batches.items():
-        text += f"\n{name}: largest micro-batch that fits in {format_bytes(result.device_memory, args.units)}: {batch}"
+    for row in result.rows:
+        batch = batches.get((row.optimizer, row.offload))
+        if batch is not None:
+            text += (f"\n{row.label}: largest micro-batch that fits in "
+                     f"{format_bytes(result.device_memory, args.units)}: {batch}")  # fmt: skip
     return text
 
 
-def _max_batches(args: argparse.Namespace, options: dict, result: Plan) -> dict[str, int]:
+def _max_batches(args: argparse.Namespace, options: dict, result: Plan) -> dict[tuple[str, str], int]:
     from .batch import max_micro_batch
     from .core import plan
 
     out = {}
     for row in result.rows:
 
-        def run_one(batch: int, name: str = row.optimizer) -> Plan:
-            return plan(args.model, [name], **{**options, "micro_batch": batch}, counterparts=False)
+        def run_one(batch: int, name: str = row.optimizer, mode: str = row.offload) -> Plan:
+            changed = {**options, "micro_batch": batch, "offload": mode}
+            return plan(args.model, [name], **changed, counterparts=False)
 
-        out[row.optimizer], _ = max_micro_batch(run_one, row.optimizer)
+        out[(row.optimizer, row.offload)], _ = max_micro_batch(run_one, row.optimizer)
     return out

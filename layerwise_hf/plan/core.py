@@ -3,6 +3,7 @@ gradients, optimizer state, activations and temporaries at the peak), compared w
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
 import tempfile
@@ -14,8 +15,9 @@ from ..bases.support import SUFFIX
 from ..estimate.models import resolve_config
 from ..estimate.optimizers import LAYERWISE_ONLY, parse_optimizer
 from ..estimate.units import EstimateError, format_bytes
-from .advice import advise
+from .advice import advise, choose_offload
 from .extrapolate import simulate_layers
+from .isolation import single_process
 from .options import CLIP_MODES, DEVICES
 from .ranks import RANK, check_ranks, fsdp2_refusal, in_fresh_process, needs_fresh_process
 from .simulate import DTYPE_ALIASES, DTYPES, SimulatedStep, StepSetup, simulate
@@ -24,7 +26,7 @@ from .tracker import CATEGORIES
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?)(b?)|b?)\s*$", re.IGNORECASE)
 
 
-def parse_size(text: str | int | float) -> int:
+def parse_size(text: str | int | float, argument: str = "--device-memory") -> int:
     """
     Bytes from `80GiB`, `80GB`, `80G` (binary with an `i` or a bare letter, as `nvidia-smi` sizes read), or a number.
 
@@ -41,24 +43,24 @@ def parse_size(text: str | int | float) -> int:
     else:
         match = _SIZE.match(str(text))
         if not match:
-            raise EstimateError(f"--device-memory {text!r}: give a size such as 80GiB, 80GB or 85899345920.")
+            raise EstimateError(f"{argument} {text!r}: give a size such as 80GiB, 80GB or 85899345920.")
         number, letter, binary, byte = match.groups()
         power = "kmgt".index(letter.lower()) + 1 if letter else 0
         # "GB" is decimal; "GiB" and a bare "G" binary.
         value = int(float(number) * (1000**power if byte and not binary else 1024**power))
     if value < 1:
-        raise EstimateError(f"--device-memory must be above 0 bytes; got {text!r}.")
+        raise EstimateError(f"{argument} must be above 0 bytes; got {text!r}.")
     return value
 
 
 @dataclass
 class PlanRow:
     """
-    One optimizer's simulated step.
+    One optimizer's simulated step (with one offload mode).
 
     Args:
         optimizer (`str`): the Trainer name.
-        peak_bytes (`int`): the most bytes alive at once during a steady-state step.
+        peak_bytes (`int`): the most bytes alive at once on the device during a steady-state step.
         categories (`dict[str, int]`): the peak split into weights, gradients, optimizer_state, activations and
             temporaries (summing to `peak_bytes`).
         when (`str`): where in the step the peak falls.
@@ -71,6 +73,14 @@ class PlanRow:
         advice (`list[str]`): what would lower this peak.
         between_steps (`dict[str, int]`): what stays alive after a step's `zero_grad()`, per category: weights
             (this rank's shards under FSDP2), optimizer state, and gradient memory a run keeps (DDP's buckets).
+        offload (`str`): `layerwise_offload` of this row (`"none"`, `"gradients"`, `"optimizer"`; standard rows
+            `"none"`).
+        host_peak_bytes (`int`): the most host-side bytes alive at once (offload's host buffers, host copies of the
+            parameters, host optimizer states and the host step's temporaries); 0 without offload.
+        host_categories (`dict[str, int]`): that host peak split into the same categories.
+        combined_peak_bytes (`int`): the most device + host bytes alive at once: what one memory holds where the
+            device is the host (a CPU-only run).
+        host_fits (`bool`, *optional*), host_headroom_bytes (`int`, *optional*): against `host_memory`, when given.
     """
 
     optimizer: str
@@ -83,6 +93,17 @@ class PlanRow:
     saving_bytes: int | None = None
     advice: list[str] = field(default_factory=list)
     between_steps: dict[str, int] = field(default_factory=dict)
+    offload: str = "none"
+    host_peak_bytes: int = 0
+    host_categories: dict[str, int] = field(default_factory=dict)
+    combined_peak_bytes: int = 0
+    host_fits: bool | None = None
+    host_headroom_bytes: int | None = None
+
+    @property
+    def label(self) -> str:
+        """The optimizer's name, with its offload mode when it has one."""
+        return self.optimizer + (f" +offload {self.offload}" if self.offload != "none" else "")
 
 
 @dataclass
@@ -97,9 +118,13 @@ class Plan:
     extrapolated: bool
     seconds: float
     notes: list[str] = field(default_factory=list)
+    offload: tuple[str, ...] = ("none",)
+    host_memory: int | None = None
+    offload_advice: list[str] = field(default_factory=list)  # which mode to use (`advice.choose_offload`)
 
-    def row(self, optimizer: str) -> PlanRow:
-        return next(r for r in self.rows if r.optimizer == optimizer)
+    def row(self, optimizer: str, offload: str | None = None) -> PlanRow:
+        """The row of `optimizer` (with `offload`, or its first)."""
+        return next(r for r in self.rows if r.optimizer == optimizer and offload in (None, r.offload))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -110,6 +135,9 @@ class Plan:
             "rank": RANK if self.setup.sharding != "none" else None,
             "setup": asdict(self.setup),
             "device_memory": self.device_memory,
+            "host_memory": self.host_memory,
+            "offload": list(self.offload),
+            "offload_advice": list(self.offload_advice),
             "extrapolated_layers": self.extrapolated,
             "seconds": round(self.seconds, 3),
             "optimizers": [asdict(r) for r in self.rows],
@@ -119,18 +147,25 @@ class Plan:
     def format(self, units: str = "binary") -> str:
         from ..estimate.cli import render_table
 
-        headers = ["optimizer", "peak", *CATEGORY_TITLES.values()]
+        offloaded = any(r.offload != "none" for r in self.rows)
+        headers = ["optimizer", "device peak" if offloaded else "peak", *CATEGORY_TITLES.values()]
         if self.device_memory is not None:
             headers += ["fits", "headroom"]
+        if offloaded:
+            headers += ["host peak"] + (["host fits"] if self.host_memory is not None else [])
         rows = []
         for r in self.rows:
             cells = [
-                r.optimizer + (" (state: rule)" if r.optimizer_state_from_rule else ""),
+                r.label + (" (state: rule)" if r.optimizer_state_from_rule else ""),
                 format_bytes(r.peak_bytes, units),
             ]
             cells += [format_bytes(r.categories[c], units) for c in CATEGORY_TITLES]
             if self.device_memory is not None:
                 cells += ["fits" if r.fits else "does not fit", format_bytes(r.headroom_bytes, units)]
+            if offloaded:
+                cells.append(format_bytes(r.host_peak_bytes, units) if r.offload != "none" else "-")
+                if self.host_memory is not None:
+                    cells.append(("fits" if r.host_fits else "does not fit") if r.offload != "none" else "-")
             rows.append(cells)
         s = self.setup
         title = (
@@ -142,7 +177,7 @@ class Plan:
         )
         lines = [render_table(title, headers, rows)]
         for r in self.rows:
-            lines.append(f"{r.optimizer}: peak at {r.when}.")
+            lines.append(f"{r.label}: peak at {r.when}.")
             if r.saving_bytes is not None:
                 lines.append(f"  layer-wise saves {format_bytes(r.saving_bytes, units)} in this run.")
             lines += [f"  to lower it: {a}" for a in r.advice]
@@ -153,7 +188,15 @@ class Plan:
                 "measured on bitsandbytes 0.50: 5 x numel float32 per 8-bit tensor, 3 x in 32 bits; its CUDA kernels "
                 "allocate none)."
             )
+        lines += [f"Offload: {a}" for a in self.offload_advice]
         lines += [f"Note: {n}" for n in self.notes]
+        if offloaded:
+            lines.append(
+                "Note: offload rows: the categories are the device's (host-side storages apart); host peak: the most "
+                "host memory alive at once (gradient buffers; with 'optimizer' also the states, a copy of each "
+                "parameter and the host step's temporaries), pinned on a GPU. The host worker is planned as keeping "
+                "pace with backward."
+            )
         if self.setup.sharding == "fsdp2":
             lines.append(
                 "Note: per rank under FSDP2: weights are this rank's shards plus the all-gathered (unsharded) units "
@@ -266,13 +309,15 @@ def plan(
     counterparts: bool = True,
     world_size: int = 1,
     sharding: str = "none",
+    offload: str | list[str] | tuple[str, ...] = "none",
+    host_memory: str | int | None = None,
 ) -> Plan:
     """
     Simulate one steady-state training step per optimizer on fake tensors (nothing allocated) and say whether it fits.
 
     Args:
-        model (`str`, `os.PathLike`, `dict` or `PretrainedConfig`):
-            A preset (`layerwise_hf.estimate.list_presets()`), a local config.json or a folder holding one.
+        model (`str`, `os.PathLike`, `dict` or `PretrainedConfig`): a preset (`layerwise_hf.estimate.list_presets()`),
+            a local config.json or a folder holding one; a config object is copied, never changed.
         optimizers (`list[str]`, *optional*, defaults to `("adamw_torch",)`):
             Trainer optimizer names; each runs standard and layer-wise (`<name>_layerwise`).
         seq_len, micro_batch, grad_accum (`int`): tokens per sequence, sequences per forward, micro-batches per step.
@@ -281,12 +326,15 @@ def plan(
         bf16, fp16 (`bool`): Trainer's autocast. torch_dtype (`str`): the weights' dtype.
         gradient_checkpointing (`bool`): activation checkpointing as Trainer enables it (non-reentrant).
         lora_r (`int`, *optional*), lora_targets: LoRA adapters (peft) on a frozen base.
-        device_memory (`str` or `int`, *optional*): e.g. `"80GiB"`; each row then says whether it fits.
+        device_memory (`str` or `int`, *optional*): e.g. `"80GiB"`; each row then says whether its device peak fits.
         device (`str`, defaults to `"cuda"`): whose optimizer defaults to use (`foreach` on CUDA).
         extrapolate (`bool`, defaults to `True`): simulate 2-4 identical decoder layers and extend the exact line.
         counterparts (`bool`, defaults to `True`): also run each optimizer's standard / layer-wise counterpart.
         world_size (`int`, defaults to `1`), sharding (`str`, defaults to `"none"`): one rank of `world_size`
             under `"ddp"` or `"fsdp2"`, with a fake process group (`layerwise_hf.plan.ranks`); figures per rank.
+        offload (`str` or a list of them), host_memory (*optional*): `layerwise_offload` of the layer-wise rows
+            (several modes: a row each), simulated with the real offload code, device and host sides apart
+            (`layerwise_hf.plan.offload`); e.g. `"256GiB"`: whether each offload row's host peak fits.
 
     Example:
 
@@ -300,55 +348,90 @@ def plan(
     started = time.perf_counter()
     expanded = expand_optimizers(optimizers, counterparts)
     names = fsdp2_counterparts(expanded, optimizers, sharding)
-    setup = make_setup(
-        optimizers=names,
-        world_size=world_size,
-        sharding=sharding,
-        seq_len=seq_len,
-        micro_batch=micro_batch,
-        grad_accum=grad_accum,
-        max_grad_norm=max_grad_norm,
-        clip_mode=clip_mode,
-        bf16=bf16,
-        fp16=fp16,
-        torch_dtype=torch_dtype,
-        device=device,
-        gradient_checkpointing=gradient_checkpointing,
-        lora_r=lora_r,
-        lora_targets=lora_targets,
-    )
+    modes = check_offload_modes(offload, names)
+    options = dict(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
+                   clip_mode=clip_mode, bf16=bf16, fp16=fp16, torch_dtype=torch_dtype, device=device, lora_r=lora_r,
+                   gradient_checkpointing=gradient_checkpointing, lora_targets=lora_targets)  # fmt: skip
+    setup = make_setup(optimizers=names, world_size=world_size, sharding=sharding, **options)
     memory = parse_size(device_memory) if device_memory is not None else None
+    host = parse_size(host_memory, "--host-memory") if host_memory is not None else None
     config, name, source = resolve_config(model)
     check_causal_lm(config, name)
+    config = copy.deepcopy(config)  # the simulation turns off the KV cache on the config it builds from
+    jobs = [(n, m) for n in names for m in (modes if n.endswith(SUFFIX) else ("none",))]
     run = functools.partial(in_fresh_process, simulate_all) if needs_fresh_process(sharding) else simulate_all
-    steps, extrapolated = run(config, names, setup, extrapolate)
-    rows = [to_row(step, setup, memory, steps) for step in steps.values()]
+    with single_process():
+        steps, extrapolated = run(config, jobs, setup, extrapolate)
+    rows = [to_row(step, setup, memory, host, steps) for step in steps.values()]
+    notes = plan_notes(expanded, names, modes)
+    seconds = time.perf_counter() - started
+    return Plan(name, source, setup, memory, rows, extrapolated, seconds, notes, modes, host,
+                choose_offload(rows, memory, host))  # fmt: skip
+
+
+def plan_notes(expanded: list[str], names: list[str], modes: tuple[str, ...]) -> list[str]:
+    """What the plan left out: counterparts FSDP2 cannot step, offload asked of standard optimizers only."""
     notes = [f"{n} left out: under FSDP2 {fsdp2_refusal(n)}." for n in expanded if n not in names]
-    return Plan(name, source, setup, memory, rows, extrapolated, time.perf_counter() - started, notes)
+    if modes != ("none",) and not any(n.endswith(SUFFIX) for n in names):
+        notes.append(f"offload {', '.join(modes)}: a layer-wise optimizer's option; the standard rows run without.")
+    return notes
 
 
-def simulate_all(config: Any, names: list[str], setup: StepSetup, extrapolate: bool) -> tuple[dict, bool]:
-    steps: dict[str, SimulatedStep] = {}
+def check_offload_modes(offload: str | list[str] | tuple[str, ...], names: list[str]) -> tuple[str, ...]:
+    """The offload modes asked for, each valid, in order; `"optimizer"` refused for a base that cannot step on the
+    host (as `layerwise_offload="optimizer"` refuses it before training)."""
+    from ..estimate.offload import OFFLOAD_MODES
+    from ..optim.offloading import NOT_ON_HOST
+
+    modes = (offload,) if isinstance(offload, str) else tuple(dict.fromkeys(offload))
+    for mode in modes:
+        if mode not in OFFLOAD_MODES:
+            raise EstimateError(f"offload={mode!r}: choose one of {', '.join(OFFLOAD_MODES)}.")
+    if not modes:
+        raise EstimateError(f"offload=(): give at least one of {', '.join(OFFLOAD_MODES)}.")
+    if "optimizer" in modes:
+        for n in names:
+            if n.endswith(SUFFIX) and n.removesuffix(SUFFIX) in NOT_ON_HOST:
+                raise EstimateError(
+                    f"offload='optimizer' cannot step {n} on the host: {NOT_ON_HOST[n.removesuffix(SUFFIX)]}. "
+                    "Use offload='gradients', or a base that steps on the host (adamw_torch, adafactor, sgd)."
+                )
+    return modes
+
+
+def simulate_all(config: Any, jobs: list[tuple[str, str]], setup: StepSetup, extrapolate: bool) -> tuple[dict, bool]:
+    """Each `(optimizer, offload)` job simulated; results keyed by the job."""
+    steps: dict[tuple[str, str], SimulatedStep] = {}
     extrapolated = True
     with tempfile.TemporaryDirectory(prefix="layerwise-hf-plan-") as out:
-        for optimizer in names:
+        for optimizer, mode in jobs:
+            one = functools.partial(simulate, optimizer=optimizer, setup=setup, output_dir=out, offload=mode)
             if extrapolate:
-                step, used = simulate_layers(config, lambda c, o=optimizer: simulate(c, o, setup, out))
+                step, used = simulate_layers(config, lambda c, one=one: one(c))
             else:
-                step, used = simulate(config, optimizer, setup, out), False
-            steps[optimizer] = step
+                step, used = one(config), False
+            steps[(optimizer, mode)] = step
             extrapolated &= used
     return steps, extrapolated
 
 
-def to_row(step: SimulatedStep, setup: StepSetup, memory: int | None, steps: dict[str, SimulatedStep]) -> PlanRow:
+def to_row(
+    step: SimulatedStep, setup: StepSetup, memory: int | None, host: int | None, steps: dict[tuple[str, str], Any]
+) -> PlanRow:
     peak = step.peak
     row = PlanRow(step.optimizer, peak.total, dict(peak.by_category), peak.phase, step.from_rule)
     row.between_steps = dict(step.steady_by_category)
+    row.offload = step.offload
+    row.host_peak_bytes = step.host_peak.total
+    row.host_categories = dict(step.host_peak.by_category)
+    row.combined_peak_bytes = step.combined_peak
     if memory is not None:
         row.fits = peak.total <= memory
         row.headroom_bytes = memory - peak.total
-    standard = steps.get(step.optimizer.removesuffix(SUFFIX)) if step.optimizer.endswith(SUFFIX) else None
+    if host is not None:
+        row.host_fits = step.host_peak.total <= host
+        row.host_headroom_bytes = host - step.host_peak.total
+    standard = steps.get((step.optimizer.removesuffix(SUFFIX), "none")) if step.optimizer.endswith(SUFFIX) else None
     if standard is not None:
         row.saving_bytes = standard.peak.total - peak.total
     row.advice = advise(row, setup)

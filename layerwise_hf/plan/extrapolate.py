@@ -52,7 +52,10 @@ def _on_line(a: SimulatedStep, b: SimulatedStep, c: SimulatedStep, points: tuple
         if _line(a.phase_peaks[key], b.phase_peaks[key], *points).by_category != peak.by_category:
             return False
     steady = {k: 2 * b.steady_by_category[k] - a.steady_by_category[k] for k in a.steady_by_category}
-    return steady == c.steady_by_category
+    # Offload's host side (its buffers, copies and states, one set per layer) and the joint peak on a line too.
+    host = _line(a.host_peak, b.host_peak, *points).by_category == c.host_peak.by_category
+    joint = 2 * b.combined_peak - a.combined_peak == c.combined_peak
+    return steady == c.steady_by_category and host and joint
 
 
 def simulate_layers(config: Any, run: Callable[[Any], SimulatedStep]) -> tuple[SimulatedStep, bool]:
@@ -89,7 +92,12 @@ def simulate_layers(config: Any, run: Callable[[Any], SimulatedStep]) -> tuple[S
         k = total - points[0]
         split = {x: a.steady_by_category[x] + k * (b.steady_by_category[x] - a.steady_by_category[x])
                  for x in a.steady_by_category}  # fmt: skip
-        return SimulatedStep(a.optimizer, peak, a.from_rule, sum(split.values()), split), True
+        host = _line(a.host_peak, b.host_peak, points[0], points[1], total)
+        host.phase = _renumber(c.host_peak.phase, points[2], total)
+        joint = a.combined_peak + k * (b.combined_peak - a.combined_peak)
+        step = SimulatedStep(a.optimizer, peak, a.from_rule, sum(split.values()), split, offload=a.offload)
+        step.host_peak, step.combined_peak = host, joint
+        return step, True
     return run(config), False
 
 

@@ -2,3 +2,4 @@
 
 CLIP_MODES = ("exact", "previous", "per_param", "off")  # LayerwiseTrainingArguments.layerwise_clip
 DEVICES = ("cuda", "cpu")  # whose torch optimizer defaults the step uses
+OFFLOAD_MODES = ("none", "gradients", "optimizer")  # LayerwiseTrainingArguments.layerwise_offload

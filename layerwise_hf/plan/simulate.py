@@ -21,6 +21,8 @@ import torch
 from ..bases.compat import dtype_kwargs, enable_activation_checkpointing
 from ..estimate.optimizers import OPTIMIZER_RULES
 from ..estimate.units import DEFAULT_LORA_TARGETS
+from ..optim.host_step import HostStepOptimizer
+from .offload import close_offload, label_host_side, stand_ins
 from .ranks import RankRoute, fake_group
 from .rules import RuleOptimizer, needs_rule, tensor_spec
 from .tracker import LiveBytes, Peak
@@ -83,6 +85,9 @@ class SimulatedStep:
     steady_bytes: int  # live after the step (weights + optimizer state, and gradients a step keeps)
     steady_by_category: dict[str, int] = dataclasses.field(default_factory=dict)  # its split
     phase_peaks: dict[str, Peak] = dataclasses.field(default_factory=dict)  # the peak of each place in the step
+    offload: str = "none"  # layerwise_offload: `peak` is the device side's, `host_peak` the host side's
+    host_peak: Peak = dataclasses.field(default_factory=Peak)
+    combined_peak: int = 0  # device + host at their joint peak (one memory, as on a CPU)
 
 
 def fake_mode():
@@ -192,9 +197,11 @@ def build_standard(model: torch.nn.Module, base: str, args: Any, setup: StepSetu
     return _cuda_defaults(cls(groups, **kwargs), setup)
 
 
-def build_layerwise(model: torch.nn.Module, base: str, args: Any, setup: StepSetup, sync: Callable[[], bool]):
+def build_layerwise(
+    model: torch.nn.Module, base: str, args: Any, setup: StepSetup, sync: Callable[[], bool], offload: str = "none"
+):
     """`build_layerwise_optimizer(model, args)` (its factory, or the rule stand-in's), clipping configured; under
-    FSDP2 with `local_shards=True`, as `LayerwiseTrainer` builds it."""
+    FSDP2 with `local_shards=True`, as `LayerwiseTrainer` builds it; with `offload` (`layerwise_offload`)."""
     from ..optim.optimizer import build_layerwise_optimizer
     from ..routes.local_shard import LocalShardOptimizer
 
@@ -203,19 +210,23 @@ def build_layerwise(model: torch.nn.Module, base: str, args: Any, setup: StepSet
     if needs_rule(rule):
         specs = _named_specs(model)
 
+        # A host step (offload="optimizer") runs the base's CPU code: bitsandbytes' CPU step temporaries, host-side.
+        device = "cpu" if offload == "optimizer" else setup.device
+
         def factory(lp, _args):
             inner = RuleOptimizer(
-                [lp.param], rule, {id(lp.param): specs[id(lp.param)]}, lr=setup.learning_rate, device=setup.device
+                [lp.param], rule, {id(lp.param): specs[id(lp.param)]}, lr=setup.learning_rate, device=device
             )
             # NOTE: under FSDP2 the real optimizers (bitsandbytes', torchao's) step the rank's local shard, with a
             # state of the shard's size: the stand-in steps it the same way.
             return LocalShardOptimizer(inner) if setup.sharding == "fsdp2" else inner
 
     optimizer = build_layerwise_optimizer(
-        model, args, factory=factory, sync_gradients=sync, local_shards=setup.sharding == "fsdp2"
+        model, args, factory=factory, sync_gradients=sync, local_shards=setup.sharding == "fsdp2", offload=offload
     )
     for inner in optimizer.inner:
-        _cuda_defaults(inner, setup)
+        if not isinstance(inner, HostStepOptimizer):  # a host step keeps the CPU default
+            _cuda_defaults(inner, setup)
     optimizer.configure_clipping(setup.max_grad_norm, setup.clip_mode)
     return optimizer
 
@@ -303,9 +314,10 @@ def _labelled_backward(tracker: LiveBytes):
 
 
 def simulate(
-    config: Any, optimizer: str, setup: StepSetup, output_dir: str = "/tmp/layerwise-hf-plan"
+    config: Any, optimizer: str, setup: StepSetup, output_dir: str = "/tmp/layerwise-hf-plan", offload: str = "none"
 ) -> SimulatedStep:
-    """Build the fake model and `optimizer` (a Trainer name, `_layerwise` or not); run two steps, measure the 2nd."""
+    """Build the fake model and `optimizer` (a Trainer name, `_layerwise` or not); run two steps, measure the 2nd.
+    `offload` (`layerwise_offload`, layer-wise only) runs the real offload code with `plan.offload`'s stand-ins."""
     from ..estimate.optimizers import parse_optimizer
 
     base, is_layerwise = parse_optimizer(optimizer)
@@ -320,11 +332,11 @@ def simulate(
         # deprecation warning), and FSDP2 keeps every shard's storage in place over the simulated steps.
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         model = rank.prepare(model)
-        with mode, tracker, rank.labels():
+        with mode, tracker, rank.labels(), stand_ins(tracker, offload):
             handles = tracker.watch_model(model)
             layerwise = None
             if is_layerwise:
-                layerwise = build_layerwise(model, base, args, setup, sync=lambda: window["last"])
+                layerwise = build_layerwise(model, base, args, setup, sync=lambda: window["last"], offload=offload)
                 opt = layerwise
                 for name, inner in zip(layerwise.names, layerwise.inner):
                     handles += tracker.watch_optimizer(inner, name)
@@ -335,14 +347,25 @@ def simulate(
                 rank.forward_module(model, layerwise=False)
             run_step(model, opt, layerwise, setup, tracker, window, rank)
             handles += rank.watch_unsharded(model)
+            if layerwise is not None:
+                label_host_side(tracker, layerwise)
             tracker.reset_peak()
             run_step(model, opt, layerwise, setup, tracker, window, rank)
             steady = tracker.current
             steady_split = dict(tracker.totals)
             if layerwise is not None:
                 layerwise.detach()
+                close_offload(layerwise)
             for handle in handles:
                 handle.remove()
     return SimulatedStep(
-        optimizer, tracker.peak, needs_rule(OPTIMIZER_RULES[base]), steady, steady_split, dict(tracker.phase_peaks)
+        optimizer,
+        tracker.peak,
+        needs_rule(OPTIMIZER_RULES[base]),
+        steady,
+        steady_split,
+        dict(tracker.phase_peaks),
+        offload,
+        tracker.host_peak,
+        tracker.combined_peak,
     )

@@ -12,6 +12,11 @@ Categories: a storage allocated while grad mode is on (the forward, the loss, ch
 activation; one allocated with grad mode off (backward kernels, the optimizer step) a temporary. A storage becomes a
 gradient when a post-accumulate-grad hook finds it in `.grad`, optimizer state when an optimizer's step post-hook
 finds it in `optimizer.state`, and weights are the parameters and buffers registered at the start.
+
+Host offload: on fake tensors (and on a CPU) the device and the host are one memory, so each storage also carries a
+side. A storage allocated inside `on_host()` (host buffers, host parameter copies, what a host optimizer step
+allocates: its states and temporaries) is host-side; `current`, `totals` and `peak` are the device side's, and
+`host_current`, `host_totals` and `host_peak` the host side's.
 """
 
 from __future__ import annotations
@@ -85,9 +90,14 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self._live: dict[int, list] = {}  # id(storage) -> [nbytes, category]
+        self._live: dict[int, list] = {}  # id(storage) -> [nbytes, category, host side?]
         self.totals = dict.fromkeys(CATEGORIES, 0)
         self.current = 0
+        self.host_totals = dict.fromkeys(CATEGORIES, 0)  # host-side storages (offload), apart from the device's
+        self.host_current = 0
+        self.host_peak = Peak()
+        self.combined_peak = 0  # the most device + host bytes alive at once (one memory: a CPU-only run)
+        self._host_depth = 0  # inside on_host(): new storages are host-side
         self.phase = "start"
         self.stage = "backward"  # what a gradient hook names: "backward", or the layer-wise norm pass
         self.peak = Peak()
@@ -102,18 +112,31 @@ class LiveBytes(TorchDispatchMode):
     # ---- counting ----
 
     def track(self, storage: torch.UntypedStorage, category: str) -> None:
-        """Count `storage` (if new) and put it in `category`."""
+        """Count `storage` (if new; host-side inside `on_host()`) and put it in `category`."""
         key = id(storage)
         entry = self._live.get(key)
         if entry is None:
             nbytes = storage.nbytes()
-            self._live[key] = [nbytes, category]
+            host = self._host_depth > 0
+            self._live[key] = [nbytes, category, host]
             weakref.finalize(storage, self._free, key)
+            if host:
+                self.host_totals[category] += nbytes
+                self.host_current += nbytes
+                self._host_rose()
+                return
             self.totals[category] += nbytes
             self.current += nbytes
             self._rose()
             return
         if entry[1] != category:
+            if entry[2]:
+                self.host_totals[entry[1]] -= entry[0]
+                self.host_totals[category] += entry[0]
+                entry[1] = category
+                if self.host_peak.total == self.host_current:
+                    self.host_peak.by_category = dict(self.host_totals)
+                return
             self.totals[entry[1]] -= entry[0]
             self.totals[category] += entry[0]
             entry[1] = category
@@ -128,13 +151,18 @@ class LiveBytes(TorchDispatchMode):
             self.track(storage, category)
 
     def _free(self, key: int) -> None:
-        nbytes, category = self._live.pop(key)
+        nbytes, category, host = self._live.pop(key)
+        if host:
+            self.host_totals[category] -= nbytes
+            self.host_current -= nbytes
+            return
         self.totals[category] -= nbytes
         self.current -= nbytes
         self._peak_is_now = False
         self._phase_now = None
 
     def _rose(self) -> None:
+        self.combined_peak = max(self.combined_peak, self.current + self.host_current)
         key = phase_key(self.phase)
         best = self.phase_peaks.get(key)
         self._phase_now = None
@@ -145,12 +173,33 @@ class LiveBytes(TorchDispatchMode):
             self.peak = Peak(self.current, dict(self.totals), self.phase)
             self._peak_is_now = True
 
+    def _host_rose(self) -> None:
+        self.combined_peak = max(self.combined_peak, self.current + self.host_current)
+        if self.host_current > self.host_peak.total:
+            self.host_peak = Peak(self.host_current, dict(self.host_totals), self.phase)
+
+    @contextlib.contextmanager
+    def on_host(self):
+        """New storages are host-side while the context lasts (offload's host buffers and host steps)."""
+        self._host_depth += 1
+        try:
+            yield
+        finally:
+            self._host_depth -= 1
+
     def _resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         # FSDP2 allocates and frees unsharded weights by resizing one storage (`alloc_storage` / `free_storage`).
         entry = self._live.get(id(storage))
         if entry is None:
             if nbytes:
                 self.track(storage, self.label or (ACTIVATIONS if torch.is_grad_enabled() else TEMPORARIES))
+            return
+        if entry[2]:
+            # NOTE: offload never resizes a host storage; counted on its side should one be resized.
+            self.host_totals[entry[1]] += nbytes - entry[0]
+            self.host_current += nbytes - entry[0]
+            entry[0] = nbytes
+            self._host_rose()
             return
         delta, entry[0] = nbytes - entry[0], nbytes
         if self.label is not None and entry[1] != self.label and delta > 0:
@@ -200,6 +249,8 @@ class LiveBytes(TorchDispatchMode):
         self._peak_is_now = True
         self._phase_now = phase_key(self.phase)
         self.phase_peaks = {self._phase_now: Peak(self.current, dict(self.totals), self.phase)}
+        self.host_peak = Peak(self.host_current, dict(self.host_totals), self.phase)
+        self.combined_peak = self.current + self.host_current
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
