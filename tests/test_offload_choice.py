@@ -66,16 +66,22 @@ def test_transfers_hidden_behind_backward_and_the_steps_leave_the_first_and_last
 
 
 def test_the_cpu_measurements_behind_the_overlap_share():
-    # benchmarks/step_time.py, clipping rows, 20M Llama, 57 tensors, a delay on every copy (a slow link emulated):
-    # (one transfer s, backward s, steps s, largest copy s, measured s offload adds, measured s the norm pass adds).
-    runs = [(0.596, 0.962, 0.377, 0.0117, 0.784, 1.186), (1.726, 0.973, 0.375, 0.0317, 2.679, 0.998)]
+    # benchmarks/results/step_time_offload_clip_delay{0.01,0.03}.json: the clipping rows, 20M Llama, 57 tensors, a
+    # delay of 10 / 30 ms on every copy (a slow link emulated): (one transfer s, standard_clip's backward s and step s,
+    # largest copy s, what offload and the norm pass added to standard_clip's step, s, median of same-round
+    # differences). On 2 shared cores a rerun of the same setup moved these by up to 30%.
+    runs = [(0.606, 0.967, 0.380, 0.0115, 0.861, 0.988), (1.741, 0.913, 0.324, 0.0305, 2.842, 0.750)]
     for transfer, backward, steps, largest, offload, norm_pass in runs:
         choice = choose_clipping_offload(
             1_000_000, backward, largest_grad_bytes=round(1e6 * largest / transfer), step_s=steps,
             link_bytes_per_s=1e6 / transfer,
         )  # fmt: skip
         assert choice.mode == ("gradients" if offload < norm_pass else "none")
-        assert choice.gradients_s == pytest.approx(offload, rel=0.35)
+        assert choice.gradients_s == pytest.approx(offload, rel=0.4)
+        # Perfect overlap (the copies hidden behind all of backward and the steps) is further from what was measured.
+        perfect = choose_clipping_offload(1_000_000, backward, largest_grad_bytes=round(1e6 * largest / transfer),
+                                          step_s=steps, link_bytes_per_s=1e6 / transfer, overlap=1.0)  # fmt: skip
+        assert abs(perfect.gradients_s - offload) > abs(choice.gradients_s - offload)
 
 
 def test_no_norm_pass_to_save_at_ga_above_one_or_without_exact_clipping():

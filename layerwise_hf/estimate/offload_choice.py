@@ -15,8 +15,8 @@ as it is final and freed, and `step()` copies each back and steps it. What each 
   gradients come in bursts (a layer's small ones together) and at most two copies out may be in flight (a copy
   slower than backward holds backward up). Measured on CPU with a slow link emulated (a delay on every copy, 20M
   Llama, the table in benchmarks/README.md, `step_time.py`), the hidden share was 0.3-0.6; with 0.5 the model put the
-  cost of offload at 0.55 s and 2.8 s where 0.78 s and 2.7 s were measured, and chose as the measurements did at all
-  three delays (0, 10 and 30 ms a copy).
+  cost of offload at 0.56 s and 2.9 s where 0.86 s and 2.8 s were measured (with perfect overlap: 0.24 s and 2.2 s),
+  and chose as the measurements did at all three delays (0, 10 and 30 ms a copy).
 
 `choose_clipping_offload` picks the cheaper. Backward grows with the tokens of a micro-batch and the transfers do not,
 so the norm pass wins at small micro-batches and offload at large ones; `crossover_tokens` says where. With gradient
