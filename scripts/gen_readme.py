@@ -106,11 +106,26 @@ PLAN_TABLES = {
         # No standard adamw_8bit: bitsandbytes cannot step FSDP2's DTensors (plan() refuses it, as a run fails).
         rows=[("adamw_torch", {}), ("adamw_torch_layerwise", {}), ("adamw_8bit_layerwise", {})],
     ),
+    # When host offload pays (docs/offload.md): Llama-3-8B on one 24 GiB device, Trainer's defaults (exact clipping),
+    # each main optimizer without offload and with both modes; then gradient accumulation 4.
+    "plan-8b-offload": dict(
+        model="llama-3-8b",
+        options=dict(_BF16, seq_len=4096),
+        devices=["24GiB"],
+        rows=[("adamw_torch", {})]
+        + [
+            (f"{base}_layerwise", dict(offload=mode))
+            for base in ("adamw_torch", "adamw_8bit", "adafactor")
+            for mode in ("none", "gradients", "optimizer")
+        ]
+        + [("adamw_torch_layerwise", dict(offload=mode, grad_accum=4)) for mode in ("none", "gradients", "optimizer")],
+    ),  # fmt: skip
 }
 
 
 def _row_label(optimizer: str, extra: dict) -> str:
-    return f"`{optimizer}`" + (f" + LoRA r={extra['lora_r']}" if extra.get("lora_r") else "")
+    label = f"`{optimizer}`" + (f" + LoRA r={extra['lora_r']}" if extra.get("lora_r") else "")
+    return label + (f", GA {extra['grad_accum']}" if extra.get("grad_accum", 1) > 1 else "")
 
 
 def _settings(table: dict) -> dict:
@@ -179,11 +194,56 @@ def plan_table(key: str, path: Path = SIZING_PLANS_JSON) -> str:
     return "\n".join(lines)
 
 
+def offload_table(key: str, path: Path = SIZING_PLANS_JSON) -> str:
+    """The offload guide's table: per optimizer and `layerwise_offload`, the device peak, the host peak and whether
+    the device peak fits, from `path`."""
+    import json
+
+    from layerwise_hf.estimate.units import format_bytes
+    from layerwise_hf.plan.core import parse_size
+
+    table = PLAN_TABLES[key]
+    stored = json.loads(path.read_text()).get(key) if path.is_file() else None
+    if stored is None or {k: stored[k] for k in ("model", "options", "rows")} != _settings(table):
+        return f"_Not planned with these settings yet: run `python scripts/gen_readme.py --plans {key}`._"
+    fits = [f"fits {d.replace('GiB', ' GiB')}" for d in table["devices"]]
+    lines = [
+        "| optimizer | `layerwise_offload` | device peak | gradients | optimizer state | host peak | host: states | "
+        + " | ".join(fits)
+        + " | the device peak falls at |",
+        "|---" * (7 + len(fits) + 1) + "|",
+    ]
+    for (optimizer, extra), result in zip(table["rows"], stored["plans"]):
+        (row,) = result["optimizers"]
+        label = _row_label(optimizer, extra) + (" (state: rule)" if row["optimizer_state_from_rule"] else "")
+        mode = extra.get("offload", "none") if optimizer.endswith("_layerwise") else "- (standard)"
+        host = row.get("host_categories") or {}
+        cats = row["categories"]
+        cells = [label, f"`{mode}`" if not mode.startswith("-") else mode, f"**{format_bytes(row['peak_bytes'])}**",
+                 format_bytes(cats["gradients"]), format_bytes(cats["optimizer_state"]),
+                 format_bytes(row.get("host_peak_bytes", 0)),
+                 format_bytes(host.get("optimizer_state", 0))]  # fmt: skip
+        for device in table["devices"]:
+            spare = parse_size(device) - row["peak_bytes"]
+            cells.append(f"yes ({format_bytes(spare)} left)" if spare >= 0 else "no")
+        lines.append("| " + " | ".join([*cells, row["when"]]) + " |")
+    lines.append("")
+    options = table["options"]
+    lines.append(
+        f"`layerwise-hf plan {table['model']} --bf16 --torch-dtype bfloat16 --gradient-checkpointing --seq-len "
+        f"{options['seq_len']} --optim <optimizer> --offload none gradients optimizer --device-memory 24GiB`: "
+        f"micro-batch {options['micro_batch']}, Trainer's exact clipping (max_grad_norm 1.0), GA 1 unless the row "
+        f"says otherwise. The {len(table['rows'])} plans took {stored['seconds']} s in all on a shared 2-core CPU."
+    )
+    return "\n".join(lines)
+
+
 SECTIONS = {
     "optimizers": optimizer_table,
     "results": results_table,
     "plan-8b": lambda: plan_table("plan-8b"),
     "plan-70b": lambda: plan_table("plan-70b"),
+    "plan-8b-offload": lambda: offload_table("plan-8b-offload"),
 }
 
 
