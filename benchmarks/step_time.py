@@ -48,6 +48,9 @@ device steps), `wait` (host work still running after `step()`), `host_step` (the
 optimizers' `step()`, torch's step hooks on them) and how much of it ran while backward did, and the CPU seconds of
 the copy thread and of the host worker (`/proc/self/task/<tid>/stat`, 10 ms ticks, summed over all timed steps).
 `--offload_only` times only the offload rows and their references (no `layerwise`); `--rows` names the rows to time.
+With the three clipping rows the JSON's `cost_model` sets `layerwise_hf.estimate.offload_choice`'s prediction (from
+this run's backward, step and copy times) next to what the rounds measured; `LAYERWISE_HF_OFFLOAD_DELAY=<s>` delays
+every copy, a slower link emulated.
 
 Writes `<output_dir>/step_time.json` and `.png` (`--name` for another name).
 """
@@ -230,16 +233,25 @@ class Run(h.TimedRun):
         self.backwards = 0
         self.model.get_input_embeddings().weight.register_hook(self._count_backward)
         self.host_clock = HostStepClock(self.optimizer) if self.offload == "optimizer" else None
-        self.threads: list[int] = []  # the offload's copy thread and host worker (`find_threads`)
+        self.threads: dict[str, int] = {}  # the offload's copy thread and host worker by name (`find_threads`)
+        self.thread_cpu_s: dict[str, list[float]] = {}  # their CPU seconds in each timed call of `steps`
 
     def _count_backward(self, grad):
         self.backwards += 1
 
-    def find_threads(self, ids) -> None:
-        """One step, noting the threads it starts: this run's copy thread and host worker (started on first use)."""
-        before = {t.native_id for t in threading.enumerate()}
+    def find_threads(self, ids, before: set[int]) -> None:
+        """One step, then the threads started since `before` (taken before this run was built): this run's copy
+        thread and host worker (started on first use)."""
         self.one_step(ids)
-        self.threads = [t.native_id for t in threading.enumerate() if t.native_id not in before]
+        # "copy": the copy thread (ThreadTransfer); "host": the host worker (HostWorker's pool thread).
+        named = {"layerwise-offload-copy": "copy", "layerwise-host": "host"}
+        self.threads = {
+            role: t.native_id
+            for t in threading.enumerate()
+            if t.native_id not in before
+            for prefix, role in named.items()
+            if t.name.startswith(prefix)
+        }
         self.parts.clear()
 
     def _hold_host_worker(self) -> threading.Event:
@@ -289,9 +301,10 @@ class Run(h.TimedRun):
 
     def steps(self, batches: list) -> tuple[float, float]:
         """The mean wall and CPU seconds of one step over `batches`; the offload threads' CPU time is summed."""
-        before = thread_cpu_seconds(self.threads)
+        before = {name: thread_cpu_seconds([tid]) for name, tid in self.threads.items()}
         wall, cpu = self.clock(lambda: [self.one_step(ids) for ids in batches])
-        self.thread_cpu_s = getattr(self, "thread_cpu_s", []) + [thread_cpu_seconds(self.threads) - before]
+        for name, tid in self.threads.items():
+            self.thread_cpu_s.setdefault(name, []).append(thread_cpu_seconds([tid]) - before[name])
         return wall / len(batches), cpu / len(batches)
 
     def close(self) -> None:
@@ -341,8 +354,9 @@ def breakdown(runs: dict, opts) -> dict:
             inside = sum(p["host_step_in_backward"] for p in parts)
             entry["host_step_in_backward_fraction"] = inside / total if total else None
         if run.threads:
-            thread_cpu = run.thread_cpu_s[-opts.rounds :]
-            entry["offload_threads_cpu_s_per_step"] = sum(thread_cpu) / timed
+            for name in ("copy", "host"):
+                thread_cpu = run.thread_cpu_s.get(name, [])[-opts.rounds :]
+                entry[f"{name}_thread_cpu_s_per_step"] = sum(thread_cpu) / timed if thread_cpu else None
         out[kind] = entry
     return out
 
@@ -359,6 +373,58 @@ def pair_ratios(timing: dict) -> dict:
                 "paired_ratio_quartiles": h.quartiles(h.paired_ratios(a, b)),
             }
     return out
+
+
+def cost_model_check(runs: dict, report: dict) -> dict | None:
+    """
+    `layerwise_hf.estimate.offload_choice`'s cost model against this run: what it predicts `offload_gradients` and
+    the norm pass add to `standard_clip`'s step, from this run's own backward and step times, the copy time measured
+    here and the injected delay per copy (`LAYERWISE_HF_OFFLOAD_DELAY`: a slower link, emulated), next to what the
+    same rounds measured (median of the same-round differences).
+    """
+    if not {"standard_clip", "layerwise_norm_pass", "offload_gradients"} <= set(runs):
+        return None
+    from layerwise_hf.estimate.offload_choice import choose_clipping_offload
+    from layerwise_hf.optim.transfer import DELAY_ENV
+
+    delay = float(os.environ.get(DELAY_ENV, "0") or 0)
+    parts = report["breakdown"]["standard_clip"]
+    tensors = report["num_trainable_tensors"]
+    transfer = report["copy_one_direction_s"] + tensors * delay
+    largest = report["largest_copy_s"] + delay
+    link = report["trainable_bytes"] / transfer  # bytes per second that make grad_bytes take `transfer`
+    choice = choose_clipping_offload(
+        report["trainable_bytes"], parts["backward_s"], largest_grad_bytes=round(largest * link),
+        step_s=parts["step_s"], link_bytes_per_s=link,
+    )  # fmt: skip
+    ref = runs["standard_clip"].times
+
+    def measured(kind):
+        return statistics.median(a - b for a, b in zip(runs[kind].times, ref))
+
+    return {
+        "copy_delay_s": delay,
+        "transfer_one_direction_s": transfer,
+        "predicted_gradients_extra_s": choice.gradients_s,
+        "predicted_norm_pass_extra_s": choice.norm_pass_s,
+        "predicted_mode": choice.mode,
+        "measured_gradients_extra_s": measured("offload_gradients"),
+        "measured_norm_pass_extra_s": measured("layerwise_norm_pass"),
+        "measured_mode": "gradients" if measured("offload_gradients") < measured("layerwise_norm_pass") else "none",
+    }
+
+
+def largest_copy_seconds(model) -> float:
+    """One copy of the largest trainable tensor (the one whose copy the cost model leaves unhidden)."""
+    biggest = max((p.detach() for p in model.parameters() if p.requires_grad), key=lambda p: p.numel())
+    buffer = torch.empty_like(biggest)
+    buffer.copy_(biggest)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        buffer.copy_(biggest)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def copy_seconds(model) -> float:
@@ -591,7 +657,7 @@ def print_report(report: dict) -> None:
 def print_breakdown(report: dict) -> None:
     b = report["breakdown"]
     cols = [("optimizer", 23), ("forward", 8), ("backward", 8), ("bwds", 4), ("step", 8), ("wait", 8),
-            ("host step", 9), ("in bwd", 6), ("threads cpu", 11)]  # fmt: skip
+            ("host step", 9), ("in bwd", 6), ("copy cpu", 8), ("host cpu", 8)]  # fmt: skip
 
     def ms(x):
         return "-" if x is None else f"{1000 * x:.1f}"
@@ -603,14 +669,24 @@ def print_breakdown(report: dict) -> None:
         [kind, ms(e["forward_s"]), ms(e["backward_s"]), f"{e['backwards_per_step']:g}", ms(e["step_s"]),
          ms(e["wait_s"]), ms(e.get("host_step_s")),
          pct(e.get("host_step_in_backward_fraction")),
-         ms(e.get("offload_threads_cpu_s_per_step"))]
+         ms(e.get("copy_thread_cpu_s_per_step")), ms(e.get("host_thread_cpu_s_per_step"))]
         for kind, e in b.items()
     ]  # fmt: skip
-    h.print_table(cols, rows, title="\nwhere the time goes, ms per step (median; threads cpu: the copy thread and "
-                                    "host worker, mean)")  # fmt: skip
+    h.print_table(cols, rows, title="\nwhere the time goes, ms per step (median; copy / host cpu: CPU time of the "
+                                    "copy thread / the host worker, mean)")  # fmt: skip
     for name, e in report.get("offload_pairs", {}).items():
         q = e["paired_ratio_quartiles"]
         print(f"  {name}: {e['ratio']:.3f}x (same-round median {e['paired_ratio_median']:.3f}, {q[0]:.3f}-{q[2]:.3f})")
+    cost = report.get("cost_model")
+    if cost:
+        c = {k: f"{v:.3f}" if isinstance(v, float) else v for k, v in cost.items()}
+        print(
+            f"  cost model (offload_choice), seconds a step adds to standard_clip, copy delay {cost['copy_delay_s']:g}"
+            f" s (one direction {c['transfer_one_direction_s']} s): gradients offload predicted "
+            f"{c['predicted_gradients_extra_s']} / measured {c['measured_gradients_extra_s']}, norm pass predicted "
+            f"{c['predicted_norm_pass_extra_s']} / measured {c['measured_norm_pass_extra_s']}; choice predicted "
+            f"{cost['predicted_mode']!r}, measured {cost['measured_mode']!r}"
+        )
     if "copy_one_direction_s" in report:
         print(
             f"  one copy of every trainable tensor ({report['trainable_bytes'] / h.MIB:.1f} MiB) on one thread: "
@@ -656,10 +732,12 @@ def main(argv=None) -> int:
     base_model = h.build_llama(opts, seed=opts.seed)
     num_params = sum(p.numel() for p in base_model.parameters())
     kinds = kinds_of(opts)
-    runs = {kind: Run(base_model, kind) for kind in kinds}
-    for run in runs.values():
+    runs = {}
+    for kind in kinds:
+        before = {t.native_id for t in threading.enumerate()}
+        runs[kind] = run = Run(base_model, kind)
         if run.offload != "none":
-            run.find_threads(h.random_tokens(opts.vocab_size, opts.batch_size, opts.seq_len, seed=999))
+            run.find_threads(h.random_tokens(opts.vocab_size, opts.batch_size, opts.seq_len, seed=999), before)
     rows = " / ".join(kinds)
     desc = (
         f"{rows}, plain loop, Llama {num_params / 1e6:.1f}M params (vocab {opts.vocab_size}, "
@@ -690,7 +768,9 @@ def main(argv=None) -> int:
     if opts.offload:
         report["offload_pairs"] = pair_ratios(timing)
         report["copy_one_direction_s"] = copy_seconds(base_model)
+        report["largest_copy_s"] = largest_copy_seconds(base_model)
         report["trainable_bytes"] = sum(p.numel() * p.element_size() for p in base_model.parameters())
+        report["cost_model"] = cost_model_check(runs, report)
     if opts.profile:
         report["profile"] = profile_runs(runs, opts)
     for run in runs.values():

@@ -109,9 +109,11 @@ def test_step_time_offload_rows_small(tmp_path):
     assert parts["offload_gradients"]["backwards_per_step"] == 1 == parts["standard_clip"]["backwards_per_step"]
     # The host worker stepped every step; held until backward returned, none of it ran during backward.
     for kind in ("offload_optimizer", "offload_optimizer_after"):
-        assert parts[kind]["host_step_s"] > 0 and parts[kind]["offload_threads_cpu_s_per_step"] >= 0
+        assert parts[kind]["host_step_s"] > 0 and parts[kind]["host_thread_cpu_s_per_step"] is not None
+        assert parts[kind]["copy_thread_cpu_s_per_step"] is not None  # both threads found and read
     assert parts["offload_optimizer_after"]["host_step_in_backward_fraction"] == 0.0
     assert "host_step_s" not in parts["offload_gradients"] and "host_step_s" not in parts["standard"]
+    assert parts["offload_gradients"]["copy_thread_cpu_s_per_step"] is not None
     assert set(report["offload_pairs"]) == {
         "offload_optimizer/offload_optimizer_after", "offload_gradients/layerwise_norm_pass"
     }  # fmt: skip
