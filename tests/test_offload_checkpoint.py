@@ -331,25 +331,17 @@ def two_rank_reference(tmp_path_factory):
     return get
 
 
-FSDP2_HOST_COPY = (
-    "Under FSDP2, Trainer loads the optimizer through torch's get_optimizer_state_dict, whose _init_optim_state "
-    "steps an optimizer without state once (zero gradients, lr 0) before loading. A HostStepOptimizer steps its host "
-    "copy taken when the optimizer was built (before fully_shard and before the checkpoint's weights were loaded): "
-    "the shapes differ (RuntimeError: attempting to assign a gradient of size [32, 32] to a tensor of size [64, 32]), "
-    "and without sharding the step would copy the stale host copy back over the loaded weights. The fix belongs in "
-    "layerwise_hf/optim/host_step.py: refresh the host copy from the device (HostStepOptimizer.refresh) before a "
-    "step whenever the device parameter may have changed since it was taken (stale from construction until the "
-    "first attached step, or when the local shard's shape differs)."
-)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "engine, saved_with, resumed_with",
     [
         ("fsdp2", "gradients", "gradients"),
+        # Each rank's shard of the host states is saved (DCP kept one rank's shard under each key before).
+        ("fsdp2", "optimizer", "none"),
         ("ddp", "optimizer", "none"),
-        pytest.param("fsdp2", "optimizer", "optimizer", marks=pytest.mark.xfail(strict=True, reason=FSDP2_HOST_COPY)),
+        # Trainer loads an FSDP2 optimizer through torch's get_optimizer_state_dict, which steps it once before
+        # loading (see test_a_zero_step_before_loading_keeps_the_loaded_weights).
+        ("fsdp2", "optimizer", "optimizer"),
     ],
 )
 def test_two_ranks_sigkill_during_checkpoint_write_then_resume_with_offload(
@@ -366,10 +358,11 @@ def test_two_ranks_sigkill_during_checkpoint_write_then_resume_with_offload(
     assert_weights_equal(expected, load_file(tmp_path / "final" / "model.safetensors"))
 
 
-@pytest.mark.xfail(strict=True, reason=FSDP2_HOST_COPY)
 def test_a_zero_step_before_loading_keeps_the_loaded_weights(tmp_path):
-    # What FSDP2's resume does (see FSDP2_HOST_COPY) on one process: the optimizer exists, the checkpoint's weights
-    # are loaded into the model, then torch's _init_optim_state steps the empty optimizer with zero gradients, lr 0.
+    # What FSDP2's resume does, on one process: the optimizer exists, the checkpoint's weights are loaded into the
+    # model, then torch's _init_optim_state (get_optimizer_state_dict, before it loads a state) steps the optimizer
+    # without state once, zero gradients and lr 0. A host-stepped parameter must write back the loaded weights, not
+    # a host copy taken when the optimizer was built (under FSDP2 that copy is not even of the local shard's shape).
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     from layerwise_hf.optim.offloading import wait_for_host_steps
@@ -394,14 +387,7 @@ def _crash_main(argv: list[str]) -> None:
     from layerwise_hf import LayerwiseTrainer
     from layerwise_hf.optim.offloading import offload_of, wait_for_host_steps
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("output_dir")
-    parser.add_argument("--offload", required=True, help="none, gradients, optimizer, or standard (stock Trainer)")
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--kill", default=None, help="step:N, host:N, micro:N or save:N")
-    parser.add_argument("--hold", type=int, default=None, help="hold step N's host steps back for a second")
-    parser.add_argument("--resume", action="store_true")
-    opts = parser.parse_args(argv)
+    opts = _crash_options(argv)
     where, kill_step = opts.kill.split(":") if opts.kill else (None, "0")
     kill_step = int(kill_step)
     current = [0]  # the step being taken
@@ -466,13 +452,28 @@ def _crash_main(argv: list[str]) -> None:
         args = training_args(opts.output_dir, "adamw_torch_layerwise", **kwargs, layerwise_offload=opts.offload)
         trainer = KillDuringSave(model=tiny_llama(), args=args, train_dataset=TokenDataset(n=32), callbacks=[Kill()])
     trainer.train(resume_from_checkpoint=True if opts.resume else None)
+    _save_final(trainer, opts.output_dir)
+
+
+def _crash_options(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("output_dir")
+    parser.add_argument("--offload", required=True, help="none, gradients, optimizer, or standard (stock Trainer)")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--kill", default=None, help="step:N, host:N, micro:N or save:N")
+    parser.add_argument("--hold", type=int, default=None, help="hold step N's host steps back for a second")
+    parser.add_argument("--resume", action="store_true")
+    return parser.parse_args(argv)
+
+
+def _save_final(trainer, output_dir: str) -> None:
     # Full parameters on every engine (FSDP2 shards are gathered; every rank takes part, rank 0 writes).
     final = {n: getattr(p, "full_tensor", p.detach)().detach().clone() for n, p in trainer.model.named_parameters()}
     if trainer.args.process_index == 0:
         from safetensors.torch import save_file
 
-        os.makedirs(os.path.join(opts.output_dir, "final"), exist_ok=True)
-        save_file(final, os.path.join(opts.output_dir, "final", "model.safetensors"))
+        os.makedirs(os.path.join(output_dir, "final"), exist_ok=True)
+        save_file(final, os.path.join(output_dir, "final", "model.safetensors"))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
 A standard Trainer optimizer state has two param groups (Trainer's weight-decay group, then the no-decay group),
 each listing its parameters in `model.named_parameters()` order; a layer-wise state has one named group per
 parameter. Both hold the same per-parameter state for the same optimizer class, so either converts to the other
-and training continues identically.
+and training continues identically. A checkpoint written with `layerwise_offload` has the layer-wise layout too (a
+host-stepped parameter saves its wrapped optimizer's class and state), so it converts, and resumes with offload on or
+off, the same way (tests/test_offload_checkpoint.py).
 """
 
 from __future__ import annotations

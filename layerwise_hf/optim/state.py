@@ -13,7 +13,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ..bases.support import qualname
+from ..routes.local_shard import _to_global, _to_local
 from .host_step import unwrap_host_step
 
 if TYPE_CHECKING:
@@ -65,7 +68,7 @@ def layerwise_state_dict(optimizer: LayerwiseOptimizer) -> dict[str, Any]:
         sd = inner.state_dict()
         (saved_id,) = sd["param_groups"][0]["params"]
         if sd["state"].get(saved_id):
-            state[i] = sd["state"][saved_id]
+            state[i] = _shards_as_dtensors(optimizer, i, sd["state"][saved_id])
         groups.append({**sd["param_groups"][0], "params": [i]})
     last = optimizer.last_grad_norm
     meta = {
@@ -79,6 +82,27 @@ def layerwise_state_dict(optimizer: LayerwiseOptimizer) -> dict[str, Any]:
         "last_grad_norm": None if last is None else _local(last).detach().clone(),
     }
     return {"state": state, "param_groups": groups, STATE_DICT_KEY: meta}
+
+
+def _host_stepped(optimizer: LayerwiseOptimizer, i: int) -> bool:
+    return unwrap_host_step(optimizer.inner[i]) is not optimizer.inner[i]
+
+
+def _shards_as_dtensors(optimizer: LayerwiseOptimizer, i: int, state: dict[str, Any]) -> dict[str, Any]:
+    # NOTE: a host-stepped parameter (layerwise_offload="optimizer") keeps its states on the host as plain tensors of
+    # its FSDP2 local shard. Saved as they are, DCP takes them for whole tensors, every rank writes its shard under
+    # the same key and all but one shard is lost; laid out like the parameter, each rank's shard is written.
+    if not _host_stepped(optimizer, i) or not hasattr(optimizer.params[i], "device_mesh"):
+        return state
+    # Scalars (AdamW's step) are the same on every rank and keep their key, as in a checkpoint without offload.
+    scalars = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 0}
+    rest = {k: v for k, v in state.items() if k not in scalars}
+    return {**_to_global(optimizer.params[i], rest), **scalars}
+
+
+def _host_shards(optimizer: LayerwiseOptimizer, i: int, state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The inverse of `_shards_as_dtensors` for loading: a host-stepped parameter's own shards as plain tensors."""
+    return _to_local(optimizer.params[i], state) if state and _host_stepped(optimizer, i) else state
 
 
 def _check_fits(optimizer: LayerwiseOptimizer, state_dict: dict[str, Any]) -> tuple[dict[str, int], list[str]]:
@@ -162,7 +186,7 @@ def load_layerwise_state_dict(optimizer: LayerwiseOptimizer, state_dict: dict[st
                 continue
             group = groups[by_name[name]]
             (saved_id,) = group["params"]
-            saved_state = state_dict["state"].get(saved_id)
+            saved_state = _host_shards(optimizer, i, state_dict["state"].get(saved_id))
             inner_sd = {"state": {0: saved_state} if saved_state else {}, "param_groups": [{**group, "params": [0]}]}
             optimizer.inner[i].load_state_dict(inner_sd)
             loaded.append(i)
