@@ -16,6 +16,10 @@ With gradient accumulation or exact clipping the gradients wait in host buffers 
 same worker and transfer); `step()` then steps each from its host buffer (`HostStepOptimizer.step_host`), clipped by
 the step's coefficient, without a copy back of the gradient.
 
+The host copy is taken from the device parameter at the first step, and again after `load_state_dict` and when a
+route is attached (`stale`): until then the device parameter may still be replaced (FSDP2's shards) or overwritten (a
+checkpoint's weights), and DCP steps the optimizer once, with zero gradients, before loading a checkpoint into it.
+
 The host copy has the parameter's dtype, so the step is the standard optimizer's bit for bit (a bf16 model keeps
 bf16 weights, as without offload). Checkpoints hold the wrapped optimizer's own state dict, the same format as
 without offload (its class is saved, not the wrapper's), so a run resumes across offload on and off.
@@ -106,15 +110,16 @@ class HostStepOptimizer(torch.optim.Optimizer):
         self.base = base
         self.runner = runner
         local = local_tensor(param).detach()
-        transfer = runner.transfer_for(local)
-        host = transfer.host_empty_like(local)
-        transfer.copy(host, local).wait_host()
-        # A stable host parameter for `base` to key its state by; its states are created like it, on the host.
-        self.host = torch.nn.Parameter(host, requires_grad=False)
+        # A stable host parameter for `base` to key its state by; its states are created like it, on the host. Its
+        # values are copied from the device at the first step (`stale`), not now: until training starts the device
+        # parameter is still replaced (FSDP2's prepare swaps in the local shard) and overwritten (a checkpoint's
+        # weights), and a step before that (torch's `_init_optim_state`: DCP steps an optimizer without state once,
+        # lr 0, before loading one) must write back the weights it found, not the ones the optimizer was built with.
+        self.host = torch.nn.Parameter(torch.empty(0, dtype=local.dtype), requires_grad=False)
         base.param_groups[0]["params"] = [self.host]
         self.host_grad: torch.Tensor | None = None  # where a gradient stepping at once lands on the host
         self.last: concurrent.futures.Future | None = None  # this parameter's latest host step (-> its copy back)
-        self.stale = False  # the device parameter was changed from outside (a checkpoint loaded): copy it first
+        self.stale = True  # the device parameter may differ from the host copy: copy it before the next step
         group = {k: v for k, v in base.param_groups[0].items() if k != "params"}
         super().__init__([{**group, "params": [param]}], base.defaults)
 
@@ -195,7 +200,8 @@ class HostStepOptimizer(torch.optim.Optimizer):
         local = local_tensor(self.param_groups[0]["params"][0])
         transfer = self.runner.transfer_for(local)
         if self.host.shape != local.shape:
-            # FSDP2's prepare replaced the parameter by its sharded DTensor: the host copy is of the local shard.
+            # The first refresh (the host copy is taken at the first step), or FSDP2's prepare replaced the parameter
+            # by its sharded DTensor: the host copy is of the local shard.
             self.host.data = transfer.host_empty_like(local)
         transfer.copy(self.host, local).wait_host()
         self.stale = False
@@ -217,6 +223,8 @@ class HostStepOptimizer(torch.optim.Optimizer):
         # NOTE: Optimizer.load_state_dict casts state tensors to the parameter's device and dtype: here the host's.
         self.base.load_state_dict({"state": state_dict["state"], "param_groups": [{**group, "params": [0]}]})
         self.param_groups[0].update(group)
+        # The checkpoint's weights were (or will be) loaded into the model too: the host copy is taken again.
+        self.stale = True
 
 
 def wrap_host_steps(factory: LayerwiseFactory, runner: HostRunner) -> LayerwiseFactory:

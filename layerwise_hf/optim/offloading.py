@@ -167,7 +167,8 @@ def enable_offload(
 def wait_for_host_steps(optimizer: LayerwiseOptimizer) -> None:
     """
     With `layerwise_offload="optimizer"`: block until every host step has run and its parameter is back on the
-    device (the next forward waits by itself; checkpoints, `train()`'s end and a user reading weights call this).
+    device (the next forward waits by itself; checkpoints, `train()`'s end and a user reading weights, or writing
+    them as `model.load_state_dict` does, call this: a copy back still in flight would overwrite what was written).
 
     Example:
 
