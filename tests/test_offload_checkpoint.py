@@ -342,6 +342,7 @@ def two_rank_reference(tmp_path_factory):
         # Trainer loads an FSDP2 optimizer through torch's get_optimizer_state_dict, which steps it once before
         # loading (see test_a_zero_step_before_loading_keeps_the_loaded_weights).
         ("fsdp2", "optimizer", "optimizer"),
+        ("fsdp2", "none", "optimizer"),
     ],
 )
 def test_two_ranks_sigkill_during_checkpoint_write_then_resume_with_offload(
