@@ -12,6 +12,7 @@ while a checkpoint is being written.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import signal
 import subprocess
@@ -376,6 +377,45 @@ def test_a_zero_step_before_loading_keeps_the_loaded_weights(tmp_path):
     _init_optim_state(optimizer)
     wait_for_host_steps(optimizer)
     assert_weights_equal({n: loaded[n] for n, _ in model.named_parameters()}, _weights(model))
+
+
+def test_reloading_a_checkpoint_mid_run_in_a_plain_loop_equals_standard():
+    # A plain loop that goes back to a checkpoint (model and optimizer state) and trains on, with the optimizer still
+    # attached: the host copies of the weights are taken again from the loaded model, as torch's AdamW reads them.
+    from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
+    from layerwise_hf.optim.offloading import enable_offload, host_step_factory, wait_for_host_steps
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+    model, reference = mlp(), mlp()
+    params = [LayerwiseParam(n, p, weight_decay=0.0) for n, p in model.named_parameters()]
+    factory, runner = host_step_factory(lambda lp, _: torch.optim.AdamW([lp.param], lr=1e-2), "optimizer")
+    layerwise = LayerwiseOptimizer(params, factory, sync_gradients=lambda: True)
+    enable_offload(layerwise, "optimizer", runner=runner)
+    layerwise.attach()
+    standard = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    batches = [torch.randn(5, 8) for _ in range(6)]
+    saved = {}
+    for net, optimizer in ((reference, standard), (model, layerwise)):
+        for k, x in enumerate(batches):
+            if k == 4:  # back to the checkpoint of step 2, then steps 3 and 4 again on other batches
+                net.load_state_dict(saved[net][0])
+                optimizer.load_state_dict(saved[net][1])
+            net(x).pow(2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if k in (1, 3):
+                wait_for_host_steps(layerwise)  # the copies back, before the weights are read or written by hand
+            if k == 1:
+                saved[net] = copy.deepcopy((net.state_dict(), optimizer.state_dict()))
+    wait_for_host_steps(layerwise)
+    assert_weights_equal(dict(reference.named_parameters()), _weights(model))
+    for name, (p, q) in zip(layerwise.names, zip(reference.parameters(), model.parameters())):
+        for key, value in standard.state[p].items():
+            assert torch.equal(value, layerwise.state[q][key]), f"{name}.{key}"
 
 
 def _crash_main(argv: list[str]) -> None:
