@@ -27,7 +27,9 @@ Two conventions, because the numbers people compare against come from `accelerat
 Layout: `units` (dtypes, byte sizes, formatting), `models` (parameter tensors from a config or a model, the presets in
 `presets/*.json`), `optimizers` (state per tensor, rules in `optimizer_rules.txt`), `buckets` (the layer-wise
 data-parallel route's gradient buckets under DDP and the bytes it holds in flight), `core` (`estimate()`),
-`accelerate_mode` (`accelerate_estimate()`), `cli` (the `estimate-memory` subcommand and its tables).
+`accelerate_mode` (`accelerate_estimate()`), `cli` (the `estimate-memory` subcommand and its tables), `offload`
+(device and host bytes under `layerwise_offload`), `offload_choice` (norm pass or gradients offload for exact clipping
+at GA 1, from a cost model).
 
 Example:
 
