@@ -40,6 +40,11 @@ all-gather fills a flat buffer of the output's size before copying out (NCCL doe
 allocates nothing); and the layer-wise data-parallel route steps a bucket at the first gradient hook after its
 all-reduce completes, which depends on gloo's timing (the plan's fake works never complete before they are waited).
 
+Host offload (`offload-*` configurations, `LAYERWISE_HF_OFFLOAD_SIMULATE=1`: the copy thread and the host worker
+as on a GPU): on a CPU the device and the host are one memory, so the plan's device + host peak is compared, and the
+tensor peak is measured by `LiveBytes` on every thread instead of the profiler (see `offload_measure`), device and host
+sides apart.
+
 Goal: the plan within 5% of the tensor peak and within 10% of the RSS training peak. bitsandbytes' CPU step
 allocates temporaries its CUDA kernels do not; the plan counts the state from the estimator's rules and no kernel
 temporaries (see the JSON's `plan.optimizer_state_from_rule`).
@@ -131,6 +136,7 @@ class Config(NamedTuple):
     lora_r: int | None = None
     fp16: bool = False
     sharding: str = "none"  # "ddp" or "fsdp2": 2 gloo ranks
+    offload: str = "none"  # layerwise_offload (LAYERWISE_HF_OFFLOAD_SIMULATE=1: separate host buffers on a CPU)
 
     @property
     def world_size(self) -> int:
@@ -142,6 +148,7 @@ class Config(NamedTuple):
         extra += " fp16" if self.fp16 else ""
         extra += f" lora{self.lora_r}" if self.lora_r else ""
         extra += f" {self.sharding}x{self.world_size}" if self.world_size > 1 else ""
+        extra += f" offload-{self.offload}" if self.offload != "none" else ""
         return f"{self.model} {self.optim} s{self.seq_len} b{self.micro_batch} ga{self.grad_accum}{extra}"
 
 
@@ -168,6 +175,20 @@ def configurations() -> list[Config]:
     ]
     for sharding in ACCELERATE_CONFIGS:
         out += [Config("llama", optim, sharding=sharding) for optim in ("adamw_torch", "adamw_torch_layerwise")]
+    return out + offload_configurations()
+
+
+def offload_configurations() -> list[Config]:
+    """Host offload on one process: both modes at GA 1 (exact clipping in one backward) and GA 4, other bases and
+    models. On a CPU the device and the host are one memory: the plan's device + host peak is compared."""
+    out = []
+    for mode in ("gradients", "optimizer"):
+        out += [
+            Config("llama", "adamw_torch_layerwise", offload=mode),
+            Config("llama", "adamw_torch_layerwise", grad_accum=4, offload=mode),
+            Config("qwen2", "adamw_torch_layerwise", seq_len=512, checkpointing=True, offload=mode),
+            Config("opt", "adafactor_layerwise", grad_accum=4, offload=mode),
+        ]
     return out
 
 
@@ -229,8 +250,9 @@ def build_run(cfg: Config, max_grad_norm: float) -> Run:
     window = {"last": True}
     scaler = torch.amp.GradScaler("cpu") if cfg.fp16 else None
     if cfg.optim.endswith("_layerwise"):
+        offload = {"offload": cfg.offload} if cfg.offload != "none" else {}
         optimizer = h.layerwise_optimizer(
-            model, args, clip=(max_grad_norm, "exact"), sync_gradients=lambda: window["last"]
+            model, args, clip=(max_grad_norm, "exact"), sync_gradients=lambda: window["last"], **offload
         )
         if scaler is not None:
             optimizer.use_grad_scaler(scaler)
@@ -332,6 +354,8 @@ def measure_real(cfg: Config, max_grad_norm: float, split: bool = False) -> dict
     real_step(run, cfg, max_grad_norm)
     real_step(run, cfg, max_grad_norm)
     rss = rss_step(run, cfg, max_grad_norm)
+    if cfg.offload != "none":
+        return offload_measure(run, cfg, max_grad_norm, rss)
     split_out = split_step(run, cfg, max_grad_norm) if split else None
     if run.layerwise is not None:
         run.layerwise.detach()
@@ -345,6 +369,8 @@ def measure_real(cfg: Config, max_grad_norm: float, split: bool = False) -> dict
     out = allocator_peak(prof, MARK)
     del prof
     out["optimizer_state_bytes"] = h.storage_bytes(h.optimizer_state_tensors(run.optimizer))
+    if cfg.offload != "none":
+        out.update(host_side(run.layerwise))
     out.update(rss_fields(rss["rss_rest_bytes"], rss["rss_peak_bytes"], out["end_bytes"], rss["live"]))
     if split_out is not None:
         out["split"] = split_out
@@ -352,6 +378,99 @@ def measure_real(cfg: Config, max_grad_norm: float, split: bool = False) -> dict
         out["norm_pass"] = norm_pass_name(run.layerwise)
         run.layerwise.detach()
     return out
+
+
+def offload_measure(run: Run, cfg: Config, max_grad_norm: float, rss: dict) -> dict:
+    """An offload run's tensor peak: one more step under the plan's `LiveBytes` on the real tensors, on every thread.
+
+    The profiler records the allocations and frees of the thread that started it only (torch 2.13: its
+    `profile_all_threads` option records no memory events at all), and offload's copy thread frees each device gradient
+    once it is copied out while its host worker allocates the host steps' states and temporaries. `LiveBytes` sees
+    every storage allocated on the main thread and on the host worker (its dispatch mode is pushed there) and every
+    free on any thread (a storage's finalizer): device and host sides apart, the host side being the host buffers,
+    host copies and states at the start and what the worker and `host_empty_like` allocate."""
+    from unittest import mock
+
+    from torch.utils._python_dispatch import _pop_mode, _push_mode
+
+    from layerwise_hf.optim import offload as offload_module
+    from layerwise_hf.optim import transfer as transfer_module
+    from layerwise_hf.plan.tracker import GRADIENTS, OPTIMIZER_STATE, WEIGHTS, LiveBytes
+
+    out = host_side(run.layerwise)
+    h.settle()
+    tracker = LiveBytes()
+    lw = run.layerwise
+    lw.detach()  # the tracker's gradient hooks must run before the ones that free `.grad`
+    handles = tracker.watch_model(run.model)
+    hosted = host_tensors(lw)
+    with tracker.on_host():
+        for category, tensors in ((WEIGHTS, hosted["copies"]), (GRADIENTS, hosted["gradients"]),
+                                  (OPTIMIZER_STATE, hosted["states"])):  # fmt: skip
+            tracker.track_tensors(tensors, category)
+    device_states = [t for inner in lw.inner if not hasattr(inner, "base")
+                     for t in h.optimizer_state_tensors(inner).values()]  # fmt: skip
+    tracker.track_tensors(device_states, OPTIMIZER_STATE)
+    submit, host_empty_like = offload_module.HostWorker.submit, transfer_module.Transfer.host_empty_like
+
+    def on_host(fn, *args):
+        _push_mode(tracker)
+        try:
+            with tracker.on_host():
+                return fn(*args)
+        finally:
+            _pop_mode()
+
+    def empty_on_host(self, tensor):
+        with tracker.on_host():
+            return host_empty_like(self, tensor)
+
+    lw.attach()
+    tracker.reset_peak()
+    with mock.patch.object(offload_module.HostWorker, "submit", lambda self, fn, *a: submit(self, on_host, fn, *a)), \
+            mock.patch.object(transfer_module.Transfer, "host_empty_like", empty_on_host), tracker:  # fmt: skip
+        real_step(run, cfg, max_grad_norm)
+        out.update(host_side(lw))  # every host step done and copied back
+    for handle in handles:
+        handle.remove()
+    out.update(peak_bytes=tracker.combined_peak, device_peak_bytes=tracker.peak.total, device_when=tracker.peak.phase,
+               host_peak_bytes=tracker.host_peak.total, end_bytes=tracker.current + tracker.host_current,
+               optimizer_state_bytes=h.storage_bytes(device_states + hosted["states"]),
+               device_categories=tracker.peak.by_category, host_categories=tracker.host_peak.by_category)  # fmt: skip
+    out.update(rss_fields(rss["rss_rest_bytes"], rss["rss_peak_bytes"], out["end_bytes"], rss["live"]))
+    lw.detach()
+    return out
+
+
+def host_tensors(layerwise) -> dict:
+    """The host-side tensors of an offload run: parameter copies, gradient buffers, host states."""
+    import torch
+
+    from layerwise_hf.optim.host_step import HostStepOptimizer
+    from layerwise_hf.optim.offloading import offload_of
+
+    hosted = [inner for inner in layerwise.inner if isinstance(inner, HostStepOptimizer)]
+    return {
+        "copies": [i.host for i in hosted],
+        "gradients": [*offload_of(layerwise).host.values(), *(i.host_grad for i in hosted if i.host_grad is not None)],
+        "states": [
+            t for i in hosted for s in i.base.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+        ],
+    }
+
+
+def host_side(layerwise) -> dict:
+    """An offload run's host-side storages now: the host states, the host copies of the parameters, the gradient
+    buffers (`GradientOffload.host` and each host step's `host_grad`)."""
+    from layerwise_hf.optim.offloading import wait_for_host_steps
+
+    wait_for_host_steps(layerwise)
+    hosted = host_tensors(layerwise)
+    return {
+        "host_state_bytes": h.storage_bytes(hosted["states"]),
+        "host_copy_bytes": h.storage_bytes(hosted["copies"]),
+        "host_gradient_bytes": h.storage_bytes(hosted["gradients"]),
+    }
 
 
 def rss_step(run: Run, cfg: Config, max_grad_norm: float) -> dict:
@@ -420,6 +539,8 @@ def planned(cfg: Config, max_grad_norm: float) -> dict:
     from layerwise_hf.plan import plan
 
     sharding = {} if cfg.world_size == 1 else dict(world_size=cfg.world_size, sharding=cfg.sharding)
+    if cfg.offload != "none":
+        sharding["offload"] = cfg.offload
     result = plan(
         MODELS[cfg.model],
         [cfg.optim],
@@ -442,7 +563,24 @@ def planned(cfg: Config, max_grad_norm: float) -> dict:
         "when": row.when,
         "optimizer_state_from_rule": row.optimizer_state_from_rule,
         "seconds": result.seconds,
+        **(offload_fields(row) if cfg.offload != "none" else {}),
     }
+
+
+def offload_fields(row) -> dict:
+    """An offload row's device peak, host peak and their joint peak (what one memory holds: a CPU run's)."""
+    return {
+        "device_peak_bytes": row.peak_bytes,
+        "host_peak_bytes": row.host_peak_bytes,
+        "host_categories": row.host_categories,
+        "combined_peak_bytes": row.combined_peak_bytes,
+    }
+
+
+def compared_bytes(plan_: dict) -> int:
+    """The planned figure a CPU run is compared with: the peak, or with offload the device + host peak (on a CPU
+    both sides are one memory)."""
+    return plan_.get("combined_peak_bytes", plan_["peak_bytes"])
 
 
 # ---- 2 ranks: Trainer under `accelerate launch` (runs inside the launched ranks) ----
@@ -565,6 +703,12 @@ def limit_mmap_threshold() -> None:
 def measure_config(cfg: Config, opts: argparse.Namespace) -> dict:
     """The real run (this process, or 2 launched ranks) and the plan of `cfg`."""
     started = time.perf_counter()
+    if cfg.offload != "none":
+        import os
+
+        from layerwise_hf.optim.transfer import SIMULATE_ENV
+
+        os.environ[SIMULATE_ENV] = "1"  # a CPU run of offload as a GPU runs it (copy thread, worker, host buffers)
     if cfg.world_size == 1:
         limit_mmap_threshold()
         real = measure_real(cfg, opts.max_grad_norm, split=opts.split)
@@ -577,8 +721,8 @@ def measure_config(cfg: Config, opts: argparse.Namespace) -> dict:
         out["plan_missing"] = "layerwise_hf.plan.plan() takes no world_size / sharding in this version"
         return out
     out["plan"] = planned(cfg, opts.max_grad_norm)
-    out["error"] = out["plan"]["peak_bytes"] / real["peak_bytes"] - 1
-    out["rss_error"] = out["plan"]["peak_bytes"] / real["rss_training_peak_bytes"] - 1
+    out["error"] = compared_bytes(out["plan"]) / real["peak_bytes"] - 1
+    out["rss_error"] = compared_bytes(out["plan"]) / real["rss_training_peak_bytes"] - 1
     return out
 
 
@@ -628,7 +772,7 @@ def table_row(r: dict) -> tuple:
         return (r["name"], "-", h.mib(real.get("peak_bytes")), "-", h.mib(real.get("rss_training_peak_bytes")), "-",
                 "-", "-", why[:44])  # fmt: skip
     state = plan_["categories"]["optimizer_state"]
-    return (r["name"], h.mib(plan_["peak_bytes"]), h.mib(real["peak_bytes"]), h.pct(r["error"]),
+    return (r["name"], h.mib(compared_bytes(plan_)), h.mib(real["peak_bytes"]), h.pct(r["error"]),
             h.mib(real["rss_training_peak_bytes"]), h.pct(r["rss_error"]), h.mib(real["optimizer_state_bytes"]),
             h.mib(state) + ("*" if plan_["optimizer_state_from_rule"] else ""), plan_["when"][:44])  # fmt: skip
 
@@ -656,6 +800,16 @@ def print_report(rows: list[dict], stats: dict) -> None:
         f"{stats['compared']} within {RSS_GOAL:.0%} of the RSS training peak, {stats['within_both']} both"
     )
     for r in rows:
+        plan_, real = r.get("plan") or {}, r["real"]
+        if "host_peak_bytes" in plan_ and "host_state_bytes" in real:
+            host = plan_["host_categories"]
+            print(f"{r['name']}: device peak planned {h.mib(plan_['device_peak_bytes'])} / real "
+                  f"{h.mib(real.get('device_peak_bytes'))} MiB, host peak {h.mib(plan_['host_peak_bytes'])} / "
+                  f"{h.mib(real.get('host_peak_bytes'))} MiB; "
+                  f"host states planned {h.mib(host['optimizer_state'])} / real {h.mib(real['host_state_bytes'])}, "
+                  f"host parameter copies {h.mib(host['weights'])} / {h.mib(real['host_copy_bytes'])}, host "
+                  f"gradient buffers {h.mib(host['gradients'])} (at the host peak) / "
+                  f"{h.mib(real['host_gradient_bytes'])} MiB")  # fmt: skip
         if r.get("plan_missing"):
             print(f"not planned: {r['name']}: {r['plan_missing']}")
         for rank in r["real"].get("ranks", []):
@@ -680,7 +834,7 @@ def plot(report: dict, path: Path) -> None:
         (axes[1], "rss_training_peak_bytes", RSS_GOAL, "measured RSS training peak (MiB)"),
     ):
         xs = [r["real"][key] / h.MIB for r in rows]
-        ys = [r["plan"]["peak_bytes"] / h.MIB for r in rows]
+        ys = [compared_bytes(r["plan"]) / h.MIB for r in rows]
         top = max(xs + ys) * 1.08
         line = [0, top]
         ax.plot(line, line, color="black", lw=0.8)
@@ -710,6 +864,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 KINDS = [
+    ("host offload (device + host)", "tab:green", "v"),
     ("standard", "tab:blue", "o"),
     ("layer-wise", "tab:orange", "s"),
     ("bitsandbytes (state: rule)", "tab:red", "^"),
@@ -720,6 +875,8 @@ KINDS = [
 def kind_of(r: dict) -> str:
     if r["config"]["sharding"] != "none":
         return "2 ranks"
+    if r["config"].get("offload", "none") != "none":
+        return "host offload (device + host)"
     if r["plan"]["optimizer_state_from_rule"]:
         return "bitsandbytes (state: rule)"
     return "layer-wise" if r["config"]["optim"].endswith("_layerwise") else "standard"

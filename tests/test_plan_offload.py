@@ -23,6 +23,11 @@ from layerwise_hf.optim.offloading import offload_of
 from layerwise_hf.plan import plan
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import plan_accuracy  # noqa: E402
+
 LLAMA = dict(
     model_type="llama",
     vocab_size=512,
@@ -78,6 +83,23 @@ def test_host_side_matches_a_real_offload_run(tmp_path, monkeypatch, mode, ga, c
     assert _persistent(row) - (row.host_categories["gradients"] - real_grads) == est.host_bytes
     # Device gradients: only the copies in flight next to the one being computed (the estimator's bound).
     assert row.categories["gradients"] <= est.gradient_bytes
+
+
+@pytest.mark.parametrize("mode, ga", [("gradients", 1), ("optimizer", 2)])
+def test_device_and_host_peaks_match_a_real_offload_run(monkeypatch, mode, ga):
+    # The benchmark's real run (copy thread and host worker as on a GPU), counted on every thread, sides apart.
+    monkeypatch.setenv(transfer_module.SIMULATE_ENV, "1")
+    plan_accuracy.MODELS["test"] = LLAMA
+    try:
+        cfg = plan_accuracy.Config("test", "adamw_torch_layerwise", seq_len=32, grad_accum=ga, offload=mode)
+        real = plan_accuracy.measure_real(cfg, max_grad_norm=1.0)
+    finally:
+        del plan_accuracy.MODELS["test"]
+    (row,) = plan(LLAMA, ["adamw_torch_layerwise"], counterparts=False, seq_len=32, grad_accum=ga, max_grad_norm=1.0,
+                  device="cpu", offload=mode).rows  # fmt: skip
+    assert abs(row.peak_bytes / real["device_peak_bytes"] - 1) < 0.02, (row.peak_bytes, real["device_peak_bytes"])
+    assert abs(row.host_peak_bytes / real["host_peak_bytes"] - 1) < 0.02, (row.host_peak_bytes, real)
+    assert abs(row.combined_peak_bytes / real["peak_bytes"] - 1) < 0.03
 
 
 def test_offload_moves_bytes_from_the_device_to_the_host():

@@ -4,10 +4,12 @@ on fake tensors, and every host-side storage is counted apart from the device's 
 
 - The transfer (`InlineTransfer`, for `CudaTransfer` / `ThreadTransfer`): a copy runs at once in the calling thread,
   but its source stays alive until someone waits for the copy, as `record_stream` (or the copy thread's queue) keeps
-  a freed source alive until the side stream has copied it. The copies out of `GradientOffload` are waited for only
-  when `max_in_flight` others have started, so the device side holds what it holds on a GPU whose link falls
-  behind. Host buffers are plain tensors allocated on the host side: there is no pinned memory on fake tensors
-  (pinned host memory is host memory all the same; it counts the same bytes).
+  a freed source alive until the side stream has copied it. Within a backward the copies out of `GradientOffload` are
+  waited for only when `max_in_flight` others have started, so the device side holds what it holds on a GPU whose
+  link falls behind; the next forward finds them done (a copy of the largest gradient takes milliseconds, the
+  forward up to its peak far longer: a real CPU run measures the same). Host buffers are plain tensors allocated on
+  the host side: there is no pinned memory on fake tensors (pinned host memory is host memory all the same; it
+  counts the same bytes).
 - The host worker (`InlineWorker`, for `HostWorker`'s thread): each task runs when it is submitted, on the host side,
   as a worker that keeps pace with backward does (`benchmarks/host_step_pace.py`: true of the torch bases; the bases
   in `SLOW_ON_HOST` fall behind, and their device gradients then wait longer for their copies than planned).
@@ -72,11 +74,20 @@ class InlineTransfer(Transfer):
 
     def __init__(self, tracker: LiveBytes):
         self.tracker = tracker
+        self.started: list[_InlineTicket] = []
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
         with torch.no_grad():
             dst.copy_(src)
-        return _InlineTicket(src)
+        ticket = _InlineTicket(src)
+        self.started = [t for t in self.started if not t.done()] + [ticket]
+        return ticket
+
+    def finish(self) -> None:
+        """Every copy started so far is done (its source released)."""
+        for ticket in self.started:
+            ticket.wait_host()
+        self.started = []
 
     def host_empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
         with self.tracker.on_host():
@@ -111,9 +122,19 @@ def stand_ins(tracker: LiveBytes, mode: str) -> Iterator[None]:
     if mode == "none":
         yield
         return
-    transfer = lambda device: InlineTransfer(tracker)  # noqa: E731
+    transfers: list[InlineTransfer] = []
+
+    def transfer(device: Any) -> InlineTransfer:
+        transfers.append(InlineTransfer(tracker))
+        return transfers[-1]
+
+    def before_forward(module: Any, args: Any) -> None:
+        for t in transfers:
+            t.finish()
+
     worker = lambda: InlineWorker(tracker)  # noqa: E731
     with contextlib.ExitStack() as stack:
+        stack.callback(torch.nn.modules.module.register_module_forward_pre_hook(before_forward).remove)
         for module in (offload, host_step):
             stack.enter_context(mock.patch.object(module, "make_transfer", transfer))
             stack.enter_context(mock.patch.object(module, "HostWorker", worker))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import threading
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -97,7 +98,10 @@ class LiveBytes(TorchDispatchMode):
         self.host_current = 0
         self.host_peak = Peak()
         self.combined_peak = 0  # the most device + host bytes alive at once (one memory: a CPU-only run)
-        self._host_depth = 0  # inside on_host(): new storages are host-side
+        self._host = threading.local()  # inside on_host() (on this thread): new storages are host-side
+        # NOTE: a real offload run frees device gradients on its copy thread (a storage's finalizer runs where its last
+        # reference goes) and allocates on its host worker: the counts are shared, so changes hold this lock.
+        self._lock = threading.RLock()
         self.phase = "start"
         self.stage = "backward"  # what a gradient hook names: "backward", or the layer-wise norm pass
         self.peak = Peak()
@@ -113,11 +117,15 @@ class LiveBytes(TorchDispatchMode):
 
     def track(self, storage: torch.UntypedStorage, category: str) -> None:
         """Count `storage` (if new; host-side inside `on_host()`) and put it in `category`."""
+        with self._lock:
+            self._track(storage, category)
+
+    def _track(self, storage: torch.UntypedStorage, category: str) -> None:
         key = id(storage)
         entry = self._live.get(key)
         if entry is None:
             nbytes = storage.nbytes()
-            host = self._host_depth > 0
+            host = getattr(self._host, "depth", 0) > 0
             self._live[key] = [nbytes, category, host]
             weakref.finalize(storage, self._free, key)
             if host:
@@ -151,6 +159,10 @@ class LiveBytes(TorchDispatchMode):
             self.track(storage, category)
 
     def _free(self, key: int) -> None:
+        with self._lock:
+            self._freed(key)
+
+    def _freed(self, key: int) -> None:
         nbytes, category, host = self._live.pop(key)
         if host:
             self.host_totals[category] -= nbytes
@@ -181,11 +193,11 @@ class LiveBytes(TorchDispatchMode):
     @contextlib.contextmanager
     def on_host(self):
         """New storages are host-side while the context lasts (offload's host buffers and host steps)."""
-        self._host_depth += 1
+        self._host.depth = getattr(self._host, "depth", 0) + 1
         try:
             yield
         finally:
-            self._host_depth -= 1
+            self._host.depth -= 1
 
     def _resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         # FSDP2 allocates and frees unsharded weights by resizing one storage (`alloc_storage` / `free_storage`).
