@@ -139,6 +139,24 @@ def test_device_memory_judges_the_device_peak_and_host_memory_the_host_peak():
     assert "the least host memory among the modes that fit" in roomy.offload_advice[0]
 
 
+def test_each_fsdp2_rank_offloads_its_own_shards():
+    options = dict(seq_len=16, device="cpu", counterparts=False, offload="optimizer")
+    one = plan(LLAMA, ["adamw_torch_layerwise"], **options).rows[0]
+    rank = plan(LLAMA, ["adamw_torch_layerwise"], world_size=2, sharding="fsdp2", **options).rows[0]
+    assert rank.categories["optimizer_state"] == 0
+    half = one.host_categories["optimizer_state"] / 2
+    assert rank.host_categories["optimizer_state"] == pytest.approx(half, rel=0.01)  # shards padded to equal size
+
+
+def test_gradients_offload_that_lowers_nothing_says_what_it_buys():
+    # GA 1, exact clipping, activations at the peak: the norm pass already kept gradients off the peak.
+    result = plan(LLAMA, ["adamw_torch_layerwise"], seq_len=128, micro_batch=2, device="cpu", counterparts=False,
+                  offload=("none", "gradients"))  # fmt: skip
+    none, grads = (result.row("adamw_torch_layerwise", m) for m in ("none", "gradients"))
+    assert grads.peak_bytes >= 0.99 * none.peak_bytes
+    assert any("lowers no device peak here" in a and "crossover_tokens" in a for a in result.offload_advice)
+
+
 def test_extrapolated_layers_equal_the_full_simulation_with_offload():
     deep = dict(LLAMA, num_hidden_layers=5)
     options = dict(seq_len=16, grad_accum=2, device="cpu", counterparts=False, offload=("gradients", "optimizer"))

@@ -122,4 +122,11 @@ def choose_offload(rows: list[PlanRow], device_memory: int | None, host_memory: 
             f"{name}: offload {best.offload} (device peak {format_bytes(best.peak_bytes)}, host "
             f"{format_bytes(best.host_peak_bytes)}): {why}"
         )
+        modes = {r.offload: r for r in candidates}
+        if {"none", "gradients"} <= set(modes) and modes["gradients"].peak_bytes >= 0.99 * modes["none"].peak_bytes:
+            out.append(
+                f"{name}: offload gradients lowers no device peak here; with exact clipping at GA 1 it saves the "
+                "norm pass's second backward for two transfers of the gradients, which is faster only on a fast "
+                "enough link (layerwise_hf.estimate.offload_choice.crossover_tokens says from how many tokens)"
+            )
     return out
