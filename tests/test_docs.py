@@ -206,3 +206,16 @@ def test_sizing_guide_tables_are_what_the_estimator_prints(capsys):
         quoted = [[cell.strip() for cell in row.strip().strip("|").split("|")] for row in table.splitlines()[2:]]
         quoted = [[re.sub(r"^`(\w+)`.*$", r"\1", cell) for cell in row] for row in quoted]
         assert quoted == printed, command
+
+
+def test_readme_offload_figures_are_the_generated_plans():
+    # The README's short offload table quotes the planner's generated table in the offload guide: every size it
+    # gives must be one the guide's generated section shows, so a regenerated plan cannot leave it behind.
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## When host offload pays", 1)[1].split("\n## ", 1)[0]
+    guide = (ROOT / "docs" / "offload.md").read_text()
+    generated = guide.split("<!-- plan-8b-offload:start -->", 1)[1].split("<!-- plan-8b-offload:end -->", 1)[0]
+    table = "\n".join(line for line in section.splitlines() if line.startswith("|"))
+    quoted = re.findall(r"\d+\.\d\d", table) + re.findall(r"\d+\.\d\d [MG]iB", section)
+    assert len(quoted) >= 20
+    assert not [q for q in quoted if q not in generated]
