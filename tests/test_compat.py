@@ -39,7 +39,7 @@ def test_older_transformers_is_refused_with_versions_and_fix(monkeypatch):
         compat.check_versions()
     message = str(err.value)
     assert "transformers 4.54.1 (needs >= 4.55)" in message
-    assert "tested: transformers 4.55 to 5.24, accelerate 1.10 to 1.15, torch 2.6 to 2.14" in message
+    assert "tested: transformers 4.55 to 5.24, accelerate 1.10 to 1.15, torch 2.6 to 2.15" in message
     assert "pip install 'transformers>=4.55'" in message
 
 
@@ -59,7 +59,7 @@ def test_importing_the_trainer_integration_refuses_an_older_version(monkeypatch)
 
 
 def test_newer_version_warns_once_naming_the_tested_range_and_runs(monkeypatch):
-    _versions(monkeypatch, transformers="5.25.0", torch="2.15.0")
+    _versions(monkeypatch, transformers="5.25.0", torch="2.16.0")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compat.check_versions()
@@ -67,10 +67,10 @@ def test_newer_version_warns_once_naming_the_tested_range_and_runs(monkeypatch):
     untested = [str(w.message) for w in caught if issubclass(w.category, compat.UntestedVersionWarning)]
     assert len(untested) == 2  # once per package, not once per call
     assert all(
-        "tested with transformers 4.55 to 5.24, accelerate 1.10 to 1.15, torch 2.6 to 2.14" in m for m in untested
+        "tested with transformers 4.55 to 5.24, accelerate 1.10 to 1.15, torch 2.6 to 2.15" in m for m in untested
     )
     assert any("transformers 5.25.0 is newer" in m for m in untested)
-    assert any("torch 2.15.0 is newer" in m for m in untested)
+    assert any("torch 2.16.0 is newer" in m for m in untested)
 
 
 def test_install_on_a_newer_version_whose_methods_match_warns_and_installs(monkeypatch, tmp_path):
@@ -102,7 +102,7 @@ def test_supported_range_is_pyprojects_and_cis():
     for package, (low, high) in compat.SUPPORTED_VERSIONS.items():
         assert f"{package}>={low}" in deps  # no upper bound: newer versions warn instead
         assert _minor(newest[package]) == high
-        if package != "torch":  # only torch 2.13 and 2.14 install here without a multi-GB download
+        if package != "torch":  # torch 2.6 - 2.12 are multi-GB CUDA downloads on x86_64 (README)
             assert _minor(oldest[package]) == low
 
 
@@ -163,6 +163,28 @@ def test_safe_globals_loads_numpy_state_the_way_trainer_does(tmp_path):
         torch.load(path, weights_only=True)
     with compat.safe_globals():
         assert torch.load(path, weights_only=True)["numpy"][0] == "MT19937"
+
+
+@pytest.mark.parametrize("release", [(5, 17), (5, 18)])
+def test_cpu_map_location_loads_an_indexed_cpu_device_where_trainer_passes_one(monkeypatch, tmp_path, release):
+    # transformers < 5.18 resumes a multi-process CPU run with map_location=args.device ("cpu:0"), refused by torch.
+    path = tmp_path / "optimizer.pt"
+    torch.save({"state": {0: {"exp_avg": torch.arange(3.0)}}}, path)
+    with pytest.raises(RuntimeError, match="cpu:0"):
+        torch.load(path, map_location=torch.device("cpu", 0), weights_only=True)
+    monkeypatch.setattr(compat, "_transformers_release", lambda: release)
+    load = torch.load
+    ranks = type("Args", (), {"world_size": 2, "device": torch.device("cpu", 0)})()
+    with compat.cpu_map_location(ranks):
+        if release < (5, 18):
+            loaded = torch.load(path, map_location=torch.device("cpu", 0), weights_only=True)
+            assert torch.equal(loaded["state"][0]["exp_avg"], torch.arange(3.0))
+        else:  # transformers passes "cpu" itself: nothing is replaced
+            assert torch.load is load
+    assert torch.load is load
+    one_process = type("Args", (), {"world_size": 1, "device": torch.device("cpu", 0)})()
+    with compat.cpu_map_location(one_process):
+        assert torch.load is load
 
 
 @pytest.mark.parametrize("takes_model", [True, False])

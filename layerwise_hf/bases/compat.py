@@ -32,6 +32,8 @@ here that handles it is named in brackets:
     [`dtype_kwargs`]
     meta-device forward (the estimator's     4.x: rotary embeddings open           5.x: no autocast there
     order of use) [`meta_forward`]           `torch.autocast("meta")`, refused
+    `map_location` of `optimizer.pt` in a    5.17: `args.device`, which is         5.18: `"cpu"` on CPU ranks
+    multi-process run [`cpu_map_location`]   `cpu:0` on CPU ranks: torch refuses
     DDP settings given to Accelerate         5.2: set in `Trainer._wrap_model`,    5.3: when the Accelerator is made
     (`find_unused_parameters`,               after the optimizer is made;
     `bucket_cap_mb`, `broadcast_buffers`)    `find_unused_parameters` defaults
@@ -41,9 +43,9 @@ Process-wide, transformers < 5 writes TrainingArguments' mixed precision and FSD
 (`ACCELERATE_MIXED_PRECISION`, `ACCELERATE_USE_FSDP`, `FSDP_*`), where every later Accelerator reads them; the
 plugin does not change that (the tests restore the environment after each test).
 
-accelerate 1.10 - 1.15 and torch 2.13 - 2.14 showed no difference the plugin depends on. The shims decide by what
-the installed release has (a module, a parameter, a field); only `trainer_method_parameters`, which says what a
-release should have, reads the version number.
+accelerate 1.10 - 1.15 and torch 2.13 - 2.15 showed no difference the plugin depends on. The shims decide by what
+the installed release has (a module, a parameter, a field) where it can; where the difference is in what a method
+does (`trainer_method_parameters`, `dtype_kwargs`, `set_ddp_handler_early`, `cpu_map_location`), by the version.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ __all__ = [
     "checkpointing_kwargs",
     "enable_activation_checkpointing",
     "checkpointing_kwargs_name",
+    "cpu_map_location",
     "create_optimizer_args",
     "create_optimizer_takes_model",
     "dtype_kwargs",
@@ -89,7 +92,7 @@ __all__ = [
 SUPPORTED_VERSIONS = {
     "transformers": ("4.55", "5.24"),
     "accelerate": ("1.10", "1.15"),
-    "torch": ("2.6", "2.14"),
+    "torch": ("2.6", "2.15"),
 }
 
 _WARNED: set[str] = set()
@@ -121,7 +124,7 @@ def tested_range() -> str:
     ```python
     >>> from layerwise_hf.bases.compat import tested_range
     >>> tested_range()
-    'transformers 4.55 to 5.24, accelerate 1.10 to 1.15, torch 2.6 to 2.14'
+    'transformers 4.55 to 5.24, accelerate 1.10 to 1.15, torch 2.6 to 2.15'
     ```
     """
     return ", ".join(f"{package} {low} to {high}" for package, (low, high) in SUPPORTED_VERSIONS.items())
@@ -258,6 +261,46 @@ def safe_globals():
     if not hasattr(module, "safe_globals"):
         module = importlib.import_module("transformers.trainer")  # transformers < 5.2
     return module.safe_globals()
+
+
+@contextlib.contextmanager
+def cpu_map_location(args) -> Iterator[None]:
+    """
+    While Trainer resumes from a checkpoint: on transformers < 5.18, which loads `optimizer.pt` of a multi-process
+    run with `map_location=args.device`, an indexed CPU device there (`cpu:0` on CPU ranks) is given to `torch.load`
+    as plain `"cpu"` (what transformers >= 5.18 passes), because torch refuses to restore a storage to `cpu:0`. The
+    checkpoint is read as saved; nothing changes on transformers >= 5.18, on one process or on an accelerator.
+
+    Args:
+        args (`TrainingArguments`):
+            The Trainer's arguments (their `world_size` and `device`).
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.bases.compat import cpu_map_location
+    >>> with cpu_map_location(trainer.args):
+    ...     trainer._load_optimizer_and_scheduler(checkpoint)
+    ```
+    """
+    device = args.device
+    if _transformers_release() >= (5, 18) or args.world_size <= 1 or device.type != "cpu" or device.index is None:
+        yield
+        return
+    load = torch.load
+
+    @functools.wraps(load)
+    def load_on_cpu(*load_args: Any, **kwargs: Any) -> Any:
+        location = kwargs.get("map_location")
+        if isinstance(location, (str, torch.device)) and torch.device(location).type == "cpu":
+            kwargs["map_location"] = "cpu"
+        return load(*load_args, **kwargs)
+
+    torch.load = load_on_cpu
+    try:
+        yield
+    finally:
+        torch.load = load
 
 
 @functools.cache

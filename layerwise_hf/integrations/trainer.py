@@ -11,7 +11,7 @@ import warnings
 
 from transformers import Trainer, TrainingArguments
 
-from ..bases.compat import create_optimizer_args, route_inline_grad_norm, set_ddp_handler_early
+from ..bases.compat import cpu_map_location, create_optimizer_args, route_inline_grad_norm, set_ddp_handler_early
 from ..bases.params import canonical_name
 from ..bases.registry import is_layerwise_name
 from ..bases.support import check_deepspeed, check_fsdp2_optimizers, check_fsdp_version, fsdp_version_of_args
@@ -199,6 +199,11 @@ class LayerwiseTrainerMixin:
             mark_complete(output_dir, info if shards is None else {**info, "local_shards": shards})
 
     def _load_optimizer_and_scheduler(self, checkpoint):
+        # transformers < 5.18 loads a multi-process run's optimizer.pt onto args.device, which torch refuses as cpu:0.
+        with cpu_map_location(self.args):
+            return self._load_converting(checkpoint)
+
+    def _load_converting(self, checkpoint):
         # The user switched between X and X_layerwise: convert the optimizer and scheduler states on load.
         if checkpoint and self.layerwise_optimizer is not None:
             check_local_shards(checkpoint, self.layerwise_optimizer)
@@ -380,7 +385,8 @@ def _explain_clipping(
 ) -> None:
     # Never silent: say once what max_grad_norm (and fp16 loss scaling) does here and what it costs.
     clips = bool(max_grad_norm) and max_grad_norm > 0
-    if fp16 and gradient_accumulation_steps == 1 and not (clips and mode == "exact"):
+    # (With layerwise_offload every gradient waits in host memory for the global norm and the inf check: one backward.)
+    if fp16 and gradient_accumulation_steps == 1 and not (clips and mode == "exact") and offload == "none":
         logger.warning(
             "fp16 loss scaling with a layer-wise optimizer and no gradient accumulation: every gradient is unscaled "
             "and checked for inf/nan before any layer steps (so an overflowing step changes nothing, as with "
@@ -397,7 +403,6 @@ def _explain_clipping(
             stacklevel=3,
         )
     elif mode == "exact" and gradient_accumulation_steps == 1 and offload == "none":
-        # (With layerwise_offload the gradients wait for the global norm in host memory: one backward.)
         logger.warning(
             "max_grad_norm=%s with layerwise_clip='exact' and no gradient accumulation: every gradient is measured "
             "(the global norm%s) before any layer steps, to clip exactly like Trainer: by a second backward over the "
