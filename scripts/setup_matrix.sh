@@ -18,8 +18,13 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 # NOTE: torch first, on its own: a torch requirement resolved with no torch installed may pull a multi-GB CUDA build
-# other than the pinned one; the pins (torch 2.13.0 CPU, 2.14.1) are the two that install here from local files.
-"$VENV/bin/python" -m pip install --quiet -c "$PINS" torch
+# other than the pinned one. On x86_64 PyPI has only CUDA builds (torch 2.15.0 with its CUDA 13 libraries: about 3 GB,
+# 2.5 minutes to download and install); they run on the CPU. A machine with a local wheel store may cap torch in pip's
+# own settings (`pip config list`): then the pin cannot install there.
+if ! "$VENV/bin/python" -m pip install --quiet -c "$PINS" torch; then
+  echo "setup_matrix.sh: torch as pinned in $PINS did not install; pip's settings: $("$VENV/bin/python" -m pip config list | tr '\n' ' ')" >&2
+  exit 1
+fi
 "$VENV/bin/python" -m pip install --quiet -c "$PINS" -e ".[test]"
 "$VENV/bin/python" - "$PINS" <<'PY'
 import sys
