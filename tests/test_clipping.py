@@ -203,3 +203,17 @@ def test_forward_twice_for_the_norm_pass_counts_running_statistics_once():
     assert_params_equal(model, reference)
     for (name, ours), theirs in zip(model.named_buffers(), reference.buffers()):
         assert torch.equal(ours, theirs), name
+
+
+@pytest.mark.parametrize("max_grad_norm, fp16", [(1.0, False), (1.0, True), (0.0, True)])
+def test_offload_runs_are_not_told_about_a_second_backward(caplog, max_grad_norm, fp16):
+    # With layerwise_offload every gradient waits on the host for the norm and the inf check: one backward, so the
+    # message about a second backward or holding every gradient would send users the wrong way.
+    from layerwise_hf.integrations.trainer import _explain_clipping
+
+    with caplog.at_level("WARNING", logger="layerwise_hf.integrations.trainer"):
+        _explain_clipping(max_grad_norm, "exact", 1, fp16=fp16, offload="gradients")
+    assert "second backward" not in caplog.text
+    with caplog.at_level("WARNING", logger="layerwise_hf.integrations.trainer"):
+        _explain_clipping(max_grad_norm, "exact", 1, fp16=fp16, offload="none")
+    assert "second backward" in caplog.text
