@@ -15,7 +15,7 @@ from layerwise_hf.integrations.callback import end_training
 from layerwise_hf.optim import transfer as transfer_module
 from layerwise_hf.optim.host_step import HostRunner, HostStepOptimizer
 from layerwise_hf.optim.offload import GradientOffload
-from layerwise_hf.optim.offloading import enable_offload, host_step_factory, offload_of
+from layerwise_hf.optim.offloading import enable_offload, host_step_factory, offload_of, wait_for_host_steps
 from layerwise_hf.optim.optimizer import build_layerwise_optimizer
 from layerwise_hf.optim.transfer import ThreadTransfer
 
@@ -86,6 +86,105 @@ def test_the_next_forward_waits_for_the_host_steps(monkeypatch):
     monkeypatch.setattr(HostRunner, "wait", lambda self: self.pending.clear())
     model, reference, _ = _plain_loop(1, max_grad_norm=0.0, delay=0.05, steps=2, mode="optimizer")
     assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+def _host_stepped(delay: float, model=None):
+    """`model` (an MLP) with SGD steps run on the host, each copy to and from it `delay` seconds late; its runner."""
+    model = _mlp() if model is None else model
+    params = [LayerwiseParam(n, p, weight_decay=0.0) for n, p in model.named_parameters()]
+    factory, runner = host_step_factory(lambda lp, _: torch.optim.SGD([lp.param], lr=0.1), "optimizer")
+    runner.transfer = ThreadTransfer(delay)
+    optimizer = LayerwiseOptimizer(params, factory)
+    enable_offload(optimizer, "optimizer", transfer=runner.transfer, runner=runner)
+    optimizer.attach()
+    return model, optimizer, runner
+
+
+def _copied_back(optimizer) -> list[bool]:
+    """Per parameter: its host step has run and its copy back to the device is done (asked without waiting)."""
+    return [inner.last is not None and inner.last.done() and inner.last.result().done() for inner in optimizer.inner]
+
+
+def test_only_forwards_that_read_host_stepped_weights_wait():
+    # 12 copies of 0.1 s each (6 gradients out, 6 parameters back) run after the backward that starts them.
+    model, optimizer, runner = _host_stepped(delay=0.1)
+    other = _mlp(seed=1)
+    x = torch.randn(5, 8)
+    reference = clone(model)
+    reference(x).pow(2).sum().backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    model(x).pow(2).sum().backward()
+    optimizer.step()  # the steps ran in backward: nothing left to step
+    assert len(runner.pending) == 6
+    # Another model's forward (a reference or reward model), and a module of the trained model that holds no
+    # parameter, do not wait for the host worker.
+    other(x)
+    model[1](x[:, :4])
+    assert len(runner.pending) == 6 and not all(_copied_back(optimizer))
+    # The trained model's forward waits for every copy back first: it reads the stepped weights.
+    model(x)
+    assert not runner.pending and all(_copied_back(optimizer))
+    assert_params_equal(model, reference)
+    # A submodule called directly waits too, when it holds a stepped parameter; for all of them, as the root does.
+    model(x).pow(2).sum().backward()
+    optimizer.step()
+    model[3](torch.randn(5, 16))
+    assert not runner.pending and all(_copied_back(optimizer))
+    optimizer.detach()
+    runner.close()
+
+
+class _ReadsChildWeight(torch.nn.Module):
+    """Reads its child's weight in its own forward, never calling the child."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.child = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.child.weight, self.child.bias)
+
+
+def test_a_parent_reading_a_childs_weight_waits_for_it():
+    # The host-stepped parameters belong to the child, whose forward never runs: the parent waits since it holds them.
+    model, optimizer, runner = _host_stepped(delay=0.05, model=_ReadsChildWeight())
+    reference = clone(model)
+    standard = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x in torch.randn(3, 5, 8):
+        reference(x).pow(2).sum().backward()
+        standard.step()
+        standard.zero_grad()
+        model(x).pow(2).sum().backward()
+        optimizer.step()
+    wait_for_host_steps(optimizer)
+    assert_params_equal(model, reference)
+    optimizer.detach()
+    runner.close()
+
+
+@pytest.mark.parametrize("tie, checkpointing", [(True, False), (False, True)])
+def test_tied_embeddings_and_recomputed_layers_read_updated_weights(monkeypatch, tmp_path, tie, checkpointing):
+    # Tied: the embedding is stepped last (its gradient is final last) and read at both ends of the next forward.
+    # Checkpointing: a layer's recompute in backward does not wait (none of its parameters has stepped yet).
+    waits = []
+    wait = HostRunner.wait
+    monkeypatch.setattr(HostRunner, "wait", lambda self: (waits.append(len(self.pending)), wait(self)))
+    model = tiny_llama(tie=tie)
+    data = TokenDataset(n=16)
+    common = dict(per_device_train_batch_size=2, max_steps=3, gradient_checkpointing=checkpointing)
+    if checkpointing:
+        common["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+    standard = train(clone(model), training_args(tmp_path, "adamw_torch", **common), dataset=data)
+    offloaded = train(
+        clone(model),
+        training_args(tmp_path, "adamw_torch_layerwise", layerwise_offload="optimizer", **common),
+        dataset=data,
+    )
+    assert_params_equal(standard.model, offloaded.model)
+    assert (offloaded.model.lm_head.weight is offloaded.model.get_input_embeddings().weight) == tie
+    # Only the next step's forward and the end of training waited, each for every parameter; never in backward.
+    assert [n for n in waits if n] == [len(offloaded.layerwise_optimizer.params)] * 3
 
 
 def test_a_missing_wait_gives_wrong_weights(monkeypatch):

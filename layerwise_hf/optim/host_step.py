@@ -9,8 +9,10 @@ The path of parameter `i` once its gradient is final (after the route's reductio
 2. The host worker (one thread, tasks in order) waits for that copy, steps the wrapped optimizer on the host copy of
    the parameter (its states were created there, on the host), and starts copying the updated parameter back into the
    device parameter's storage.
-3. Before the next forward (a module forward pre-hook) the compute waits for every copy back (`HostRunner.wait`);
-   so do checkpoints and the end of training. Backward does not wait: the host steps overlap it.
+3. Before the next forward of a module that holds a host-stepped parameter (a forward pre-hook, `HostRunner`) the
+   compute waits for every copy back (`HostRunner.wait`); so do checkpoints and the end of training. Backward does
+   not wait: the host steps overlap it. Nor does the forward of another model (a reference, reward or eval model):
+   only the trained model's wait.
 
 With gradient accumulation or exact clipping the gradients wait in host buffers (`layerwise_hf.optim.offload`, the
 same worker and transfer); `step()` then steps each from its host buffer (`HostStepOptimizer.step_host`), clipped by
@@ -53,17 +55,48 @@ class HostRunner:
         self.transfer = transfer
         self.worker = HostWorker()
         self.pending: dict[int, HostStepOptimizer] = {}  # id -> optimizers whose copy back the next forward awaits
+        # id(module) -> (module, whether it holds a pending parameter), decided since `pending` last grew.
+        self._verdicts: dict[int, tuple[torch.nn.Module, bool]] = {}
         runner = weakref.ref(self)
 
         def before_forward(module, args):
             alive = runner()
-            if alive is not None and alive.pending:
+            if alive is not None and alive.pending and alive.holds_pending(module):
                 alive.wait()
 
-        # NOTE: a global forward pre-hook runs before any module's forward, so the weights a host step updated are
-        # back on the device before their next use, wherever that forward comes from (training, evaluation).
+        # NOTE: why a global forward pre-hook that waits only for modules holding a pending parameter, not a hook on
+        # the model given to `build_layerwise_optimizer` or `connect`:
+        # - A global hook runs before every module's own pre-hooks. FSDP2's pre-forward all-gathers the local shards
+        #   the copies back write into, so the wait must come first; a hook on the model would have to be prepended
+        #   again after every `fully_shard`. A plain loop building `LayerwiseOptimizer` itself names no model at all.
+        # - "Holds" means the module's own parameters or any submodule's. The trained model's root holds them all, so
+        #   its first forward waits for every copy back before any of its modules runs: a parameter a parent reads
+        #   (tied embeddings used by lm_head, a child's .weight read directly) is waited for like any other. A
+        #   submodule called directly waits if it holds one. It waits for every copy back, not only its own: the
+        #   finer wait would miss a parameter read outside the module holding it.
+        # - Another model (a TRL reference or reward model, an eval model) holds none and does not wait for the host
+        #   worker. Nor does a recompute under gradient checkpointing: a parameter's step starts once its gradient
+        #   is final, after every use of it in that backward.
         self._hook = torch.nn.modules.module.register_module_forward_pre_hook(before_forward)
         weakref.finalize(self, self._hook.remove)
+
+    def holds_pending(self, module: torch.nn.Module) -> bool:
+        """Whether `module` (its own parameters or a submodule's) holds a parameter whose host step or copy back the
+        next forward must wait for."""
+        known = self._verdicts.get(id(module))
+        if known is not None:
+            return known[1]
+        pending = {id(optimizer.param_groups[0]["params"][0]) for optimizer in list(self.pending.values())}
+        verdict = any(id(p) in pending for p in module.parameters())
+        # NOTE: a verdict holds until `pending` grows (`add`) or is emptied (`wait`); the module is kept with it so
+        # that its id is not reused meanwhile.
+        self._verdicts[id(module)] = (module, verdict)
+        return verdict
+
+    def add(self, optimizer: HostStepOptimizer) -> None:
+        """`optimizer` started a host step: the next forward that reads its parameter waits for its copy back."""
+        self.pending[id(optimizer)] = optimizer
+        self._verdicts.clear()
 
     def transfer_for(self, tensor: torch.Tensor) -> Transfer:
         if self.transfer is None:
@@ -75,6 +108,7 @@ class HostRunner:
         while self.pending:
             _, optimizer = self.pending.popitem()
             optimizer.wait_device()
+        self._verdicts.clear()
 
     def close(self) -> None:
         self.wait()
@@ -164,7 +198,7 @@ class HostStepOptimizer(torch.optim.Optimizer):
         hyper = {k: v for k, v in self.param_groups[0].items() if k != "params"}
         previous = self.last
         self.last = self.runner.worker.submit(self._step_on_host, grad, [*waits], coef, hyper, previous)
-        self.runner.pending[id(self)] = self
+        self.runner.add(self)
 
     def _step_on_host(self, grad, waits, coef, hyper, previous) -> Ticket:
         # On the host worker.
