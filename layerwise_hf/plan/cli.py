@@ -109,7 +109,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--device",
         choices=DEVICES,
         default="cuda",
-        help="Whose optimizer defaults to simulate (cuda: foreach step temporaries).",
+        help="Whose optimizer defaults and collectives to simulate (cuda: foreach, NCCL; cpu: a loop, gloo).",
     )
     parser.add_argument(
         "--world-size", type=int, default=1, help="Ranks (devices) of the run; the plan is per rank (default 1)."

@@ -327,7 +327,8 @@ def plan(
         gradient_checkpointing (`bool`): activation checkpointing as Trainer enables it (non-reentrant).
         lora_r (`int`, *optional*), lora_targets: LoRA adapters (peft) on a frozen base.
         device_memory (`str` or `int`, *optional*): e.g. `"80GiB"`; each row then says whether its device peak fits.
-        device (`str`, defaults to `"cuda"`): whose optimizer defaults to use (`foreach` on CUDA).
+        device (`str`, defaults to `"cuda"`): whose optimizer defaults to use (`foreach` on CUDA), and whose
+            collectives several ranks run (NCCL; gloo on `"cpu"`, whose FSDP2 collectives allocate buffers).
         extrapolate (`bool`, defaults to `True`): simulate 2-4 identical decoder layers and extend the exact line.
         counterparts (`bool`, defaults to `True`): also run each optimizer's standard / layer-wise counterpart.
         world_size (`int`, defaults to `1`), sharding (`str`, defaults to `"none"`): one rank of `world_size`

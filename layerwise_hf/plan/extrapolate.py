@@ -88,12 +88,12 @@ def simulate_layers(config: Any, run: Callable[[Any], SimulatedStep]) -> tuple[S
                  for key in c.phase_peaks}  # fmt: skip
         key = max(lines, key=lambda k: lines[k].total)
         peak = lines[key]
-        peak.phase = _renumber(c.phase_peaks[key].phase, points[2], total)
+        peak.phase = _renumber(b.phase_peaks[key].phase, c.phase_peaks[key].phase, points[2], total)
         k = total - points[0]
         split = {x: a.steady_by_category[x] + k * (b.steady_by_category[x] - a.steady_by_category[x])
                  for x in a.steady_by_category}  # fmt: skip
         host = _line(a.host_peak, b.host_peak, points[0], points[1], total)
-        host.phase = _renumber(c.host_peak.phase, points[2], total)
+        host.phase = _renumber(b.host_peak.phase, c.host_peak.phase, points[2], total)
         joint = a.combined_peak + k * (b.combined_peak - a.combined_peak)
         step = SimulatedStep(a.optimizer, peak, a.from_rule, sum(split.values()), split, offload=a.offload)
         step.host_peak, step.combined_peak = host, joint
@@ -101,12 +101,18 @@ def simulate_layers(config: Any, run: Callable[[Any], SimulatedStep]) -> tuple[S
     return run(config), False
 
 
-def _renumber(phase: str, n_small: int, n_full: int) -> str:
-    """A phase named after layer `i` of the `n_small`-layer copy, named after the same place of the full model: the
-    last layers keep their distance from the end, the first ones their index."""
+def _renumber(previous: str, phase: str, n_small: int, n_full: int) -> str:
+    """A phase named after layer `i` of the `n_small`-layer copy, named after the same place of the full model. The
+    copy one layer smaller names it `previous`: an index that stays keeps its distance from the first layer (under
+    FSDP2 on gloo the norm pass peaks at layer 2 of 5, 6 or 7), one that moves with the layers its distance from the
+    last; where the two copies do not tell, the last layers keep their distance from the end, the first ones their
+    index."""
+    before = [int(m.group(0)[1:]) for m in _INDEX.finditer(previous)]
+    indices = iter(before if len(before) == len(_INDEX.findall(phase)) else [None] * len(_INDEX.findall(phase)))
 
     def sub(match: re.Match) -> str:
-        i = int(match.group(0)[1:])
-        return f".{i + n_full - n_small}" if i >= n_small // 2 else match.group(0)
+        i, j = int(match.group(0)[1:]), next(indices)
+        from_end = i == j + 1 if j is not None and j in (i, i - 1) else i >= n_small // 2
+        return f".{i + n_full - n_small}" if from_end else match.group(0)
 
     return _INDEX.sub(sub, phase)

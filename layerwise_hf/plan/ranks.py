@@ -19,6 +19,10 @@ code:
 
 Categories at the peak: FSDP2's all-gather buffers and unsharded weights count as weights, its unsharded gradients
 and reduce-scatter buffers as gradients; DDP's buckets as gradients.
+
+The backend: `device="cuda"` plans NCCL, whose collectives write into the caller's buffers and allocate no tensors;
+`device="cpu"` plans gloo (Accelerate's backend on CPU ranks), whose FSDP2 collectives allocate a temporary of their
+own while they run (`_gloo_buffers`; DDP's and the layer-wise route's all-reduces run in place on both).
 """
 
 from __future__ import annotations
@@ -212,6 +216,7 @@ class RankRoute:
         saved = {"unshard": cls.unshard, "wait_for_unshard": cls.wait_for_unshard}
         reduce = group_module.foreach_reduce
         tracker = self.tracker
+        gloo = self.setup.device == "cpu"
 
         def weights(method):
             def run(*args, **kwargs):
@@ -229,12 +234,13 @@ class RankRoute:
         for name, method in saved.items():
             setattr(cls, name, weights(method))
         group_module.foreach_reduce = foreach_reduce
-        try:
-            yield
-        finally:
-            for name, method in saved.items():
-                setattr(cls, name, method)
-            group_module.foreach_reduce = reduce
+        with _gloo_buffers(tracker) if gloo else contextlib.nullcontext():
+            try:
+                yield
+            finally:
+                for name, method in saved.items():
+                    setattr(cls, name, method)
+                group_module.foreach_reduce = reduce
 
     def forward_module(self, model: torch.nn.Module, layerwise: bool) -> torch.nn.Module:
         """The module the step calls: DDP around the model for a standard optimizer under `ddp`."""
@@ -342,6 +348,42 @@ class RankRoute:
                     handles.append(unsharded.register_post_accumulate_grad_hook(self.tracker.gradient_hook(
                         fsdp_param._param_fqn or "unsharded weight")))  # fmt: skip
         return handles
+
+
+@contextlib.contextmanager
+def _gloo_buffers(tracker: LiveBytes) -> Iterator[None]:
+    """FSDP2's collectives allocate what gloo's do while they run: the reduce-scatter's clone of its input (counted
+    as a gradient), the all-gather's flat output (weights)."""
+    # NOTE: what gloo allocates inside a collective (torch 2.13, ProcessGroupGloo.cpp): the reduce-scatter
+    # (reduce_scatter_tensor_coalesced) clones its whole input, all-reduces the clone and copies this rank's chunk
+    # out; the all-gather into one tensor gathers into a flat tensor of the output's size and copies it into the
+    # output's chunks. Measured on 2 real gloo ranks with the CPU allocator counted on every thread: a reduce-scatter
+    # of a 16 MiB input peaks 16 MiB above its input and output, an all-gather into a 16 MiB output 16 MiB above,
+    # neither holds anything afterwards, and an all-reduce allocates nothing. NCCL does neither and the fake process
+    # group allocates nothing, so a CUDA plan adds nothing. Without these the 2-rank FSDP2 rows of
+    # benchmarks/plan_accuracy.py were 6.3% (standard) and 3.4% (layer-wise) under the measured peak; with them 0.03%.
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+    gather, scatter = collectives.DefaultAllGather.__call__, collectives.DefaultReduceScatter.__call__
+
+    def with_buffer(call, category: str, like: str):
+        def run(comm, output_tensor, input_tensor, *args, **kwargs):
+            with tracker.labelled(category):
+                buffer = torch.empty_like(output_tensor if like == "output" else input_tensor)
+            try:
+                return call(comm, output_tensor, input_tensor, *args, **kwargs)
+            finally:
+                del buffer
+
+        return run
+
+    collectives.DefaultAllGather.__call__ = with_buffer(gather, WEIGHTS, "output")
+    collectives.DefaultReduceScatter.__call__ = with_buffer(scatter, GRADIENTS, "input")
+    try:
+        yield
+    finally:
+        collectives.DefaultAllGather.__call__ = gather
+        collectives.DefaultReduceScatter.__call__ = scatter
 
 
 class _NoRebuild:

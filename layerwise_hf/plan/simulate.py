@@ -49,7 +49,8 @@ class StepSetup:
         lora_targets (`tuple[str, ...]`): LoRA's target modules.
         weight_decay (`float`), learning_rate (`float`): Trainer's arguments (weight decay allocates nothing).
         device (`str`): `"cuda"`: torch optimizers use their CUDA default (`foreach`, which allocates step
-            temporaries across all tensors); `"cpu"`: the CPU default (a loop over tensors).
+            temporaries across all tensors), ranks run NCCL; `"cpu"`: the CPU default (a loop over tensors), ranks run
+            gloo (its FSDP2 collectives' buffers counted, `layerwise_hf.plan.ranks`).
         world_size (`int`): ranks (devices) of the run; one of them is simulated (`layerwise_hf.plan.ranks`).
         sharding (`str`): `"none"` (one process), `"ddp"` or `"fsdp2"`.
     """
