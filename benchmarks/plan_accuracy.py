@@ -7,6 +7,7 @@ Launch:
     python benchmarks/plan_accuracy.py --quick --output_dir /tmp/b      # two tiny configurations, seconds
     python benchmarks/plan_accuracy.py --only 'qwen2 .*8bit' --only ddp # the configurations whose name matches
     python benchmarks/plan_accuracy.py --list                           # their names
+    python benchmarks/plan_accuracy.py --merge /tmp/b/plan_accuracy.json # its rows into the committed report
 
 The real run is a plain loop written here, as Trainer runs a step (forward under autocast, loss / grad accum,
 backward, clip, `step()`, `zero_grad()`; fp16 through `torch.amp.GradScaler("cpu")`), with the optimizers the
@@ -35,10 +36,9 @@ rank with the higher peak. There the tensor peak comes from the CPU allocator co
 where it is enabled, and gloo frees a collective's tensors on its own worker thread when that thread drops the last
 reference to the work, so the profiler's sum grew with frees it never saw (+20 MiB on one DDP rank; +3-20 MiB per
 step under FSDP2), while the counted bytes, the tensors Python reaches and RSS stayed flat over 30 steps. On one
-process both agree to the byte. What gloo really adds: its reduce-scatter all-reduces a clone of its input, and its
-all-gather fills a flat buffer of the output's size before copying out (NCCL does neither; the plan's fake group
-allocates nothing); and the layer-wise data-parallel route steps a bucket at the first gradient hook after its
-all-reduce completes, which depends on gloo's timing (the plan's fake works never complete before they are waited).
+process both agree to the byte. What gloo adds under FSDP2: its reduce-scatter all-reduces a clone of its input, and
+its all-gather fills a flat buffer of the output's size before copying out; the plan of CPU ranks (`device="cpu"`)
+counts both, a CUDA plan neither (NCCL allocates no such buffers; `layerwise_hf.plan.ranks`).
 
 Host offload (`offload-*` configurations, `LAYERWISE_HF_OFFLOAD_SIMULATE=1`: the copy thread and the host worker
 as on a GPU): on a CPU the device and the host are one memory, so the plan's device + host peak is compared, and the
@@ -50,7 +50,9 @@ allocates temporaries its CUDA kernels do not; the plan counts the state from th
 temporaries (see the JSON's `plan.optimizer_state_from_rule`).
 
 Writes `<output_dir>/plan_accuracy.json` and `.png` (planned against measured, one point per configuration, the
-goal's bands) and prints the table.
+goal's bands) and prints the table. `--merge REPORT...` puts the rows of reports from runs of some configurations
+(`--only`) into the report in `<output_dir>`, in place of the rows of the same names, and computes the summary and
+the figure again; the report's `measured_in` says which run (planner commit, torch, time) each row comes from.
 """
 
 from __future__ import annotations
@@ -893,6 +895,44 @@ def plan_source() -> dict:
     return {"commit": git("rev-parse", "HEAD"), "uncommitted": git("status", "--porcelain", "--", "layerwise_hf/plan")}
 
 
+def merge(paths: list[str], output_dir: str) -> dict:
+    """The report in `output_dir` (if any) with the rows of the reports at `paths`: a later report's row replaces
+    the row of the same name; rows in `configurations()` order; summary as a run computes it (`summary`)."""
+    base = Path(output_dir) / "plan_accuracy.json"
+    rows: dict[str, dict] = {}
+    origin: dict[str, int] = {}
+    runs: list[dict] = []
+    models: dict = {}
+    for path in ([base] if base.is_file() else []) + [Path(p) for p in paths]:
+        report = json.loads(path.read_text())
+        models.update(report.get("models", {}))
+        names = [r["name"] for r in report["rows"]]
+        # A merged report says which run each row comes from; a run's report is one run.
+        parts = report.get("measured_in") or [{"rows": names, **{k: report.get(k) for k in RUN_FIELDS}}]
+        for part in parts:
+            runs.append({k: part.get(k) for k in RUN_FIELDS})
+            for name in part["rows"]:
+                origin[name] = len(runs) - 1
+        rows.update((r["name"], r) for r in report["rows"])
+    order = {c.name: k for k, c in enumerate(configurations())}
+    merged = sorted(rows.values(), key=lambda r: order.get(r["name"], len(order)))
+    measured_in = [{"rows": [r["name"] for r in merged if origin[r["name"]] == k], **run} for k, run in
+                   enumerate(runs)]  # fmt: skip
+    stats = summary(merged)
+    return {
+        "goal": GOAL,
+        "rss_goal": RSS_GOAL,
+        **stats,
+        "summary": stats,
+        "models": {k: v for k, v in models.items() if any(r["config"]["model"] == k for r in merged)},
+        "rows": merged,
+        "measured_in": [m for m in measured_in if m["rows"]],
+    }
+
+
+RUN_FIELDS = ("plan_source", "torch", "python", "wall_time_s")  # what a report says of the run that made it
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output_dir", default=str(h.RESULTS))
@@ -905,6 +945,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max_grad_norm", type=float, default=1.0, help="Trainer's default clipping")
     parser.add_argument("--rank_steps", type=int, default=RANK_STEPS, help="2-rank runs: steps, the last measured")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per configuration")
+    parser.add_argument("--merge", nargs="+", metavar="REPORT",
+                        help="put these reports' rows into the report in --output_dir (rows of the same name "
+                        "replaced); summary and figure made again, nothing run")  # fmt: skip
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -916,6 +959,11 @@ def main(argv=None) -> int:
     opts = parse_args(argv)
     if opts.worker:
         rank_worker(opts)
+        return 0
+    if opts.merge:
+        report = merge(opts.merge, opts.output_dir)
+        print_report(report["rows"], report["summary"])
+        h.write_report(opts.output_dir, "plan_accuracy", report, plot if report["compared"] else None)
         return 0
     configs = selected(opts)
     if opts.list:
