@@ -124,3 +124,16 @@ def finish_ranks() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+# The planner tests' model (a config dict): small enough for seconds, large enough that no category is noise.
+PLAN_LLAMA = dict(
+    model_type="llama",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=176,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    tie_word_embeddings=False,
+)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import PLAN_LLAMA
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from layerwise_hf.cli import main
@@ -21,17 +22,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import plan_accuracy  # noqa: E402
 
-# Small enough for seconds, large enough that no category is noise.
-LLAMA = dict(
-    model_type="llama",
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=176,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    tie_word_embeddings=False,
-)
+LLAMA = PLAN_LLAMA
 # Gradients dominate: wide layers, 8 tokens, activation checkpointing.
 WIDE = dict(LLAMA, hidden_size=256, intermediate_size=1024, vocab_size=256)
 

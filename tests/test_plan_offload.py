@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TokenDataset, clone, tiny_llama, train, training_args
+from helpers import PLAN_LLAMA, TokenDataset, clone, tiny_llama, train, training_args
 from transformers import AutoConfig
 
 from layerwise_hf.cli import main
@@ -28,16 +28,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import plan_accuracy  # noqa: E402
 
-LLAMA = dict(
-    model_type="llama",
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=176,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    tie_word_embeddings=False,
-)
+LLAMA = PLAN_LLAMA
 MODES = ("none", "gradients", "optimizer")
 
 

@@ -14,22 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import PLAN_LLAMA
 
 from layerwise_hf.cli import main
 from layerwise_hf.estimate import EstimateError
 from layerwise_hf.plan import core as plan_core
 from layerwise_hf.plan import plan
 
-LLAMA = dict(
-    model_type="llama",
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=176,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    tie_word_embeddings=False,
-)
+LLAMA = PLAN_LLAMA
 # Gradients of several DDP buckets (25 MiB each): 4 layers of 16.8 MiB.
 BIG = dict(LLAMA, hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
            num_key_value_heads=8)  # fmt: skip
