@@ -52,12 +52,12 @@ def test_counts_frees_and_allocations_of_other_threads_that_the_profiler_misses(
         assert counter.peak() - base == 2 * MIB
         made.clear()
     assert counter.current() == base
-    # The profiler never saw the 2 MiB allocated on another thread, so its peak is wrong; torch 2.13's also missed
-    # the free made elsewhere and still holds that 1 MiB (torch 2.14's records it).
+    # The profiler never saw the 2 MiB allocated on another thread, so its peak is wrong. Whether it records the free
+    # made elsewhere is not fixed even within one torch version (torch 2.13 missed it here and recorded it on CI's
+    # machine), so its running sum at the end is either 0 or the missed 1 MiB.
     running, highest = profiler_sum(prof)
     assert highest == MIB
-    if torch.__version__.startswith("2.13"):
-        assert running == MIB
+    assert running in (0, MIB)
 
 
 def test_agrees_with_the_profiler_to_the_byte_on_one_thread():
