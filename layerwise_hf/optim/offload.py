@@ -66,6 +66,23 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def shard_norm(param: torch.Tensor, local_norm: torch.Tensor) -> torch.Tensor:
+    """`local_norm`, the norm of this rank's shard of `param`'s gradient, as the device kernel gives it for the whole
+    gradient: a plain parameter's as is; a DTensor's as a partial norm (`_NormPartial`) that the global norm reduces
+    across ranks, so a sum measured on the host counts every rank's shard, as `clip_grad_norm_` does."""
+    if not hasattr(param, "device_mesh"):
+        return local_norm
+    from torch.distributed.tensor import DTensor, Shard
+
+    # NOTE: private; the placement torch's own norm of a Shard dimension takes (checked on torch 2.13 and 2.14), so the
+    # global norm runs the very ops of the standard optimizer's clip_grad_norm_ over DTensor gradients.
+    from torch.distributed.tensor._ops._math_ops import _NormPartial
+
+    placements = [_NormPartial(2.0) if isinstance(p, Shard) else p for p in param.placements]
+    local = local_norm.to(param.to_local().device)
+    return DTensor.from_local(local, param.device_mesh, placements, run_check=False)
+
+
 class HostWorker:
     """One host thread that runs tasks in the order they were submitted (host adds, norms, host optimizer steps)."""
 
@@ -233,7 +250,7 @@ class GradientOffload:
             self.device_bytes -= size
         for i, future in self.host_norms.items():
             if window.norms[i] is None:
-                window.norms[i] = (params[i].device, self.host[i].dtype, future.result())
+                window.norms[i] = (params[i].device, self.host[i].dtype, shard_norm(params[i], future.result()))
         self.host_norms.clear()
 
     def pending(self) -> list[int]:
