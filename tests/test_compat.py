@@ -233,3 +233,19 @@ def test_checkpointing_kwargs_turn_checkpointing_on(tmp_path):
     (field,) = [k for k in kwargs if not k.endswith("_kwargs")]
     assert field in TrainingArguments.__dataclass_fields__
     assert getattr(args, field) is True and getattr(args, f"{field}_kwargs") == {"use_reentrant": False}
+
+
+@pytest.mark.parametrize(
+    "accelerate, transformers, sync_each_batch, reduces",
+    [
+        ("1.10.0", "4.55.0", False, True),  # accelerate's no_sync looks for a no_sync method FSDP2 does not have
+        ("1.11.0", "5.24.0", False, False),  # set_requires_gradient_sync(False): accumulated unsharded
+        ("1.15.0", "5.1.0", True, False),  # Trainer runs no_sync whatever sync_each_batch says
+        ("1.15.0", "5.2.0", True, True),
+    ],
+)
+def test_fsdp2_trainer_reduces_each_micro_batch_follows_the_releases(
+    monkeypatch, accelerate, transformers, sync_each_batch, reduces
+):
+    _versions(monkeypatch, accelerate=accelerate, transformers=transformers)
+    assert compat.fsdp2_trainer_reduces_each_micro_batch(sync_each_batch) == reduces

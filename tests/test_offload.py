@@ -291,6 +291,18 @@ def test_cpu_only_offload_warns_unless_simulated(monkeypatch, caplog):
         assert "same memory" in caplog.text
 
 
+def test_fsdp2_accumulation_without_a_reduction_per_micro_batch_is_named(caplog):
+    from layerwise_hf.optim.offloading import check_fsdp2_accumulation
+
+    with caplog.at_level(logging.WARNING, logger="layerwise_hf.optim.offloading"):
+        check_fsdp2_accumulation("gradients", 4, reduces_each_micro_batch=True)
+        check_fsdp2_accumulation("optimizer", 1, reduces_each_micro_batch=False)
+        check_fsdp2_accumulation("none", 4, reduces_each_micro_batch=False)
+        assert not caplog.records
+        check_fsdp2_accumulation("optimizer", 4, reduces_each_micro_batch=False)
+    assert "FSDP2 accumulates unsharded gradients" in caplog.text and "'sync_each_batch': True" in caplog.text
+
+
 def test_bad_offload_values_are_refused_naming_the_argument():
     model = tiny_llama()
     args = training_args("/tmp/unused", "sgd_layerwise")

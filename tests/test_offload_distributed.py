@@ -3,6 +3,7 @@
 import pytest
 from test_distributed import launch
 
+from layerwise_hf.bases.compat import fsdp2_trainer_reduces_each_micro_batch
 from layerwise_hf.optim import transfer
 
 SIMULATED = {transfer.SIMULATE_ENV: "1", transfer.DELAY_ENV: "0.001"}
@@ -45,6 +46,40 @@ def test_offload_under_fsdp2_matches_standard_fsdp2(tmp_path, size):
         script_args=["fsdp2", size],
     )
     assert_exact(report, "fsdp2", sharded=True)
+    for case in report["results"]:
+        # Before training: at GA > 1 FSDP2 accumulates the window unsharded, where offload saves nothing; said once.
+        ga = int(case["case"].split(" ga")[1].split(" ")[0])
+        unsharded = ga > 1 and not fsdp2_trainer_reduces_each_micro_batch(sync_each_batch=False)
+        assert case["warned_unsharded_accumulation"] == unsharded, case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_offload_reducing_each_micro_batch_holds_no_gradient_between_micro_batches(tmp_path, engine):
+    # Accelerate's sync_each_batch: every micro-batch is reduced (FSDP2: reduce-scattered), so each reduced gradient
+    # goes to its host buffer as it comes, and the window's sum there is the standard optimizer's (clipping at 0.5
+    # applied). Without it, FSDP2 accumulates unsharded gradients through the window itself.
+    from transformers import __version__
+
+    report = launch(
+        f"configs/accelerate/cpu_{engine}.yaml",
+        "tests/distributed/offload_trainer.py",
+        tmp_path / "r.json",
+        {**SIMULATED, "LAYERWISE_HF_FORCE_FSDP_CPU": "1"} if engine == "fsdp2" else SIMULATED,
+        script_args=[engine, "sync_each_batch"],
+    )
+    assert_exact(report, {"ddp": "data_parallel", "fsdp2": "fsdp2"}[engine], sharded=engine == "fsdp2")
+    for case in report["results"]:
+        assert not case["warned_unsharded_accumulation"], case
+        local = case["local_weight_bytes"]  # the rank's shards under FSDP2, the whole model under the DDP config
+        # Under FSDP2 Trainer honours sync_each_batch from transformers 5.2 (and accelerate 1.10 reduces every
+        # micro-batch anyway); the DDP-config route offloads each micro-batch's local gradient either way (reduced
+        # once per window, from the host sum, when the loop does not reduce each).
+        if engine == "ddp" or fsdp2_trainer_reduces_each_micro_batch(sync_each_batch=True):
+            assert case["held_layerwise"] == 0, case
+            assert case["held_standard"] == local, case  # the standard optimizer's .grad, a shard under FSDP2
+        else:  # every micro-batch but the last under no_sync: FSDP2 holds them unsharded, as for the standard run
+            assert case["held_layerwise"] == case["held_standard"] == 2 * local, (__version__, case)
 
 
 @pytest.mark.slow

@@ -237,3 +237,23 @@ def test_a_direct_call_inside_a_launched_run_plans_as_one_process(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["environ_kept"] and report["one"] > 0 and report["ranks"] > 0
+
+
+@pytest.mark.parametrize("sync_each_batch", [False, True])
+def test_fsdp2_accumulation_offloads_shards_only_when_each_micro_batch_is_reduced(sync_each_batch):
+    # Under FSDP2 a window not reduced per micro-batch is accumulated by FSDP2 itself, unsharded: offload has
+    # nothing to move before the last micro-batch. Reduce-scattered per micro-batch, each shard leaves as it comes.
+    unsharded = sum(p.numel() * 4 for p in tiny_llama_from(LLAMA).parameters())
+    options = dict(seq_len=32, grad_accum=4, world_size=2, sharding="fsdp2", counterparts=False)
+    row = plan(LLAMA, ["adamw_torch_layerwise"], offload="gradients", sync_each_batch=sync_each_batch, **options)
+    gradients = row.rows[0].categories["gradients"]
+    if sync_each_batch:
+        assert gradients < unsharded / 2, (gradients, unsharded)  # in flight only, less than the rank's shards
+    else:
+        assert gradients == unsharded, (gradients, unsharded)
+
+
+def tiny_llama_from(config: dict) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))

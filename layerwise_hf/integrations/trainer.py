@@ -11,12 +11,18 @@ import warnings
 
 from transformers import Trainer, TrainingArguments
 
-from ..bases.compat import cpu_map_location, create_optimizer_args, route_inline_grad_norm, set_ddp_handler_early
+from ..bases.compat import (
+    cpu_map_location,
+    create_optimizer_args,
+    fsdp2_trainer_reduces_each_micro_batch,
+    route_inline_grad_norm,
+    set_ddp_handler_early,
+)
 from ..bases.params import canonical_name
 from ..bases.registry import is_layerwise_name
 from ..bases.support import check_deepspeed, check_fsdp2_optimizers, check_fsdp_version, fsdp_version_of_args
 from ..optim.norm_pass import NormPass, forward_again, parse_norm_pass
-from ..optim.offloading import wait_for_host_steps
+from ..optim.offloading import check_fsdp2_accumulation, wait_for_host_steps
 from ..optim.optimizer import build_layerwise_optimizer, unwrap_layerwise_optimizer
 from ..routes.data_parallel import DataParallelConfig
 from ..routes.local_shard import local_shards_of
@@ -127,6 +133,13 @@ class LayerwiseTrainerMixin:
         if self.is_fsdp_enabled:
             inner = [getattr(i, "host_base", i) for i in self.optimizer.inner]  # layerwise_offload="optimizer"
             check_fsdp2_optimizers(self.optimizer.optimizer_name, inner)  # before any step
+            check_fsdp2_accumulation(
+                getattr(self.args, "layerwise_offload", "none"),
+                self.args.gradient_accumulation_steps,
+                fsdp2_trainer_reduces_each_micro_batch(
+                    bool(self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False))
+                ),
+            )
         elif DataParallelConfig.from_accelerator(self.accelerator) is not None:
             # Under a DDP config the gradients are reduced by the layer-wise data-parallel route: DDP's buckets
             # would hold as much memory as all gradients for the whole run.

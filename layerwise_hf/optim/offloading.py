@@ -80,6 +80,40 @@ def check_host_step_base(optimizer_name: str | None) -> None:
         )
 
 
+def check_fsdp2_accumulation(offload: str, gradient_accumulation_steps: int, reduces_each_micro_batch: bool) -> None:
+    """
+    Warn, before training, that under FSDP2 offload saves no gradient memory in a gradient-accumulation window whose
+    micro-batches are not reduced: FSDP2 accumulates them itself, unsharded (every rank holds the whole model's
+    gradients), and hands the reduced shards over only after the window's last backward.
+
+    Args:
+        offload (`str`): `layerwise_offload`.
+        gradient_accumulation_steps (`int`): micro-batches per window.
+        reduces_each_micro_batch (`bool`): every micro-batch is reduce-scattered (Accelerate's `sync_each_batch`, as
+            the driver honours it: `layerwise_hf.bases.compat.trainer_syncs_each_batch` for Trainer).
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.optim.offloading import check_fsdp2_accumulation
+    >>> check_fsdp2_accumulation("gradients", 4, reduces_each_micro_batch=True)  # each shard offloaded as it comes
+    ```
+    """
+    if offload == "none" or gradient_accumulation_steps <= 1 or reduces_each_micro_batch:
+        return
+    logger.warning(
+        "layerwise_offload=%r under FSDP2 with gradient_accumulation_steps=%d: the micro-batches before each window's "
+        "last run under accelerator.no_sync, where FSDP2 accumulates unsharded gradients on the device (the whole "
+        "model's on every rank), so offload saves no gradient memory there. Reduce-scatter every micro-batch and each "
+        "shard goes to host memory as it comes: TrainingArguments(accelerator_config={'gradient_accumulation_kwargs': "
+        "{'sync_each_batch': True}}) on transformers >= 5.2 (Accelerator(gradient_accumulation_plugin="
+        "GradientAccumulationPlugin(num_steps=..., sync_each_batch=True)) with accelerator.accumulate in a plain "
+        "loop), for one reduce-scatter per micro-batch instead of per window.",
+        offload,
+        gradient_accumulation_steps,
+    )
+
+
 def host_step_factory(factory: LayerwiseFactory, mode: str) -> tuple[LayerwiseFactory, HostRunner | None]:
     """With `mode="optimizer"`, `factory` wrapped so each optimizer steps on the host, and their shared runner."""
     if mode != "optimizer":

@@ -22,7 +22,7 @@ JSON_SCHEMA = """--json prints one object:
   rank                   the simulated rank (null on one process)
   setup                  seq_len, micro_batch, grad_accum, max_grad_norm, clip_mode, bf16, fp16, torch_dtype,
                          gradient_checkpointing, lora_r, lora_targets, weight_decay, learning_rate, device,
-                         world_size, sharding
+                         world_size, sharding, sync_each_batch
   device_memory          bytes, or null
   host_memory            bytes (--host-memory), or null
   offload                the offload modes planned for the layer-wise rows (--offload), e.g. ["none"]
@@ -122,6 +122,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "group (default: none on one rank, ddp on several).",
     )
     parser.add_argument(
+        "--sync-each-batch",
+        action="store_true",
+        help="Accelerate's sync_each_batch (several ranks, --grad-accum > 1): reduce every micro-batch, so FSDP2 "
+        "does not hold the window's gradients unsharded and offload sends each shard to the host as it comes.",
+    )
+    parser.add_argument(
         "--max-batch-size",
         action="store_true",
         help="With --device-memory: the largest micro-batch that fits, per optimizer (bisection).",
@@ -151,6 +157,7 @@ def _options(args: argparse.Namespace) -> dict:
         extrapolate=not args.no_extrapolate,
         world_size=args.world_size,
         sharding=args.sharding or ("none" if args.world_size == 1 else "ddp"),
+        sync_each_batch=args.sync_each_batch,
         offload=tuple(args.offload),
         host_memory=args.host_memory,
     )

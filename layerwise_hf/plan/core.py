@@ -309,6 +309,7 @@ def plan(
     counterparts: bool = True,
     world_size: int = 1,
     sharding: str = "none",
+    sync_each_batch: bool = False,
     offload: str | list[str] | tuple[str, ...] = "none",
     host_memory: str | int | None = None,
 ) -> Plan:
@@ -333,6 +334,8 @@ def plan(
         counterparts (`bool`, defaults to `True`): also run each optimizer's standard / layer-wise counterpart.
         world_size (`int`, defaults to `1`), sharding (`str`, defaults to `"none"`): one rank of `world_size`
             under `"ddp"` or `"fsdp2"`, with a fake process group (`layerwise_hf.plan.ranks`); figures per rank.
+        sync_each_batch (`bool`, defaults to `False`): Accelerate's `sync_each_batch` for several ranks with
+            `grad_accum > 1`: every micro-batch is reduced, so FSDP2 does not accumulate the window unsharded.
         offload (`str` or a list of them), host_memory (*optional*): `layerwise_offload` of the layer-wise rows
             (several modes: a row each), simulated with the real offload code, device and host sides apart
             (`layerwise_hf.plan.offload`); e.g. `"256GiB"`: whether each offload row's host peak fits.
@@ -353,7 +356,9 @@ def plan(
     options = dict(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
                    clip_mode=clip_mode, bf16=bf16, fp16=fp16, torch_dtype=torch_dtype, device=device, lora_r=lora_r,
                    gradient_checkpointing=gradient_checkpointing, lora_targets=lora_targets)  # fmt: skip
-    setup = make_setup(optimizers=names, world_size=world_size, sharding=sharding, **options)
+    setup = make_setup(
+        optimizers=names, world_size=world_size, sharding=sharding, sync_each_batch=bool(sync_each_batch), **options
+    )
     memory = parse_size(device_memory) if device_memory is not None else None
     host = parse_size(host_memory, "--host-memory") if host_memory is not None else None
     config, name, source = resolve_config(model)

@@ -302,7 +302,7 @@ class RankRoute:
             accelerator = types.SimpleNamespace(
                 distributed_type="MULTI_GPU",
                 ddp_handler=handler,
-                gradient_state=types.SimpleNamespace(plugin_kwargs={}),
+                gradient_state=types.SimpleNamespace(plugin_kwargs={"sync_each_batch": self.setup.sync_each_batch}),
             )
         name = optimizer.connect(model, accelerator=accelerator)
         route = optimizer.gradient_route
@@ -325,7 +325,7 @@ class RankRoute:
     def no_sync(self, module: torch.nn.Module, last: bool):
         """Accelerate's `no_sync` for a micro-batch that does not end the window (a layer-wise DDP route reads
         `sync_gradients` instead)."""
-        if last:
+        if last or self.setup.sync_each_batch:
             return contextlib.nullcontext()
         if self.sharding == "fsdp2":
             return _fsdp2_no_sync(module)

@@ -53,6 +53,8 @@ class StepSetup:
             gloo (its FSDP2 collectives' buffers counted, `layerwise_hf.plan.ranks`).
         world_size (`int`): ranks (devices) of the run; one of them is simulated (`layerwise_hf.plan.ranks`).
         sharding (`str`): `"none"` (one process), `"ddp"` or `"fsdp2"`.
+        sync_each_batch (`bool`): Accelerate's `sync_each_batch`: every micro-batch of a window is reduced (no
+            `no_sync`), as Trainer does from transformers 5.2 when the plugin sets it.
     """
 
     seq_len: int = 512
@@ -71,6 +73,7 @@ class StepSetup:
     device: str = "cuda"
     world_size: int = 1
     sharding: str = "none"
+    sync_each_batch: bool = False
 
     def replace(self, **changes: Any) -> StepSetup:
         return dataclasses.replace(self, **changes)
