@@ -34,10 +34,9 @@ here that handles it is named in brackets:
     order of use) [`meta_forward`]           `torch.autocast("meta")`, refused
     `map_location` of `optimizer.pt` in a    5.17: `args.device`, which is         5.18: `"cpu"` on CPU ranks
     multi-process run [`cpu_map_location`]   `cpu:0` on CPU ranks: torch refuses
-    `sync_each_batch` of Accelerate's        5.1: ignored, `no_sync` on every      5.2: no `no_sync` when it is set
-    gradient accumulation plugin in the      micro-batch but the window's last
-    training loop [`fsdp2_trainer_reduces_
-    each_micro_batch`]
+    Accelerate's `sync_each_batch` in the    5.1: ignored (`no_sync`, which leaves  5.2: no `no_sync` when it is set
+    loop [`fsdp2_trainer_reduces_each_       FSDP2 alone before accelerate 1.11)
+    micro_batch`]
     DDP settings given to Accelerate         5.2: set in `Trainer._wrap_model`,    5.3: when the Accelerator is made
     (`find_unused_parameters`,               after the optimizer is made;
     `bucket_cap_mb`, `broadcast_buffers`)    `find_unused_parameters` defaults
@@ -47,9 +46,8 @@ Process-wide, transformers < 5 writes TrainingArguments' mixed precision and FSD
 (`ACCELERATE_MIXED_PRECISION`, `ACCELERATE_USE_FSDP`, `FSDP_*`), where every later Accelerator reads them; the
 plugin does not change that (the tests restore the environment after each test).
 
-accelerate 1.10's `no_sync` leaves an FSDP2 module alone (it reduce-scatters every micro-batch), 1.11 and later
-turn its gradient sync off [`fsdp2_trainer_reduces_each_micro_batch`]; otherwise accelerate 1.10 - 1.15 and torch
-2.13 - 2.15 showed no difference the plugin depends on (CI tests up to torch
+Apart from FSDP2 under `no_sync` (above), accelerate 1.10 - 1.15 and torch 2.13 - 2.15 showed no difference the
+plugin depends on (CI tests up to torch
 2.14.1, the newest its pip settings allow, so 2.15 warns as untested). The shims decide by what the installed release
 has (a module, a parameter, a field) where it can; where the difference is in what a method does
 (`trainer_method_parameters`, `dtype_kwargs`, `set_ddp_handler_early`, `cpu_map_location`), by the version.
@@ -399,11 +397,9 @@ def route_inline_grad_norm(accelerator, layerwise_optimizer: Callable[[], Any]) 
     does from 5.3 on. Nothing is changed on transformers >= 5.3.
 
     Args:
-        accelerator (`accelerate.Accelerator`):
-            The Trainer's accelerator; only this instance is changed.
-        layerwise_optimizer (`Callable[[], LayerwiseOptimizer | None]`):
-            The Trainer's layer-wise optimizer at the time of the call; `None` (a standard optimizer) leaves the call
-            to accelerate.
+        accelerator (`accelerate.Accelerator`): the Trainer's; only this instance is changed.
+        layerwise_optimizer (`Callable[[], LayerwiseOptimizer | None]`): the Trainer's at the time of the call;
+            `None` (a standard optimizer) leaves the call to accelerate.
 
     Example:
 
@@ -428,16 +424,9 @@ def route_inline_grad_norm(accelerator, layerwise_optimizer: Callable[[], Any]) 
 
 def fsdp2_trainer_reduces_each_micro_batch(sync_each_batch: bool) -> bool:
     """
-    Whether Trainer's training loop reduce-scatters every micro-batch of a gradient-accumulation window under FSDP2
-    (else FSDP2 accumulates the window's micro-batches unsharded and reduces once, after the last). It runs all but
-    the window's last micro-batch under `accelerator.no_sync`, which leaves an FSDP2 module alone before accelerate
-    1.11 (it looks for a `no_sync` method FSDP2 does not have) and sets `set_requires_gradient_sync(False)` from 1.11
-    on; from transformers 5.2 the loop skips `no_sync` when the gradient accumulation plugin sets `sync_each_batch`.
-
-    Args:
-        sync_each_batch (`bool`):
-            Accelerate's `GradientAccumulationPlugin.sync_each_batch`
-            (`TrainingArguments(accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": True}})`).
+    Whether Trainer reduce-scatters every micro-batch of an accumulation window under FSDP2 (else FSDP2 sums the
+    window unsharded): accelerate < 1.11's `no_sync` leaves FSDP2 alone (no `no_sync` method), later ones turn its
+    gradient sync off; Trainer skips `no_sync` for Accelerate's `sync_each_batch` from transformers 5.2.
 
     Example:
 
@@ -483,8 +472,7 @@ def set_ddp_handler_early(trainer) -> None:
     Accelerator has them from the start, or without data parallelism.
 
     Args:
-        trainer (`Trainer`):
-            The Trainer whose optimizer is being created.
+        trainer (`Trainer`): the Trainer whose optimizer is being created.
 
     Example:
 

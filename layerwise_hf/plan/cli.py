@@ -111,6 +111,21 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default="cuda",
         help="Whose optimizer defaults and collectives to simulate (cuda: foreach, NCCL; cpu: a loop, gloo).",
     )
+    _add_rank_arguments(parser)
+    parser.add_argument(
+        "--max-batch-size",
+        action="store_true",
+        help="With --device-memory: the largest micro-batch that fits, per optimizer (bisection).",
+    )
+    parser.add_argument("--no-extrapolate", action="store_true", help="Simulate every decoder layer.")
+    parser.add_argument("--units", choices=("binary", "decimal"), default="binary", help="GiB or GB.")
+    parser.add_argument("--json", action="store_true", help="Print JSON (the schema is below).")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _add_rank_arguments(parser: argparse.ArgumentParser) -> None:
+    """The run's ranks: how many, their sharding, and whether each micro-batch is reduced."""
     parser.add_argument(
         "--world-size", type=int, default=1, help="Ranks (devices) of the run; the plan is per rank (default 1)."
     )
@@ -127,16 +142,6 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="Accelerate's sync_each_batch (several ranks, --grad-accum > 1): reduce every micro-batch, so FSDP2 "
         "does not hold the window's gradients unsharded and offload sends each shard to the host as it comes.",
     )
-    parser.add_argument(
-        "--max-batch-size",
-        action="store_true",
-        help="With --device-memory: the largest micro-batch that fits, per optimizer (bisection).",
-    )
-    parser.add_argument("--no-extrapolate", action="store_true", help="Simulate every decoder layer.")
-    parser.add_argument("--units", choices=("binary", "decimal"), default="binary", help="GiB or GB.")
-    parser.add_argument("--json", action="store_true", help="Print JSON (the schema is below).")
-    parser.set_defaults(func=run)
-    return parser
 
 
 def _options(args: argparse.Namespace) -> dict:

@@ -332,10 +332,9 @@ def plan(
             collectives several ranks run (NCCL; gloo on `"cpu"`, whose FSDP2 collectives allocate buffers).
         extrapolate (`bool`, defaults to `True`): simulate 2-4 identical decoder layers and extend the exact line.
         counterparts (`bool`, defaults to `True`): also run each optimizer's standard / layer-wise counterpart.
-        world_size (`int`, defaults to `1`), sharding (`str`, defaults to `"none"`): one rank of `world_size`
-            under `"ddp"` or `"fsdp2"`, with a fake process group (`layerwise_hf.plan.ranks`); figures per rank.
-        sync_each_batch (`bool`, defaults to `False`): Accelerate's `sync_each_batch` for several ranks with
-            `grad_accum > 1`: every micro-batch is reduced, so FSDP2 does not accumulate the window unsharded.
+        world_size (`int`, defaults to `1`), sharding (`str`, defaults to `"none"`), sync_each_batch (`bool`): one
+            rank of `world_size` under `"ddp"` or `"fsdp2"`, with a fake process group (`layerwise_hf.plan.ranks`),
+            figures per rank; Accelerate's `sync_each_batch` reduces every micro-batch (no unsharded FSDP2 sum).
         offload (`str` or a list of them), host_memory (*optional*): `layerwise_offload` of the layer-wise rows
             (several modes: a row each), simulated with the real offload code, device and host sides apart
             (`layerwise_hf.plan.offload`); e.g. `"256GiB"`: whether each offload row's host peak fits.
@@ -356,23 +355,26 @@ def plan(
     options = dict(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
                    clip_mode=clip_mode, bf16=bf16, fp16=fp16, torch_dtype=torch_dtype, device=device, lora_r=lora_r,
                    gradient_checkpointing=gradient_checkpointing, lora_targets=lora_targets)  # fmt: skip
-    setup = make_setup(
-        optimizers=names, world_size=world_size, sharding=sharding, sync_each_batch=bool(sync_each_batch), **options
-    )
+    setup = make_setup(optimizers=names, world_size=world_size, sharding=sharding, sync_each_batch=sync_each_batch,
+                       **options)  # fmt: skip
     memory = parse_size(device_memory) if device_memory is not None else None
     host = parse_size(host_memory, "--host-memory") if host_memory is not None else None
-    config, name, source = resolve_config(model)
-    check_causal_lm(config, name)
-    config = copy.deepcopy(config)  # the simulation turns off the KV cache on the config it builds from
+    config, name, source = _config_of(model)
     jobs = [(n, m) for n in names for m in (modes if n.endswith(SUFFIX) else ("none",))]
     run = functools.partial(in_fresh_process, simulate_all) if needs_fresh_process(sharding) else simulate_all
     with single_process():
         steps, extrapolated = run(config, jobs, setup, extrapolate)
     rows = [to_row(step, setup, memory, host, steps) for step in steps.values()]
-    notes = plan_notes(expanded, names, modes)
     seconds = time.perf_counter() - started
-    return Plan(name, source, setup, memory, rows, extrapolated, seconds, notes, modes, host,
-                choose_offload(rows, memory, host))  # fmt: skip
+    return Plan(name, source, setup, memory, rows, extrapolated, seconds, plan_notes(expanded, names, modes), modes,
+                host, choose_offload(rows, memory, host))  # fmt: skip
+
+
+def _config_of(model: Any) -> tuple[Any, str, str]:
+    """The model's config (a copy: the simulation turns off its KV cache), name and source."""
+    config, name, source = resolve_config(model)
+    check_causal_lm(config, name)
+    return copy.deepcopy(config), name, source
 
 
 def plan_notes(expanded: list[str], names: list[str], modes: tuple[str, ...]) -> list[str]:
