@@ -18,6 +18,7 @@ from transformers import Trainer, TrainingArguments
 
 import layerwise_hf
 from layerwise_hf.bases import compat
+from layerwise_hf.bases import versions as compat_versions
 from layerwise_hf.integrations import patching
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,8 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def _versions(monkeypatch, **versions):
     """Make the installed versions read as `versions` (package -> version string) for the other packages too."""
     real = compat.installed_version
-    monkeypatch.setattr(compat, "installed_version", lambda package: versions.get(package) or real(package))
-    monkeypatch.setattr(compat, "_WARNED", set())
+    fake = lambda package: versions.get(package) or real(package)  # noqa: E731
+    for module in (compat, compat_versions):  # the range's check lives in versions.py, the shims in compat.py
+        monkeypatch.setattr(module, "installed_version", fake)
+    monkeypatch.setattr(compat_versions, "_WARNED", set())
 
 
 # ---------------------------------------------------------------- the range
