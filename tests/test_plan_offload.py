@@ -251,6 +251,7 @@ def test_fsdp2_accumulation_offloads_shards_only_when_each_micro_batch_is_reduce
         assert gradients < unsharded / 2, (gradients, unsharded)  # in flight only, less than the rank's shards
     else:
         assert gradients == unsharded, (gradients, unsharded)
+        assert any("--sync-each-batch" in text for text in row.rows[0].advice), row.rows[0].advice
 
 
 def tiny_llama_from(config: dict) -> torch.nn.Module:

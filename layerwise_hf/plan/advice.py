@@ -37,6 +37,8 @@ def advise(row: PlanRow, setup: StepSetup) -> list[str]:
 
     act = "activations dominate: "
     grads = "gradients dominate: "
+    # NOTE: accelerate >= 1.11's no_sync turns FSDP2's gradient sync off: the window is summed unsharded.
+    unsharded_window = setup.sharding == "fsdp2" and setup.grad_accum > 1 and not setup.sync_each_batch
     candidates = [  # (applies, bytes behind it, suggestion)
         (large("activations") and not setup.gradient_checkpointing, cats["activations"],
          act + "turn on activation checkpointing (--gradient-checkpointing)"),
@@ -45,7 +47,12 @@ def advise(row: PlanRow, setup: StepSetup) -> list[str]:
          "sequences"),
         (large("gradients") and not layerwise, cats["gradients"],
          grads + f"a layer-wise optimizer ({row.optimizer}{SUFFIX}) frees each gradient after its step"),
-        (large("gradients") and layerwise and setup.grad_accum > 1 and row.offload == "none", cats["gradients"],
+        (large("gradients") and unsharded_window, cats["gradients"] + 1,
+         grads + "under FSDP2 the micro-batches before each window's last are summed unsharded (Accelerate's "
+         "no_sync); --sync-each-batch (Accelerate's sync_each_batch) reduce-scatters every micro-batch, so only "
+         "shards wait (in host memory with layerwise_offload)"),
+        (large("gradients") and layerwise and setup.grad_accum > 1 and row.offload == "none" and not unsharded_window,
+         cats["gradients"],
          grads + "gradient accumulation keeps every gradient until the last micro-batch; fewer, larger "
          "micro-batches let layer-wise free them, or layerwise_offload='gradients' keeps the sums in host memory "
          "(--offload gradients plans it)"),
