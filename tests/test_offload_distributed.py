@@ -8,6 +8,15 @@ from layerwise_hf.optim import transfer
 
 SIMULATED = {transfer.SIMULATE_ENV: "1", transfer.DELAY_ENV: "0.001"}
 QUICK = [pytest.param("quick", id="quick"), pytest.param("full", id="full", marks=pytest.mark.slow)]
+ROUTES = {"ddp": "data_parallel", "fsdp2": "fsdp2"}
+
+
+def launch_on(engine: str, script: str, tmp_path, **kwargs) -> dict:
+    """`script` on 2 gloo ranks under `engine`'s CPU config (the DDP config or FSDP2), offload simulated."""
+    env = {**SIMULATED, "LAYERWISE_HF_FORCE_FSDP_CPU": "1"} if engine == "fsdp2" else SIMULATED
+    return launch(
+        f"configs/accelerate/cpu_{engine}.yaml", f"tests/distributed/{script}", tmp_path / "r.json", env, **kwargs
+    )
 
 
 def assert_exact(report: dict, route: str, sharded: bool):
@@ -25,26 +34,14 @@ def assert_exact(report: dict, route: str, sharded: bool):
 @pytest.mark.slow
 @pytest.mark.parametrize("size", QUICK)
 def test_offload_under_the_ddp_config_matches_standard_ddp(tmp_path, size):
-    report = launch(
-        "configs/accelerate/cpu_ddp.yaml",
-        "tests/distributed/offload_trainer.py",
-        tmp_path / "r.json",
-        SIMULATED,
-        script_args=["ddp", size],
-    )
+    report = launch_on("ddp", "offload_trainer.py", tmp_path, script_args=["ddp", size])
     assert_exact(report, "data_parallel", sharded=False)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("size", QUICK)
 def test_offload_under_fsdp2_matches_standard_fsdp2(tmp_path, size):
-    report = launch(
-        "configs/accelerate/cpu_fsdp2.yaml",
-        "tests/distributed/offload_trainer.py",
-        tmp_path / "r.json",
-        {**SIMULATED, "LAYERWISE_HF_FORCE_FSDP_CPU": "1"},
-        script_args=["fsdp2", size],
-    )
+    report = launch_on("fsdp2", "offload_trainer.py", tmp_path, script_args=["fsdp2", size])
     assert_exact(report, "fsdp2", sharded=True)
     for case in report["results"]:
         # Before training: at GA > 1 FSDP2 accumulates the window unsharded, where offload saves nothing; said once.
@@ -61,14 +58,8 @@ def test_offload_reducing_each_micro_batch_holds_no_gradient_between_micro_batch
     # applied). Without it, FSDP2 accumulates unsharded gradients through the window itself.
     from transformers import __version__
 
-    report = launch(
-        f"configs/accelerate/cpu_{engine}.yaml",
-        "tests/distributed/offload_trainer.py",
-        tmp_path / "r.json",
-        {**SIMULATED, "LAYERWISE_HF_FORCE_FSDP_CPU": "1"} if engine == "fsdp2" else SIMULATED,
-        script_args=[engine, "sync_each_batch"],
-    )
-    assert_exact(report, {"ddp": "data_parallel", "fsdp2": "fsdp2"}[engine], sharded=engine == "fsdp2")
+    report = launch_on(engine, "offload_trainer.py", tmp_path, script_args=[engine, "sync_each_batch"])
+    assert_exact(report, ROUTES[engine], sharded=engine == "fsdp2")
     for case in report["results"]:
         assert not case["warned_unsharded_accumulation"], case
         local = case["local_weight_bytes"]  # the rank's shards under FSDP2, the whole model under the DDP config
@@ -85,16 +76,10 @@ def test_offload_reducing_each_micro_batch_holds_no_gradient_between_micro_batch
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
 def test_offload_under_fp16_matches_standard_gradscaler(tmp_path, engine):
-    report = launch(
-        f"configs/accelerate/cpu_{engine}.yaml",
-        "tests/distributed/offload_fp16_trainer.py",
-        tmp_path / "r.json",
-        {**SIMULATED, "LAYERWISE_HF_FORCE_FSDP_CPU": "1"} if engine == "fsdp2" else SIMULATED,
-        launch_args=["--mixed_precision", "fp16"],
-    )
+    report = launch_on(engine, "offload_fp16_trainer.py", tmp_path, launch_args=["--mixed_precision", "fp16"])
     assert report["world_size"] == 2 and len(report["results"]) == 6
     for case in report["results"]:
-        assert case["route"] == {"ddp": "data_parallel", "fsdp2": "fsdp2"}[engine], case
+        assert case["route"] == ROUTES[engine], case
         assert case["sharded"] == (engine == "fsdp2"), case
         # Exact, every rank the same, and the run really skipped (injected on rank 0 only: under FSDP2 rank 1 checks
         # only its own shards and learns of it from rank 0) and took steps.
