@@ -90,7 +90,7 @@ def check_fsdp2_accumulation(offload: str, gradient_accumulation_steps: int, red
         offload (`str`): `layerwise_offload`.
         gradient_accumulation_steps (`int`): micro-batches per window.
         reduces_each_micro_batch (`bool`): every micro-batch is reduce-scattered (Accelerate's `sync_each_batch`, as
-            the driver honours it: `layerwise_hf.bases.compat.trainer_syncs_each_batch` for Trainer).
+            the driver honours it: `layerwise_hf.bases.compat.fsdp2_trainer_reduces_each_micro_batch` for Trainer).
 
     Example:
 
