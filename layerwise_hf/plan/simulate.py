@@ -152,19 +152,28 @@ def enable_checkpointing(model: torch.nn.Module) -> None:
 
 
 def training_args(optimizer: str, setup: StepSetup, output_dir: str):
-    from ..integrations.training_args import LayerwiseTrainingArguments
+    """Stock `TrainingArguments` for the base, then the layer-wise name and `layerwise_clip` set on them:
+    `build_layerwise_optimizer` reads only attributes, so the plan does not need the Trainer integration's
+    argument class (and `plan/` stays below `integrations/`)."""
+    from transformers import TrainingArguments
 
-    return LayerwiseTrainingArguments(
+    from ..bases.registry import parse_optim_name
+
+    base = parse_optim_name(optimizer)
+    args = TrainingArguments(
         output_dir=output_dir,
-        optim=optimizer,
+        optim=optimizer if base is None else base or "adamw_torch",
         report_to="none",
         use_cpu=True,
         learning_rate=setup.learning_rate,
         weight_decay=setup.weight_decay,
         max_grad_norm=setup.max_grad_norm,
         gradient_accumulation_steps=setup.grad_accum,
-        layerwise_clip=setup.clip_mode,
     )
+    # NOTE: as LayerwiseTrainingArguments does: TrainingArguments validates `optim` in __post_init__ only.
+    args.optim = optimizer
+    args.layerwise_clip = setup.clip_mode
+    return args
 
 
 def _named_specs(model: torch.nn.Module) -> dict:
