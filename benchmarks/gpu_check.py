@@ -30,7 +30,8 @@ try/except so that one failing keeps the others' numbers:
 4. `fsdp2_8bit`: `adamw_8bit_layerwise` under FSDP2 (`accelerate launch` with `configs/accelerate/gpu_fsdp2.yaml`,
    fp32) on 1 rank, and on 2 ranks when two GPUs are visible (skipped otherwise, with the reason). Each rank's
    shards must equal the same bitsandbytes optimizer stepped by hand on the same local shards and gradients, bit for
-   bit (the contract of `layerwise_hf.routes.local_shard`): on CUDA bitsandbytes launches on the default stream while
+   bit (the contract of `layerwise_hf.placement.local_shard`): on CUDA bitsandbytes launches on the default stream
+   while
    FSDP2 runs the hook on its reduce-scatter stream, so a missing stream order shows here. GA 1 with exact clipping,
    GA 2 without. On CPU (`--tiny`) the same launches run on gloo, FSDP2 forced as the tests force it.
 5. `memory`: a ~1.1B Llama (vocab 32000, hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 KV heads) with
@@ -106,7 +107,7 @@ CHECKS = ("parity", "fp16", "fp16_norm_pass", "fsdp2_8bit", "memory", "step_time
 PARITY_OPTIMS = ("adamw_torch", "adamw_8bit", "sgd")
 MEMORY_OPTIMS = ("adamw_8bit", "adamw_8bit_layerwise")
 MAX_GRAD_NORM = 1.0  # Trainer's default; with layerwise_clip="exact"
-KEEP_DEVICE_SYNC_ENV = "LAYERWISE_HF_BNB_DEVICE_SYNC"  # layerwise_hf.bases.streams: "1" keeps bitsandbytes' syncs
+KEEP_DEVICE_SYNC_ENV = "LAYERWISE_HF_BNB_DEVICE_SYNC"  # layerwise_hf.platform.streams: "1" keeps bitsandbytes' syncs
 # (label, optim, LAYERWISE_HF_BNB_DEVICE_SYNC or None for unset)
 STEP_TIME_RUNS = (
     ("adamw_8bit", "adamw_8bit", None),
@@ -790,7 +791,7 @@ def fsdp_case(sizes: dict, device: str, report_path: str) -> None:
     reduced over the ranks; rank 0 writes the report."""
     import torch.distributed as dist
 
-    from layerwise_hf.routes.local_shard import LocalShardOptimizer
+    from layerwise_hf.placement.local_shard import LocalShardOptimizer
 
     config = llama_config(sizes["small_model"], sizes["small_seq"], attn="eager")
     steps, batch = sizes["fsdp_steps"], sizes["small_batch"]
@@ -1105,8 +1106,8 @@ def launch_cases(specs: list[dict], opts, timeout: float) -> list[dict]:
 
 def offload_summary(trainer, mode: str) -> dict:
     """Where a layer-wise run with `layerwise_offload=mode` kept its gradients and states."""
-    from layerwise_hf.optim.host_step import HostStepOptimizer
-    from layerwise_hf.optim.offloading import offload_of
+    from layerwise_hf.placement.host_step import HostStepOptimizer
+    from layerwise_hf.placement.offloading import offload_of
 
     out = {"layerwise_offload": mode, "state_bytes_by_device": state_bytes_by_device(trainer)}
     layerwise = trainer.layerwise_optimizer if isinstance(trainer, LayerwiseTrainer) else None
@@ -1305,7 +1306,7 @@ def simulate_offload_on_cpu(device: str) -> None:
     """On CPU the device and the host are the same memory: the offload code's CPU stand-in (a copy thread with a
     delay on every copy, host buffers of their own) runs the path a GPU takes, and this says that is intended."""
     if device == "cpu":
-        from layerwise_hf.optim.transfer import DELAY_ENV, SIMULATE_ENV
+        from layerwise_hf.placement.transfer import DELAY_ENV, SIMULATE_ENV
 
         os.environ.setdefault(SIMULATE_ENV, "1")
         os.environ.setdefault(DELAY_ENV, "0.001")

@@ -212,7 +212,7 @@ def build_model(cfg: Config):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from layerwise_hf.bases.compat import enable_activation_checkpointing
+    from layerwise_hf.platform.compat import enable_activation_checkpointing
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**MODELS[cfg.model]))
@@ -395,8 +395,8 @@ def offload_measure(run: Run, cfg: Config, max_grad_norm: float, rss: dict) -> d
 
     from torch.utils._python_dispatch import _pop_mode, _push_mode
 
-    from layerwise_hf.optim import offload as offload_module
-    from layerwise_hf.optim import transfer as transfer_module
+    from layerwise_hf.placement import offload as offload_module
+    from layerwise_hf.placement import transfer as transfer_module
     from layerwise_hf.plan.tracker import GRADIENTS, OPTIMIZER_STATE, WEIGHTS, LiveBytes
 
     out = host_side(run.layerwise)
@@ -448,8 +448,8 @@ def host_tensors(layerwise) -> dict:
     """The host-side tensors of an offload run: parameter copies, gradient buffers, host states."""
     import torch
 
-    from layerwise_hf.optim.host_step import HostStepOptimizer
-    from layerwise_hf.optim.offloading import offload_of
+    from layerwise_hf.placement.host_step import HostStepOptimizer
+    from layerwise_hf.placement.offloading import offload_of
 
     hosted = [inner for inner in layerwise.inner if isinstance(inner, HostStepOptimizer)]
     return {
@@ -464,7 +464,7 @@ def host_tensors(layerwise) -> dict:
 def host_side(layerwise) -> dict:
     """An offload run's host-side storages now: the host states, the host copies of the parameters, the gradient
     buffers (`GradientOffload.host` and each host step's `host_grad`)."""
-    from layerwise_hf.optim.offloading import wait_for_host_steps
+    from layerwise_hf.placement.offloading import wait_for_host_steps
 
     wait_for_host_steps(layerwise)
     hosted = host_tensors(layerwise)
@@ -708,7 +708,7 @@ def measure_config(cfg: Config, opts: argparse.Namespace) -> dict:
     if cfg.offload != "none":
         import os
 
-        from layerwise_hf.optim.transfer import SIMULATE_ENV
+        from layerwise_hf.placement.transfer import SIMULATE_ENV
 
         os.environ[SIMULATE_ENV] = "1"  # a CPU run of offload as a GPU runs it (copy thread, worker, host buffers)
     if cfg.world_size == 1:

@@ -165,7 +165,7 @@ class HostStepClock:
     """
 
     def __init__(self, optimizer):
-        from layerwise_hf.optim.host_step import unwrap_host_step
+        from layerwise_hf.placement.host_step import unwrap_host_step
 
         self.spans: list[tuple[float, float]] = []
         self._started: dict[int, float] = {}
@@ -287,7 +287,7 @@ class Run(h.TimedRun):
         t3 = time.perf_counter()
         self.optimizer_seconds = t3 - t2
         if self.offload != "none":
-            from layerwise_hf.optim.offloading import wait_for_host_steps
+            from layerwise_hf.placement.offloading import wait_for_host_steps
 
             wait_for_host_steps(self.optimizer)  # what the next forward waits for: counted in this step
         t4 = time.perf_counter()
@@ -313,7 +313,7 @@ class Run(h.TimedRun):
         if self.layerwise:
             self.optimizer.detach()
         if self.offload != "none":
-            from layerwise_hf.optim.offloading import offload_of
+            from layerwise_hf.placement.offloading import offload_of
 
             offload_of(self.optimizer).close()  # the copy thread and the host worker
             if self.offload == "optimizer":
@@ -385,7 +385,7 @@ def cost_model_check(runs: dict, report: dict) -> dict | None:
     if not {"standard_clip", "layerwise_norm_pass", "offload_gradients"} <= set(runs):
         return None
     from layerwise_hf.estimate.offload_choice import choose_clipping_offload
-    from layerwise_hf.optim.transfer import DELAY_ENV
+    from layerwise_hf.placement.transfer import DELAY_ENV
 
     delay = float(os.environ.get(DELAY_ENV, "0") or 0)
     parts = report["breakdown"]["standard_clip"]
@@ -725,7 +725,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(opts.threads)
     started, load_start = time.perf_counter(), os.getloadavg()
     if opts.offload:
-        from layerwise_hf.optim import transfer
+        from layerwise_hf.placement import transfer
 
         # The GPU path on CPU: separate host buffers, the host worker and the copy thread, no injected delay.
         os.environ.setdefault(transfer.SIMULATE_ENV, "1")

@@ -20,8 +20,8 @@ from layerwise_hf import (
     LayerwiseTrainingArguments,
     build_layerwise_optimizer,
 )
-from layerwise_hf.bases.compat import checkpointing_kwargs
 from layerwise_hf.optim.norm_pass import last_norm_pass
+from layerwise_hf.platform.compat import checkpointing_kwargs
 
 MAX_NORM = 0.5
 # lr and max_norm chosen so the pre-clip norm exceeds max_norm on every step: clipping really acts.

@@ -1,5 +1,5 @@
 """The supported version range (refusal, one warning for newer versions) and each version shim of
-`layerwise_hf.bases.compat`, on whichever stack runs the tests (CI runs the fast tier on the oldest and newest
+`layerwise_hf.platform.compat`, on whichever stack runs the tests (CI runs the fast tier on the oldest and newest
 combinations too)."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 import layerwise_hf
-from layerwise_hf.bases import compat
-from layerwise_hf.bases import versions as compat_versions
 from layerwise_hf.integrations import patching
+from layerwise_hf.platform import compat
+from layerwise_hf.platform import versions as compat_versions
 
 ROOT = Path(__file__).resolve().parents[1]
 

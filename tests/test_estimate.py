@@ -20,7 +20,6 @@ from transformers import (
 
 from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer
 from layerwise_hf.bases import support
-from layerwise_hf.bases.compat import dtype_kwargs
 from layerwise_hf.estimate import (
     OPTIMIZER_RULES,
     PRESETS,
@@ -35,6 +34,7 @@ from layerwise_hf.estimate import (
 )
 from layerwise_hf.estimate.models import PRESETS_DIR, collapse_layers
 from layerwise_hf.estimate.optimizers import RULES_FILE, fsdp2_refusal, load_rules
+from layerwise_hf.platform.compat import dtype_kwargs
 
 GIB = 2**30
 

@@ -15,7 +15,7 @@ from helpers import TokenDataset, assert_params_equal, clone, held_grad_bound, l
 from transformers import Trainer, TrainerCallback
 
 from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments, build_layerwise_optimizer
-from layerwise_hf.bases.compat import checkpointing_kwargs, trainer_logs_grad_norm
+from layerwise_hf.platform.compat import checkpointing_kwargs, trainer_logs_grad_norm
 
 MAX_NORM = 0.5
 # Scale 2**20 overflows fp16 activations' gradients now and then on this model, and growth_interval=2 makes the

@@ -16,13 +16,13 @@ from layerwise_hf import (
     list_layerwise_optimizers,
     unwrap_layerwise_optimizer,
 )
-from layerwise_hf.bases.compat import trainer_logs_grad_norm
 from layerwise_hf.bases.registry import (
     TRANSFORMERS_LAYERWISE_NAMES,
     describe_layerwise_optimizers,
     parse_optim_name,
     register_layerwise_optimizer,
 )
+from layerwise_hf.platform.compat import trainer_logs_grad_norm
 
 pytest.importorskip("galore_torch")
 

@@ -136,7 +136,7 @@ def test_install_is_idempotent_and_uninstall_restores_every_method(tmp_path):
 @pytest.mark.parametrize(
     "owner, name, replacement, expected",
     [
-        # The tested versions have (self) up to transformers 5.2, (self, model) from 5.3 (bases/compat.py): a third
+        # The tested versions have (self) up to transformers 5.2, (self, model) from 5.3 (platform/compat.py): a third
         # parameter is neither.
         (Trainer, "create_optimizer", lambda self, model, extra: None, r"Trainer\.create_optimizer has parameters "),
         # Trainer._clip_grad_norm exists from transformers 5.3; before, training_step stands for a missing method.

@@ -9,7 +9,7 @@ from transformers.optimization import Adafactor
 from layerwise_hf import build_layerwise_optimizer
 from layerwise_hf.bases.params import isolate_bnb_overrides
 from layerwise_hf.bases.support import check_fsdp2_optimizers
-from layerwise_hf.routes.local_shard import LocalShardOptimizer
+from layerwise_hf.placement.local_shard import LocalShardOptimizer
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -83,7 +83,7 @@ def test_a_checkpoint_of_0_1_names_the_wrapper_by_its_old_module_and_still_loads
     optimizer.step()
     saved = optimizer.state_dict()
     classes = saved["layerwise_hf"]["optimizer_classes"]
-    assert "layerwise_hf.routes.local_shard.LocalShardOptimizer" in classes
+    assert "layerwise_hf.placement.local_shard.LocalShardOptimizer" in classes
     saved["layerwise_hf"]["optimizer_classes"] = [c.replace(".routes.local_shard.", ".local_shard.") for c in classes]
     resumed = build_layerwise_optimizer(model, args, local_shards=True)
     resumed.load_state_dict(saved)

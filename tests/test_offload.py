@@ -12,12 +12,12 @@ from helpers import TokenDataset, assert_params_equal, clone, logged, tiny_llama
 
 from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
 from layerwise_hf.integrations.callback import end_training
-from layerwise_hf.optim import transfer as transfer_module
-from layerwise_hf.optim.host_step import HostRunner, HostStepOptimizer
-from layerwise_hf.optim.offload import GradientOffload
-from layerwise_hf.optim.offloading import enable_offload, host_step_factory, offload_of, wait_for_host_steps
 from layerwise_hf.optim.optimizer import build_layerwise_optimizer
-from layerwise_hf.optim.transfer import ThreadTransfer
+from layerwise_hf.placement import transfer as transfer_module
+from layerwise_hf.placement.host_step import HostRunner, HostStepOptimizer
+from layerwise_hf.placement.offload import GradientOffload
+from layerwise_hf.placement.offloading import enable_offload, host_step_factory, offload_of, wait_for_host_steps
+from layerwise_hf.placement.transfer import ThreadTransfer
 
 
 @pytest.fixture(autouse=True)
@@ -292,9 +292,9 @@ def test_cpu_only_offload_warns_unless_simulated(monkeypatch, caplog):
 
 
 def test_fsdp2_accumulation_without_a_reduction_per_micro_batch_is_named(caplog):
-    from layerwise_hf.optim.offloading import check_fsdp2_accumulation
+    from layerwise_hf.placement.offloading import check_fsdp2_accumulation
 
-    with caplog.at_level(logging.WARNING, logger="layerwise_hf.optim.offloading"):
+    with caplog.at_level(logging.WARNING, logger="layerwise_hf.placement.offloading"):
         check_fsdp2_accumulation("gradients", 4, reduces_each_micro_batch=True)
         check_fsdp2_accumulation("optimizer", 1, reduces_each_micro_batch=False)
         check_fsdp2_accumulation("none", 4, reduces_each_micro_batch=False)

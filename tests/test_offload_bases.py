@@ -10,9 +10,9 @@ import torch
 from helpers import tiny_llama, training_args
 
 from layerwise_hf import LayerwiseTrainingArguments
-from layerwise_hf.optim import offloading
-from layerwise_hf.optim import transfer as transfer_module
 from layerwise_hf.optim.optimizer import build_layerwise_optimizer
+from layerwise_hf.placement import offloading
+from layerwise_hf.placement import transfer as transfer_module
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "host_step_pace.json"
 

@@ -25,8 +25,8 @@ from helpers import TokenDataset, tiny_llama, train, training_args
 from safetensors.torch import load_file
 from transformers import Trainer, TrainerCallback
 
-from layerwise_hf.optim import transfer as transfer_module
 from layerwise_hf.optim.state import is_layerwise_state_dict, standard_groups_names
+from layerwise_hf.placement import transfer as transfer_module
 
 SIMULATED = {transfer_module.SIMULATE_ENV: "1", transfer_module.DELAY_ENV: "0.001"}
 # Two ways a step goes with offload. "window": gradient accumulation and exact clipping, so every gradient waits in a
@@ -367,8 +367,8 @@ def test_a_zero_step_before_loading_keeps_the_loaded_weights(tmp_path):
     # a host copy taken when the optimizer was built (under FSDP2 that copy is not even of the local shard's shape).
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
-    from layerwise_hf.optim.offloading import wait_for_host_steps
     from layerwise_hf.optim.optimizer import build_layerwise_optimizer
+    from layerwise_hf.placement.offloading import wait_for_host_steps
 
     model = tiny_llama()
     optimizer = build_layerwise_optimizer(model, training_args(tmp_path, "adamw_torch_layerwise"), offload="optimizer")
@@ -383,7 +383,7 @@ def test_reloading_a_checkpoint_mid_run_in_a_plain_loop_equals_standard():
     # A plain loop that goes back to a checkpoint (model and optimizer state) and trains on, with the optimizer still
     # attached: the host copies of the weights are taken again from the loaded model, as torch's AdamW reads them.
     from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
-    from layerwise_hf.optim.offloading import enable_offload, host_step_factory, wait_for_host_steps
+    from layerwise_hf.placement.offloading import enable_offload, host_step_factory, wait_for_host_steps
 
     def mlp():
         torch.manual_seed(0)
@@ -426,7 +426,7 @@ def _crash_main(argv: list[str]) -> None:
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     from layerwise_hf import LayerwiseTrainer
-    from layerwise_hf.optim.offloading import offload_of, wait_for_host_steps
+    from layerwise_hf.placement.offloading import offload_of, wait_for_host_steps
 
     opts = _crash_options(argv)
     where, kill_step = opts.kill.split(":") if opts.kill else (None, "0")

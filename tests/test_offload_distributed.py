@@ -3,8 +3,8 @@
 import pytest
 from test_distributed import launch
 
-from layerwise_hf.bases.compat import fsdp2_trainer_reduces_each_micro_batch
-from layerwise_hf.optim import transfer
+from layerwise_hf.placement import transfer
+from layerwise_hf.platform.compat import fsdp2_trainer_reduces_each_micro_batch
 
 SIMULATED = {transfer.SIMULATE_ENV: "1", transfer.DELAY_ENV: "0.001"}
 QUICK = [pytest.param("quick", id="quick"), pytest.param("full", id="full", marks=pytest.mark.slow)]

@@ -6,8 +6,8 @@ import weakref
 import pytest
 import torch
 
-from layerwise_hf.optim import transfer as transfer_module
-from layerwise_hf.optim.transfer import CudaTransfer, ThreadTransfer, make_transfer
+from layerwise_hf.placement import transfer as transfer_module
+from layerwise_hf.placement.transfer import CudaTransfer, ThreadTransfer, make_transfer
 
 
 def test_copy_runs_later_on_another_thread_and_the_ticket_says_when():

@@ -31,7 +31,7 @@ SMALL = dict(seq_len=16, device="cpu", max_grad_norm=0.0, clip_mode="off")
 def shapes(dtype=torch.float32):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from layerwise_hf.bases.compat import dtype_kwargs
+    from layerwise_hf.platform.compat import dtype_kwargs
 
     config = AutoConfig.for_model(**LLAMA)
     with torch.device("meta"):

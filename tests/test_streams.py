@@ -5,8 +5,8 @@ import pytest
 import torch
 from helpers import tiny_llama, train, training_args
 
-from layerwise_hf.bases import streams
-from layerwise_hf.routes.local_shard import LocalShardOptimizer
+from layerwise_hf.placement.local_shard import LocalShardOptimizer
+from layerwise_hf.platform import streams
 
 bnb = pytest.importorskip("bitsandbytes")
 bnb_functional = pytest.importorskip("bitsandbytes.functional")

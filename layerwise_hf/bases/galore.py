@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .compat import parse_optim_args
+from ..platform.compat import parse_optim_args
+from ..platform.streams import keeps_device_sync
 from .params import LayerwiseParam, isolate_bnb_overrides
-from .streams import keeps_device_sync
 from .support import LOW_RANK_BASES
 
 logger = logging.getLogger(__name__)

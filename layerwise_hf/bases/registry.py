@@ -16,7 +16,7 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 from transformers.training_args import OptimizerNames
 
-from .compat import is_optimizer_factory, optimizer_base_requirements
+from ..platform.compat import is_optimizer_factory, optimizer_base_requirements
 from .galore import low_rank_factory
 from .muon import muon_factory
 from .params import LayerwiseFactory, LayerwiseParam, isolate_bnb_overrides

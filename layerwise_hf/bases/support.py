@@ -79,8 +79,9 @@ FSDP2_ELEMENTWISE: dict[str, str] = {
     "rmsprop": "torch.optim.rmsprop.RMSprop",
 }
 # Bases whose optimizer cannot step a DTensor (bitsandbytes' kernels take plain tensors; transformers' Adafactor mixes
-# DTensors with plain tensors): under FSDP2 they step each rank's local shard (`layerwise_hf.routes.local_shard`), the
-# optimizer applied to the shard. 8-bit blocks and Adafactor's factored moments are the shard's, not the tensor's.
+# DTensors with plain tensors): under FSDP2 they step each rank's local shard
+# (`layerwise_hf.placement.local_shard`), the optimizer applied to the shard. 8-bit blocks and Adafactor's factored
+# moments are the shard's, not the tensor's.
 FSDP2_LOCAL_SHARD: frozenset[str] = frozenset(
     {
         "adafactor",
@@ -111,7 +112,7 @@ _FSDP2_CLASSES = frozenset(
         *FSDP2_ELEMENTWISE.values(),
         *FSDP2_DTENSOR_NATIVE.values(),
         "torch.optim.adam.Adam",
-        "layerwise_hf.routes.local_shard.LocalShardOptimizer",
+        "layerwise_hf.placement.local_shard.LocalShardOptimizer",
     }
 )
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..bases.compat import dtype_kwargs
+from ..platform.compat import dtype_kwargs
 from .models import resolve_config
 from .units import ACCELERATE_DTYPES, EstimateError, accelerate_format_bytes
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..bases.compat import meta_forward
+from ..platform.compat import meta_forward
 from .units import LINEAR_MODULES, EstimateError
 
 PRESETS_DIR = Path(__file__).with_name("presets")

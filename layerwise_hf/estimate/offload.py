@@ -1,5 +1,5 @@
-"""The device and host terms of a layer-wise run with host offload (`layerwise_offload`, `layerwise_hf.optim.offload`
-and `layerwise_hf.optim.host_step`), for `estimate(offload=...)`.
+"""The device and host terms of a layer-wise run with host offload (`layerwise_offload`,
+`layerwise_hf.placement.offload` and `layerwise_hf.placement.host_step`), for `estimate(offload=...)`.
 
 - `"gradients"`: the optimizer states stay on the device; each gradient that waits for the step (gradient
   accumulation, exact clipping) waits in a host buffer of its own, so the host holds every trainable gradient and the

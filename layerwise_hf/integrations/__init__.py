@@ -3,7 +3,7 @@ begin (`callback`), `LayerwiseTrainingArguments` (`training_args`), checkpoint f
 classes for libraries built on `Trainer`, each needing its library installed: `layerwise_hf.integrations.trl` needs TRL
 (`pip install "layerwise-hf[trl]"`)."""
 
-from ..bases.compat import check_versions
+from ..platform.compat import check_versions
 
 # Before any integration module is imported: an unsupported transformers / accelerate / torch is refused here, with
 # the versions, instead of failing further in with a less clear error.

@@ -8,8 +8,8 @@ import torch
 from transformers import TrainerCallback
 
 from ..bases.support import check_no_new_trainable
-from ..optim.offloading import wait_for_host_steps
 from ..optim.optimizer import unwrap_layerwise_optimizer
+from ..placement.offloading import wait_for_host_steps
 from .preflight import Preflight, check_preflight_argument
 
 logger = logging.getLogger(__name__)

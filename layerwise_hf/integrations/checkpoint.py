@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from ..bases.compat import safe_globals
 from ..optim.state import (
     convert_scheduler_state,
     first_members,
@@ -28,7 +27,8 @@ from ..optim.state import (
     standard_groups_of,
     standard_to_layerwise,
 )
-from ..routes.local_shard import local_shards_of
+from ..placement.local_shard import local_shards_of
+from ..platform.compat import safe_globals
 
 logger = logging.getLogger(__name__)
 

@@ -26,16 +26,16 @@ import inspect
 import threading
 import types
 
-from ..bases.compat import (
+from ..bases.registry import parse_optim_name
+from ..bases.support import check_bool_argument
+from ..optim.clipping import CLIP_MODES, ClipMode
+from ..platform.compat import (
     UnsupportedVersionError,
     check_versions,
     installed_version,
     tested_range,
     trainer_method_parameters,
 )
-from ..bases.registry import parse_optim_name
-from ..bases.support import check_bool_argument
-from ..optim.clipping import CLIP_MODES, ClipMode
 
 __all__ = ["CLIP_MODES", "UnsupportedVersionError", "install", "is_installed", "uninstall"]
 
@@ -118,7 +118,7 @@ def install(*, layerwise_clip: str | None = None, layerwise_preflight: bool | No
     Raises:
         UnsupportedVersionError: a method it replaces is missing or has other parameters than in the tested
             transformers / accelerate versions, or one is older than supported; nothing is changed. The message
-            names the tested range (`layerwise_hf.bases.compat.tested_range()`).
+            names the tested range (`layerwise_hf.platform.compat.tested_range()`).
 
     Example:
 
@@ -188,7 +188,7 @@ def check_replaced_methods() -> None:
     """
     Raise `UnsupportedVersionError` naming every method `install()` replaces (or `LayerwiseTrainerMixin` overrides)
     that is missing or whose parameters differ from what the installed transformers / accelerate release has in the
-    tested versions (`layerwise_hf.bases.compat`), or when one is older than supported; warn once
+    tested versions (`layerwise_hf.platform.compat`), or when one is older than supported; warn once
     (`UntestedVersionWarning`) for one newer than the newest tested.
 
     Example:

@@ -11,21 +11,21 @@ import warnings
 
 from transformers import Trainer, TrainingArguments
 
-from ..bases.compat import (
+from ..bases.params import canonical_name
+from ..bases.registry import is_layerwise_name
+from ..bases.support import check_deepspeed, check_fsdp2_optimizers, check_fsdp_version, fsdp_version_of_args
+from ..optim.norm_pass import NormPass, forward_again, parse_norm_pass
+from ..optim.optimizer import build_layerwise_optimizer, unwrap_layerwise_optimizer
+from ..placement.local_shard import local_shards_of
+from ..placement.offloading import check_fsdp2_accumulation, wait_for_host_steps
+from ..platform.compat import (
     cpu_map_location,
     create_optimizer_args,
     fsdp2_trainer_reduces_each_micro_batch,
     route_inline_grad_norm,
     set_ddp_handler_early,
 )
-from ..bases.params import canonical_name
-from ..bases.registry import is_layerwise_name
-from ..bases.support import check_deepspeed, check_fsdp2_optimizers, check_fsdp_version, fsdp_version_of_args
-from ..optim.norm_pass import NormPass, forward_again, parse_norm_pass
-from ..optim.offloading import check_fsdp2_accumulation, wait_for_host_steps
-from ..optim.optimizer import build_layerwise_optimizer, unwrap_layerwise_optimizer
 from ..routes.data_parallel import DataParallelConfig
-from ..routes.local_shard import local_shards_of
 from .callback import LayerwiseCallback, end_training, learning_rate_logs, memory_logs
 from .checkpoint import (
     OPTIMIZER_NAME,

@@ -16,8 +16,8 @@ from ..bases.support import (
     fsdp_version_of_args,
 )
 from ..optim.clipping import CLIP_MODES, ClipMode
-from ..optim.offloading import check_host_step_base
 from ..optim.optimizer import check_layerwise_arguments
+from ..placement.offloading import check_host_step_base
 
 
 @dataclass
@@ -46,9 +46,10 @@ class LayerwiseTrainingArguments(TrainingArguments):
             `"gradients"`: gradients that wait for the step (every micro-batch's under gradient accumulation, every
             one under exact clipping) wait in host memory, copied out during backward and back one at a time for the
             step: exact clipping in one backward, and only the gradients in flight on the device at any GA
-            (`layerwise_hf.optim.offload`). `"optimizer"`: besides, each parameter's optimizer state and a copy of the
-            parameter live in host memory, stepped there by a host thread while backward goes on and copied back before
-            the next forward (`layerwise_hf.optim.host_step`). Not with fp16. Without CUDA it saves nothing and warns.
+            (`layerwise_hf.placement.offload`). `"optimizer"`: besides, each parameter's optimizer state and a copy
+            of the parameter live in host memory, stepped there by a host thread while backward goes on and copied
+            back before the next forward (`layerwise_hf.placement.host_step`). Not with fp16. Without CUDA it saves
+            nothing and warns.
 
     Every other argument is `TrainingArguments`'; an unknown `optim` raises `ValueError` listing the valid names.
 

@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
-from ..bases.compat import checkpointing_kwargs_name
-from ..bases.streams import step_in_backward
 from ..bases.support import check_fp16_clip_mode, check_fp16_weights
+from ..placement.host_step import HostStepOptimizer, unwrap_host_step
+from ..placement.offload import GradientOffload
+from ..platform.compat import checkpointing_kwargs_name
+from ..platform.streams import step_in_backward
 from .clipping import ClipMode, make_clipper
 from .grad_scaler import GradScalerBridge
-from .host_step import HostStepOptimizer, unwrap_host_step
 from .memory import GradMeter
-from .offload import GradientOffload
 from .window import Action, StepWindow
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ unscales each gradient with GradScaler's own kernel as it arrives, collects the 
 where `scaler.unscale_(optimizer)` would have put them, so `GradScaler.step` / `update` decide the skip and the scale
 exactly as they do for a standard optimizer.
 
-With host offload (`layerwise_hf.optim.offload`) the gradients wait in host buffers for the step, so no norm pass
+With host offload (`layerwise_hf.placement.offload`) the gradients wait in host buffers for the step, so no norm pass
 runs and no gradient is in `.grad` for `unscale_()` to find: each final gradient is unscaled and checked as it is
 offloaded (on the device when it is whole there, by the host worker on a window's host sum), and at the end of the
 window's last backward the flags are gathered and recorded for GradScaler (`check_offloaded`).

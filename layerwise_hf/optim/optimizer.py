@@ -26,17 +26,17 @@ from torch import nn
 from ..bases.params import LayerwiseFactory, LayerwiseParam, canonical_name
 from ..bases.registry import resolve_factory
 from ..bases.support import check_bool_argument
+from ..placement.local_shard import wrap_local_shards
+from ..placement.offload import parse_offload
+from ..placement.offloading import enable_offload, host_step_factory
 from ..routes.distributed import choose_route
 from ..routes.hooks import GradientRoute, LocalHooks
-from ..routes.local_shard import wrap_local_shards
 from . import norm_pass
 from .clipping import CLIP_MODES as CLIP_MODES
 from .clipping import ClipMode
 from .gate import GradientGate
 from .grad_scaler import GradScalerBridge
 from .memory import tensor_bytes
-from .offload import parse_offload
-from .offloading import enable_offload, host_step_factory
 from .state import layerwise_state_dict, load_layerwise_state_dict, standard_groups_names
 
 logger = logging.getLogger(__name__)
@@ -451,7 +451,7 @@ def build_layerwise_optimizer(
             See `LayerwiseOptimizer`; turn it on to read `grad_norm()` without clipping.
         local_shards (`bool`, *optional*, defaults to `False`):
             The model will be FSDP2-sharded: optimizers that cannot step a DTensor (bitsandbytes', Adafactor) step
-            each rank's local shard (`layerwise_hf.routes.local_shard`).
+            each rank's local shard (`layerwise_hf.placement.local_shard`).
         offload (`str`, *optional*, defaults to `args.layerwise_offload` or `"none"`):
             `"gradients"`: gradients wait in host buffers for the step; `"optimizer"`: optimizer states and a copy of
             each parameter live on the host, stepped there during backward (see `enable_offload`).

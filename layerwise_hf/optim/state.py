@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..bases.support import qualname
-from ..routes.local_shard import _to_global, _to_local
-from .host_step import unwrap_host_step
+from ..placement.host_step import unwrap_host_step
+from ..placement.local_shard import _to_global, _to_local
 
 if TYPE_CHECKING:
     from .optimizer import LayerwiseOptimizer
@@ -25,10 +25,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STATE_DICT_KEY = "layerwise_hf"
-# Checkpoints of 0.1 name the plugin's own optimizer classes by the module paths before the package had folders.
+# Checkpoints name the plugin's own optimizer classes by module path: those of 0.1 by the paths before the package had
+# folders, later ones by where LocalShardOptimizer lived before `placement/`.
 _RENAMED_MODULES = {
     "layerwise_hf.galore.": "layerwise_hf.bases.galore.",
-    "layerwise_hf.local_shard.": "layerwise_hf.routes.local_shard.",
+    "layerwise_hf.local_shard.": "layerwise_hf.placement.local_shard.",
+    "layerwise_hf.routes.local_shard.": "layerwise_hf.placement.local_shard.",
 }
 STATE_DICT_VERSION = 1
 

@@ -89,7 +89,7 @@ def choose_offload(rows: list[PlanRow], device_memory: int | None, host_memory: 
     only: among the modes whose device peak fits (and host peak, with `host_memory`), the one with the least host
     memory (no offload needs none; "gradients" less than "optimizer"); without a device memory, or when none fits,
     the one with the lowest device peak. Speed is not weighed here: the host step must keep pace with backward
-    (`layerwise_hf.optim.offloading.SLOW_ON_HOST`) and every mode moves gradients over the host link.
+    (`layerwise_hf.placement.offloading.SLOW_ON_HOST`) and every mode moves gradients over the host link.
 
     Example:
 

@@ -389,7 +389,7 @@ def check_offload_modes(offload: str | list[str] | tuple[str, ...], names: list[
     """The offload modes asked for, each valid, in order; `"optimizer"` refused for a base that cannot step on the
     host (as `layerwise_offload="optimizer"` refuses it before training)."""
     from ..estimate.offload import OFFLOAD_MODES
-    from ..optim.offloading import NOT_ON_HOST
+    from ..placement.offloading import NOT_ON_HOST
 
     modes = (offload,) if isinstance(offload, str) else tuple(dict.fromkeys(offload))
     for mode in modes:

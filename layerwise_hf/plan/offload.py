@@ -1,6 +1,6 @@
 """Host offload (`layerwise_offload`) in a simulated step: the real `GradientOffload` and `HostStepOptimizer`
-(`layerwise_hf.optim.offload`, `layerwise_hf.optim.host_step`) run, with stand-ins for the two pieces that cannot run
-on fake tensors, and every host-side storage is counted apart from the device's (`LiveBytes.on_host`).
+(`layerwise_hf.placement.offload`, `layerwise_hf.placement.host_step`) run, with stand-ins for the two pieces that
+cannot run on fake tensors, and every host-side storage is counted apart from the device's (`LiveBytes.on_host`).
 
 - The transfer (`InlineTransfer`, for `CudaTransfer` / `ThreadTransfer`): a copy runs at once in the calling thread,
   but its source stays alive until someone waits for the copy, as `record_stream` (or the copy thread's queue) keeps
@@ -26,9 +26,9 @@ from unittest import mock
 
 import torch
 
-from ..optim import host_step, offload, offloading
-from ..optim.host_step import HostStepOptimizer
-from ..optim.transfer import Ticket, Transfer
+from ..placement import host_step, offload, offloading
+from ..placement.host_step import HostStepOptimizer
+from ..placement.transfer import Ticket, Transfer
 from .tracker import GRADIENTS, OPTIMIZER_STATE, WEIGHTS, LiveBytes, _state_tensors
 
 

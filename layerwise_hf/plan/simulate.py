@@ -18,10 +18,10 @@ from unittest import mock
 
 import torch
 
-from ..bases.compat import dtype_kwargs, enable_activation_checkpointing
+from ..platform.compat import dtype_kwargs, enable_activation_checkpointing
 from ..estimate.optimizers import OPTIMIZER_RULES
 from ..estimate.units import DEFAULT_LORA_TARGETS
-from ..optim.host_step import HostStepOptimizer
+from ..placement.host_step import HostStepOptimizer
 from .offload import close_offload, label_host_side, stand_ins
 from .ranks import RankRoute, fake_group
 from .rules import RuleOptimizer, needs_rule, tensor_spec
@@ -216,7 +216,7 @@ def build_layerwise(
     """`build_layerwise_optimizer(model, args)` (its factory, or the rule stand-in's), clipping configured; under
     FSDP2 with `local_shards=True`, as `LayerwiseTrainer` builds it; with `offload` (`layerwise_offload`)."""
     from ..optim.optimizer import build_layerwise_optimizer
-    from ..routes.local_shard import LocalShardOptimizer
+    from ..placement.local_shard import LocalShardOptimizer
 
     rule = OPTIMIZER_RULES[base]
     factory = None

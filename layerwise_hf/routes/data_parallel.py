@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..bases.compat import checkpointing_kwargs_name
 from ..bases.support import check_ddp_comm_hook
+from ..platform.compat import checkpointing_kwargs_name
 from .hooks import LocalHooks
 
 if TYPE_CHECKING:

@@ -88,7 +88,7 @@ def write_report(report_path: str, report: dict) -> None:
 def set_ddp_settings(trainer, bucket_cap_mb: float, gradient_as_bucket_view: bool | None = None) -> None:
     """DDP settings TrainingArguments cannot express (a fractional bucket_cap_mb, gradient_as_bucket_view), given to
     the Trainer's DDP handler. transformers < 5.3 makes that handler from the arguments only when it wraps the model,
-    after the optimizer is made (layerwise_hf.bases.compat): there the cap goes into the arguments, and
+    after the optimizer is made (layerwise_hf.platform.compat): there the cap goes into the arguments, and
     gradient_as_bucket_view onto the handler once it is made."""
     accelerator = trainer.accelerator
     from transformers import Trainer

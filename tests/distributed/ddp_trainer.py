@@ -27,7 +27,7 @@ from common import (
 from transformers import Trainer, TrainerCallback
 
 from layerwise_hf import LayerwiseTrainer
-from layerwise_hf.bases.compat import checkpointing_kwargs
+from layerwise_hf.platform.compat import checkpointing_kwargs
 
 torch.set_num_threads(1)
 

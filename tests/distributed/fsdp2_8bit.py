@@ -21,7 +21,7 @@ from transformers import TrainerCallback
 
 from layerwise_hf import LayerwiseTrainer, unwrap_layerwise_optimizer  # applies LAYERWISE_HF_FORCE_FSDP_CPU
 from layerwise_hf.bases.params import isolate_bnb_overrides
-from layerwise_hf.routes.local_shard import LocalShardOptimizer
+from layerwise_hf.placement.local_shard import LocalShardOptimizer
 
 torch.set_num_threads(1)
 VOCAB = 256  # large enough that most local shards reach bitsandbytes' min_8bit_size (4096 elements)

@@ -63,14 +63,14 @@ def run(optim, out, *, ga, clip, offload="none", sync_each_batch=False):
     args = training_args(out, optim, ga=ga, max_grad_norm=clip, **extra)
     between = BetweenMicroBatches()
     warned = Warnings()
-    logging.getLogger("layerwise_hf.optim.offloading").addHandler(warned)
+    logging.getLogger("layerwise_hf.placement.offloading").addHandler(warned)
     try:
         trainer = (LayerwiseTrainer if args.is_layerwise else Trainer)(
             model=model, args=args, train_dataset=dataset(), callbacks=[between]
         )
         trainer.train()
     finally:
-        logging.getLogger("layerwise_hf.optim.offloading").removeHandler(warned)
+        logging.getLogger("layerwise_hf.placement.offloading").removeHandler(warned)
     return {
         **summary(trainer, model),  # fully_shard works in place; DDP wraps the model, whose names it prefixes
         "sharded": all(isinstance(p, DTensor) for p in model.parameters()),

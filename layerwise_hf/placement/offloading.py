@@ -1,6 +1,6 @@
 """Turning host offload on for a `LayerwiseOptimizer`, and what a driver asks of it afterwards.
 
-`enable_offload` attaches a `GradientOffload` (`layerwise_hf.optim.offload`) to the optimizer's gate; with
+`enable_offload` attaches a `GradientOffload` (`layerwise_hf.placement.offload`) to the optimizer's gate; with
 `layerwise_offload="optimizer"` the inner optimizers were wrapped in `HostStepOptimizer`s when it was built
 (`build_layerwise_optimizer`), and `wait_for_host_steps` waits for their host steps and copies back.
 """
@@ -19,7 +19,7 @@ from .offload import GradientOffload, parse_offload
 from .transfer import Transfer, offload_simulated
 
 if TYPE_CHECKING:
-    from .optimizer import LayerwiseOptimizer
+    from ..optim.optimizer import LayerwiseOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def check_host_step_base(optimizer_name: str | None) -> None:
     Example:
 
     ```python
-    >>> from layerwise_hf.optim.offloading import check_host_step_base
+    >>> from layerwise_hf.placement.offloading import check_host_step_base
     >>> check_host_step_base("adamw_torch_layerwise")  # steps on the host faster than backward: nothing to say
     ```
     """
@@ -90,12 +90,12 @@ def check_fsdp2_accumulation(offload: str, gradient_accumulation_steps: int, red
         offload (`str`): `layerwise_offload`.
         gradient_accumulation_steps (`int`): micro-batches per window.
         reduces_each_micro_batch (`bool`): every micro-batch is reduce-scattered (Accelerate's `sync_each_batch`, as
-            the driver honours it: `layerwise_hf.bases.compat.fsdp2_trainer_reduces_each_micro_batch` for Trainer).
+            the driver honours it: `layerwise_hf.platform.compat.fsdp2_trainer_reduces_each_micro_batch` for Trainer).
 
     Example:
 
     ```python
-    >>> from layerwise_hf.optim.offloading import check_fsdp2_accumulation
+    >>> from layerwise_hf.placement.offloading import check_fsdp2_accumulation
     >>> check_fsdp2_accumulation("gradients", 4, reduces_each_micro_batch=True)  # each shard offloaded as it comes
     ```
     """
@@ -135,27 +135,27 @@ def enable_offload(
     With `mode="gradients"` every gradient that would wait on the device (each micro-batch's under gradient
     accumulation; every one with exact clipping, whose step needs the global norm) is copied to a host buffer during
     backward and freed on the device; `step()` copies each back and steps it, the next copy overlapping the step
-    (`layerwise_hf.optim.offload`). Exact clipping then needs one forward and one backward per micro-batch, and
+    (`layerwise_hf.placement.offload`). Exact clipping then needs one forward and one backward per micro-batch, and
     gradient accumulation keeps only the gradients in flight on the device. Without either, gradients step in
     backward as without offload. Under fp16 loss scaling every gradient waits too: each is unscaled and inf-checked
     as it is offloaded, and GradScaler gets the flags at the end of the window's last backward
     (`GradScalerBridge.check_offloaded`), so a step it skips changes no parameter and no state.
 
     With `mode="optimizer"` (only through `build_layerwise_optimizer(offload="optimizer")`, which wraps each inner
-    optimizer in a `layerwise_hf.optim.host_step.HostStepOptimizer` before any state exists) each parameter's
+    optimizer in a `layerwise_hf.placement.host_step.HostStepOptimizer` before any state exists) each parameter's
     optimizer state and a host copy of the parameter live in host memory: a final gradient is copied to the host and
     freed, a host worker steps it while backward goes on, and the updated parameter is copied back before the next
     forward (`wait_for_host_steps` for reading the weights otherwise). Gradients that wait for the step (GA, exact
     clipping) wait in host buffers as with `"gradients"` and are stepped from there.
 
     On a machine without CUDA the device and the host are the same memory: offload saves nothing there. It still runs
-    the same path with a copy thread standing in for the side stream (`layerwise_hf.optim.transfer.ThreadTransfer`)
+    the same path with a copy thread standing in for the side stream (`layerwise_hf.placement.transfer.ThreadTransfer`)
     and warns once, unless `LAYERWISE_HF_OFFLOAD_SIMULATE=1` says that is what is wanted (tests).
 
     Args:
         optimizer (`LayerwiseOptimizer`): the optimizer to offload.
         mode (`str`, *optional*, defaults to `"gradients"`): `"gradients"` (`"none"` turns offload off).
-        transfer (`Transfer`, *optional*): the device's copies (`layerwise_hf.optim.transfer`); chosen for the
+        transfer (`Transfer`, *optional*): the device's copies (`layerwise_hf.placement.transfer`); chosen for the
             gradients' device by default.
         max_in_flight (`int`, *optional*, defaults to `2`): copies to the host in flight at once.
         runner (`HostRunner`, *optional*): the host steps' transfer and worker (`mode="optimizer"`).
@@ -207,7 +207,7 @@ def wait_for_host_steps(optimizer: LayerwiseOptimizer) -> None:
     Example:
 
     ```python
-    >>> from layerwise_hf.optim.offloading import wait_for_host_steps
+    >>> from layerwise_hf.placement.offloading import wait_for_host_steps
     >>> wait_for_host_steps(optimizer); torch.save(model.state_dict(), "weights.pt")
     ```
     """

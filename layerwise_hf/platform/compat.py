@@ -2,7 +2,7 @@
 
 Supported: transformers >= 4.55, accelerate >= 1.10, torch >= 2.6. Older versions are refused (`check_versions`, run
 when the Trainer integration is imported and by `install()`); versions newer than the newest tested run, with one
-`UntestedVersionWarning` naming the tested range. The range and its check live in `layerwise_hf.bases.versions`.
+`UntestedVersionWarning` naming the tested range. The range and its check live in `layerwise_hf.platform.versions`.
 
 What the plugin uses that moved between transformers versions (each checked in the released wheels); the function
 here that handles it is named in brackets:
@@ -115,7 +115,7 @@ def parse_optim_args(optim_args: str | None) -> dict[str, str]:
     Example:
 
     ```python
-    >>> from layerwise_hf.bases.compat import parse_optim_args
+    >>> from layerwise_hf.platform.compat import parse_optim_args
     >>> parse_optim_args("rank=8, scale=0.5")
     {'rank': '8', 'scale': '0.5'}
     ```
@@ -157,7 +157,7 @@ def optimizer_base_requirements() -> dict[str, str]:
     Example:
 
     ```python
-    >>> from layerwise_hf.bases.compat import optimizer_base_requirements
+    >>> from layerwise_hf.platform.compat import optimizer_base_requirements
     >>> optimizer_base_requirements()["adamw_8bit"], optimizer_base_requirements()["adamw_torch_4bit"]
     ('bitsandbytes', 'torchao')
     ```
@@ -180,7 +180,7 @@ def safe_globals():
 
     ```python
     >>> import io, torch
-    >>> from layerwise_hf.bases.compat import safe_globals
+    >>> from layerwise_hf.platform.compat import safe_globals
     >>> buffer = io.BytesIO(); torch.save({"step": torch.tensor(1)}, buffer); _ = buffer.seek(0)
     >>> with safe_globals():
     ...     torch.load(buffer, weights_only=True)["step"]
@@ -208,7 +208,7 @@ def cpu_map_location(args) -> Iterator[None]:
     Example:
 
     ```python
-    >>> from layerwise_hf.bases.compat import cpu_map_location
+    >>> from layerwise_hf.platform.compat import cpu_map_location
     >>> with cpu_map_location(trainer.args):
     ...     trainer._load_optimizer_and_scheduler(checkpoint)
     ```
@@ -250,7 +250,7 @@ def create_optimizer_args(model) -> tuple:
     Example:
 
     ```python
-    >>> from layerwise_hf.bases.compat import create_optimizer_args
+    >>> from layerwise_hf.platform.compat import create_optimizer_args
     >>> optimizer = trainer.create_optimizer(*create_optimizer_args(None))
     ```
     """
@@ -273,7 +273,7 @@ def trainer_method_parameters() -> dict[str, tuple[str, ...]]:
     Example:
 
     ```python
-    >>> from layerwise_hf.bases.compat import trainer_method_parameters
+    >>> from layerwise_hf.platform.compat import trainer_method_parameters
     >>> trainer_method_parameters()["create_optimizer"]  # transformers >= 5.3
     ('self', 'model')
     ```
@@ -305,7 +305,7 @@ def trainer_logs_grad_norm(max_grad_norm: float) -> bool:
     Example:
 
     ```python
-    >>> from layerwise_hf.bases.compat import trainer_logs_grad_norm
+    >>> from layerwise_hf.platform.compat import trainer_logs_grad_norm
     >>> trainer_logs_grad_norm(1.0)
     True
     ```
@@ -328,7 +328,7 @@ def route_inline_grad_norm(accelerator, layerwise_optimizer: Callable[[], Any]) 
     Example:
 
     ```python
-    >>> from layerwise_hf.bases.compat import route_inline_grad_norm
+    >>> from layerwise_hf.platform.compat import route_inline_grad_norm
     >>> route_inline_grad_norm(trainer.accelerator, lambda: trainer.layerwise_optimizer)
     ```
     """
@@ -355,7 +355,7 @@ def fsdp2_trainer_reduces_each_micro_batch(sync_each_batch: bool) -> bool:
     Example:
 
     ```python
-    >>> from layerwise_hf.bases.compat import fsdp2_trainer_reduces_each_micro_batch
+    >>> from layerwise_hf.platform.compat import fsdp2_trainer_reduces_each_micro_batch
     >>> fsdp2_trainer_reduces_each_micro_batch(sync_each_batch=True)  # transformers 5.24, accelerate 1.15
     True
     ```
@@ -379,7 +379,7 @@ def dtype_kwargs(dtype) -> dict[str, Any]:
     ```python
     >>> import torch
     >>> from transformers import AutoModelForCausalLM, LlamaConfig
-    >>> from layerwise_hf.bases.compat import dtype_kwargs
+    >>> from layerwise_hf.platform.compat import dtype_kwargs
     >>> config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     >>> AutoModelForCausalLM.from_config(config, **dtype_kwargs(torch.bfloat16)).dtype
     torch.bfloat16
@@ -401,7 +401,7 @@ def set_ddp_handler_early(trainer) -> None:
     Example:
 
     ```python
-    >>> from layerwise_hf.bases.compat import set_ddp_handler_early
+    >>> from layerwise_hf.platform.compat import set_ddp_handler_early
     >>> set_ddp_handler_early(trainer)  # before DataParallelConfig.from_accelerator(trainer.accelerator)
     ```
     """
@@ -451,7 +451,7 @@ def meta_forward() -> Iterator[None]:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.bases.compat import meta_forward
+    >>> from layerwise_hf.platform.compat import meta_forward
     >>> with meta_forward(), torch.autocast(device_type="meta", enabled=False):
     ...     pass
     ```
@@ -484,7 +484,7 @@ def checkpointing_kwargs_name() -> str:
     Example:
 
     ```python
-    >>> from layerwise_hf.bases.compat import checkpointing_kwargs_name
+    >>> from layerwise_hf.platform.compat import checkpointing_kwargs_name
     >>> checkpointing_kwargs_name() in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
     True
     ```
@@ -501,7 +501,7 @@ def checkpointing_kwargs(enabled: bool = True, kwargs: dict | None = None) -> di
 
     ```python
     >>> from transformers import TrainingArguments
-    >>> from layerwise_hf.bases.compat import checkpointing_kwargs
+    >>> from layerwise_hf.platform.compat import checkpointing_kwargs
     >>> args = TrainingArguments("out", **checkpointing_kwargs(True, {"use_reentrant": False}))
     ```
     """
@@ -518,7 +518,7 @@ def enable_activation_checkpointing(model: Any, kwargs: dict | None = None) -> N
 
     ```python
     >>> from transformers import AutoModelForCausalLM, LlamaConfig
-    >>> from layerwise_hf.bases.compat import enable_activation_checkpointing
+    >>> from layerwise_hf.platform.compat import enable_activation_checkpointing
     >>> config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     >>> model = AutoModelForCausalLM.from_config(config)
     >>> enable_activation_checkpointing(model)

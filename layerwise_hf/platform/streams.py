@@ -62,7 +62,7 @@ def ordered_on_default_stream(device: torch.device) -> Iterator[None]:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.bases.streams import ordered_on_default_stream
+    >>> from layerwise_hf.platform.streams import ordered_on_default_stream
     >>> with ordered_on_default_stream(torch.device("cpu")):  # no streams on CPU: runs as is
     ...     x = torch.ones(2) * 2
     ```
@@ -101,7 +101,7 @@ def without_device_sync(optimizer: Any) -> Iterator[None]:
 
     ```python
     >>> import bitsandbytes as bnb, torch
-    >>> from layerwise_hf.bases.streams import without_device_sync
+    >>> from layerwise_hf.platform.streams import without_device_sync
     >>> w = torch.nn.Parameter(torch.ones(8)); w.grad = torch.ones(8)
     >>> optimizer = bnb.optim.AdamW8bit([w])
     >>> with without_device_sync(optimizer):
@@ -143,7 +143,7 @@ def step_in_backward(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> A
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.bases.streams import step_in_backward
+    >>> from layerwise_hf.platform.streams import step_in_backward
     >>> w = torch.nn.Parameter(torch.ones(2)); w.grad = torch.ones(2)
     >>> step_in_backward(torch.optim.SGD([w], lr=0.5), w); w.data
     tensor([0.5000, 0.5000])

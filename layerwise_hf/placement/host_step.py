@@ -14,7 +14,7 @@ The path of parameter `i` once its gradient is final (after the route's reductio
    not wait: the host steps overlap it. Nor does the forward of another model (a reference, reward or eval model):
    only the trained model's wait.
 
-With gradient accumulation or exact clipping the gradients wait in host buffers (`layerwise_hf.optim.offload`, the
+With gradient accumulation or exact clipping the gradients wait in host buffers (`layerwise_hf.placement.offload`, the
 same worker and transfer); `step()` then steps each from its host buffer (`HostStepOptimizer.step_host`), clipped by
 the step's coefficient, without a copy back of the gradient.
 
@@ -130,7 +130,7 @@ class HostStepOptimizer(torch.optim.Optimizer):
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.optim.host_step import HostRunner, HostStepOptimizer
+    >>> from layerwise_hf.placement.host_step import HostRunner, HostStepOptimizer
     >>> weight = torch.nn.Parameter(torch.ones(4))
     >>> runner = HostRunner()
     >>> optimizer = HostStepOptimizer(torch.optim.SGD([weight], lr=0.5), runner)
@@ -268,7 +268,7 @@ def wrap_host_steps(factory: LayerwiseFactory, runner: HostRunner) -> LayerwiseF
     Example:
 
     ```python
-    >>> from layerwise_hf.optim.host_step import HostRunner, wrap_host_steps
+    >>> from layerwise_hf.placement.host_step import HostRunner, wrap_host_steps
     >>> factory = wrap_host_steps(lambda lp, args: torch.optim.AdamW([lp.param]), HostRunner())
     ```
     """

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from ..bases.params import LayerwiseFactory, LayerwiseParam
-from ..bases.streams import step_in_backward
 from ..bases.support import qualname
+from ..platform.streams import step_in_backward
 
 # Optimizers outside bitsandbytes whose step cannot take a DTensor (transformers' Adafactor mixes it with plain
 # tensors); bitsandbytes' are recognized by their module.
@@ -74,7 +74,7 @@ class LocalShardOptimizer(torch.optim.Optimizer):
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.routes.local_shard import LocalShardOptimizer
+    >>> from layerwise_hf.placement.local_shard import LocalShardOptimizer
     >>> weight = torch.nn.Parameter(torch.ones(4))
     >>> optimizer = LocalShardOptimizer(torch.optim.SGD([weight], lr=0.5))
     >>> weight.grad = torch.ones(4); optimizer.step(); weight.data

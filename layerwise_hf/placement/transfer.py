@@ -1,6 +1,6 @@
 """The device's asynchrony behind one small interface: copies between device and host that run beside the compute.
 
-Host offload (`layerwise_hf.optim.offload`) moves gradients to host buffers while backward goes on and brings them
+Host offload (`layerwise_hf.placement.offload`) moves gradients to host buffers while backward goes on and brings them
 back while the steps go on. Everything it needs from the device is here:
 
 - `Transfer.copy(dst, src)` starts `dst.copy_(src)` after the work queued so far on the calling (compute) stream and
@@ -60,7 +60,7 @@ class Transfer:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.optim.transfer import ThreadTransfer
+    >>> from layerwise_hf.placement.transfer import ThreadTransfer
     >>> transfer = ThreadTransfer(delay=0.01)
     >>> src = torch.ones(4); dst = transfer.host_empty_like(src)
     >>> ticket = transfer.copy(dst, src)
@@ -225,7 +225,7 @@ def make_transfer(device: torch.device) -> Transfer:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.optim.transfer import make_transfer
+    >>> from layerwise_hf.placement.transfer import make_transfer
     >>> type(make_transfer(torch.device("cpu"))).__name__
     'ThreadTransfer'
     ```

@@ -1,6 +1,6 @@
 """The supported and tested transformers / accelerate / torch versions, and the check run on import.
 
-What differs between the versions in that range is decided in `layerwise_hf.bases.compat`, which re-exports these.
+What differs between the versions in that range is decided in `layerwise_hf.platform.compat`, which re-exports these.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def tested_range() -> str:
     Example:
 
     ```python
-    >>> from layerwise_hf.bases.versions import tested_range
+    >>> from layerwise_hf.platform.versions import tested_range
     >>> tested_range()
     'transformers 4.55 to 5.24, accelerate 1.10 to 1.15, torch 2.6 to 2.14'
     ```
@@ -63,7 +63,7 @@ def check_versions() -> None:
     Example:
 
     ```python
-    >>> from layerwise_hf.bases.versions import check_versions
+    >>> from layerwise_hf.platform.versions import check_versions
     >>> check_versions()  # silent within the tested range
     ```
     """

@@ -20,7 +20,7 @@ The path of gradient `i` (the route has reduced it; `GradientGate.grad_ready` ha
 3. `restore_each`: each held gradient is copied back into a fresh device tensor, the next one's copy started before
    the current one steps (the copy back overlaps the steps), and stepped by the gate (clip, inner step, free).
 
-The device's asynchrony is `layerwise_hf.optim.transfer`'s (a side stream on CUDA, a copy thread on CPU).
+The device's asynchrony is `layerwise_hf.placement.transfer`'s (a side stream on CUDA, a copy thread on CPU).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .clipping import grad_norm_kernel
+from ..optim.clipping import grad_norm_kernel
 from .transfer import Ticket, Transfer, make_transfer
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def parse_offload(value: Any, argument: str = "layerwise_offload") -> str:
     Example:
 
     ```python
-    >>> from layerwise_hf.optim.offload import parse_offload
+    >>> from layerwise_hf.placement.offload import parse_offload
     >>> parse_offload("gradients")
     'gradients'
     ```
@@ -119,7 +119,7 @@ class GradientOffload:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.optim.offload import GradientOffload
+    >>> from layerwise_hf.placement.offload import GradientOffload
     >>> offload = GradientOffload()
     >>> weight = torch.nn.Parameter(torch.ones(3)); weight.grad = torch.full((3,), 2.0)
     >>> offload.stash(0, weight, measure=False); weight.grad is None, offload.pending()
