@@ -247,3 +247,75 @@ def test_plan_accuracy_benchmark_small(tmp_path):
     report = json.loads((tmp_path / "plan_accuracy.json").read_text())
     assert report["configurations"] == 4
     assert all(abs(row["error"]) <= plan_accuracy.GOAL for row in report["rows"]), report["rows"]
+
+
+# A Mixtral-shaped and a Qwen3-MoE-shaped model (4 experts, 2 per token): their experts run `torch._grouped_mm`.
+MIXTRAL = dict(model_type="mixtral", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+QWEN3_MOE = dict(model_type="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=128,
+                 moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, num_experts=4, num_experts_per_tok=2)  # fmt: skip
+GPT2 = dict(model_type="gpt2", vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128)
+
+
+def _config_dir(tmp_path, values: dict) -> str:
+    path = tmp_path / values["model_type"]
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(values))
+    return str(path)
+
+
+@pytest.mark.parametrize("model", [MIXTRAL, QWEN3_MOE], ids=["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_moe_plans_at_every_dtype_its_kernels_take(model, dtype, tmp_path, capsys):
+    # The meta kernel of grouped_mm takes bfloat16 only; the CPU kernel and CUDA's fallback take all three.
+    assert main(["plan", _config_dir(tmp_path, model), "--seq-len", "16", "--torch-dtype", dtype, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["optimizers"]
+    assert {r["optimizer"] for r in rows} == {"adamw_torch", "adamw_torch_layerwise"}
+
+
+def test_moe_plan_matches_the_real_float32_run():
+    # What the real run executes on CPU in float32: grouped_mm's CPU kernel, the experts' outputs in float32.
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**MIXTRAL))
+    assert model.config._experts_implementation == "grouped_mm"
+    row = plan(MIXTRAL, ["adamw_torch"], seq_len=32, device="cpu", counterparts=False).rows[0]
+    real = real_peak(MIXTRAL, "adamw_torch", seq_len=32)
+    assert abs(row.peak_bytes / real - 1) < 0.03, (row.peak_bytes, real)
+
+
+def test_an_error_inside_the_simulation_names_the_model_and_the_setting(tmp_path, monkeypatch, capsys):
+    from layerwise_hf.plan import simulate as plan_simulate
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Expected inputs of BF16 type but got mat_a.dtype=torch.float32\nsecond line")
+
+    monkeypatch.setattr(plan_simulate, "run_step", broken)
+    assert main(["plan", _config_dir(tmp_path, MIXTRAL), "--seq-len", "16", "--bf16"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("layerwise-hf plan: error: mixtral (model_type 'mixtral'): the simulated step failed with "
+                          "--optim adamw_torch --torch-dtype float32 --seq-len 16 --micro-batch 1 --bf16: "
+                          "RuntimeError: Expected inputs of BF16 type"), err  # fmt: skip
+    assert "second line" not in err and "Traceback" not in err
+
+
+def test_lora_targets_default_to_peft_s_for_the_architecture(tmp_path, capsys):
+    assert main(["plan", _config_dir(tmp_path, GPT2), "--seq-len", "16", "--lora-r", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["setup"]["lora_targets"] == ["c_attn"]  # peft's default for gpt2
+    assert out["optimizers"][0]["categories"]["optimizer_state"] > 0
+
+
+@pytest.mark.parametrize(
+    "model, targets",
+    [(GPT2, ["q_proj", "v_proj"]), (LLAMA, ["query", "value"])],
+    ids=["gpt2-llama-targets", "llama-no-match"],
+)
+def test_lora_targets_that_match_nothing_are_refused(model, targets, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(plan_core, "simulate", lambda *a, **k: pytest.fail("simulated despite bad input"))
+    args = ["plan", _config_dir(tmp_path, model), "--lora-r", "4", "--lora-target-modules", *targets]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("layerwise-hf plan: error: ") and f"--lora-target-modules {' '.join(targets)}" in err, err
+    linear = "c_attn, c_fc, c_proj, lm_head" if model is GPT2 else "down_proj, gate_proj, k_proj, lm_head, o_proj"
+    assert f"its linear modules LoRA can target: {linear}" in err, err
+    assert "Traceback" not in err

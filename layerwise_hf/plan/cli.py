@@ -93,7 +93,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--torch-dtype", default="float32", help=f"Weights' dtype: {', '.join(DTYPE_BYTES)}.")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="Activation checkpointing (Trainer's).")
     parser.add_argument("--lora-r", type=int, default=None, help="Train LoRA adapters of this rank (peft).")
-    parser.add_argument("--lora-target-modules", nargs="+", default=["q_proj", "v_proj"], help="LoRA's targets.")
+    parser.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=None,
+        help="LoRA's targets (default: peft's for the architecture, e.g. q_proj v_proj on Llama, c_attn on GPT-2).",
+    )
     parser.add_argument("--device-memory", default=None, help="e.g. 80GiB: say whether each optimizer fits.")
     parser.add_argument(
         "--offload",
@@ -156,7 +161,7 @@ def _options(args: argparse.Namespace) -> dict:
         torch_dtype=args.torch_dtype,
         gradient_checkpointing=args.gradient_checkpointing,
         lora_r=args.lora_r,
-        lora_targets=tuple(args.lora_target_modules),
+        lora_targets=tuple(args.lora_target_modules or ()),
         device_memory=args.device_memory,
         device=args.device,
         extrapolate=not args.no_extrapolate,

@@ -14,9 +14,9 @@ from typing import Any
 from ..bases.support import SUFFIX
 from ..estimate.models import resolve_config
 from ..estimate.optimizers import LAYERWISE_ONLY, parse_optimizer
-from ..estimate.units import EstimateError, format_bytes
+from ..estimate.units import DEFAULT_LORA_TARGETS, EstimateError, format_bytes
 from .advice import advise, choose_offload
-from .extrapolate import simulate_layers
+from .extrapolate import simulate_layers, with_layers
 from .isolation import single_process
 from .options import CLIP_MODES, DEVICES
 from .ranks import RANK, check_ranks, fsdp2_refusal, in_fresh_process, needs_fresh_process
@@ -275,7 +275,8 @@ def make_setup(**options: Any) -> StepSetup:
         options.setdefault("sharding", "none"),
         list(options.pop("optimizers", ())),
     )
-    return StepSetup(**{**options, "torch_dtype": dtype, "lora_targets": tuple(options["lora_targets"])})
+    targets = tuple(options["lora_targets"] or DEFAULT_LORA_TARGETS)  # the model's own default: `lora_targets_of`
+    return StepSetup(**{**options, "torch_dtype": dtype, "lora_targets": targets})
 
 
 def check_causal_lm(config: Any, name: str) -> None:
@@ -302,7 +303,7 @@ def plan(
     torch_dtype: str = "float32",
     gradient_checkpointing: bool = False,
     lora_r: int | None = None,
-    lora_targets: tuple[str, ...] = ("q_proj", "v_proj"),
+    lora_targets: tuple[str, ...] | None = None,
     device_memory: str | int | None = None,
     device: str = "cuda",
     extrapolate: bool = True,
@@ -326,7 +327,9 @@ def plan(
             the layer-wise `layerwise_clip` mode (exact clipping runs the norm pass, whose graph stays alive).
         bf16, fp16 (`bool`): Trainer's autocast. torch_dtype (`str`): the weights' dtype.
         gradient_checkpointing (`bool`): activation checkpointing as Trainer enables it (non-reentrant).
-        lora_r (`int`, *optional*), lora_targets: LoRA adapters (peft) on a frozen base.
+        lora_r (`int`, *optional*), lora_targets (`tuple[str, ...]`, *optional*): LoRA adapters (peft) on a frozen
+            base; the targets default to peft's for the architecture (q_proj, v_proj on Llama; c_attn on GPT-2), and
+            targets that match no module are refused with the model's linear modules.
         device_memory (`str` or `int`, *optional*): e.g. `"80GiB"`; each row then says whether its device peak fits.
         device (`str`, defaults to `"cuda"`): whose optimizer defaults to use (`foreach` on CUDA), and whose
             collectives several ranks run (NCCL; gloo on `"cpu"`, whose FSDP2 collectives allocate buffers).
@@ -360,10 +363,11 @@ def plan(
     memory = parse_size(device_memory) if device_memory is not None else None
     host = parse_size(host_memory, "--host-memory") if host_memory is not None else None
     config, name, source = _config_of(model)
+    setup = setup.replace(lora_targets=lora_targets_of(config, lora_targets)) if setup.lora_r else setup
     jobs = [(n, m) for n in names for m in (modes if n.endswith(SUFFIX) else ("none",))]
     run = functools.partial(in_fresh_process, simulate_all) if needs_fresh_process(sharding) else simulate_all
     with single_process():
-        steps, extrapolated = run(config, jobs, setup, extrapolate)
+        steps, extrapolated = run(config, jobs, setup, extrapolate, name)
     rows = [to_row(step, setup, memory, host, steps) for step in steps.values()]
     seconds = time.perf_counter() - started
     return Plan(name, source, setup, memory, rows, extrapolated, seconds, plan_notes(expanded, names, modes), modes,
@@ -407,20 +411,103 @@ def check_offload_modes(offload: str | list[str] | tuple[str, ...], names: list[
     return modes
 
 
-def simulate_all(config: Any, jobs: list[tuple[str, str]], setup: StepSetup, extrapolate: bool) -> tuple[dict, bool]:
-    """Each `(optimizer, offload)` job simulated; results keyed by the job."""
+def simulate_all(
+    config: Any, jobs: list[tuple[str, str]], setup: StepSetup, extrapolate: bool, name: str = "model"
+) -> tuple[dict, bool]:
+    """Each `(optimizer, offload)` job simulated; results keyed by the job. An error from inside a simulation (the
+    model's code, a kernel on fake tensors, peft) becomes an `EstimateError` naming the model and the setting."""
     steps: dict[tuple[str, str], SimulatedStep] = {}
     extrapolated = True
     with tempfile.TemporaryDirectory(prefix="layerwise-hf-plan-") as out:
         for optimizer, mode in jobs:
             one = functools.partial(simulate, optimizer=optimizer, setup=setup, output_dir=out, offload=mode)
-            if extrapolate:
-                step, used = simulate_layers(config, lambda c, one=one: one(c))
-            else:
-                step, used = one(config), False
+            try:
+                if extrapolate:
+                    step, used = simulate_layers(config, lambda c, one=one: one(c))
+                else:
+                    step, used = one(config), False
+            except EstimateError as e:
+                raise EstimateError(f"{name}: {e}") from e
+            except Exception as e:
+                raise simulation_error(e, name, config, optimizer, mode, setup) from e
             steps[(optimizer, mode)] = step
             extrapolated &= used
     return steps, extrapolated
+
+
+def describe_setting(optimizer: str, mode: str, setup: StepSetup) -> str:
+    """The simulated setting in the command line's words, e.g. `--optim adamw_torch --torch-dtype float32 ...`."""
+    words = [f"--optim {optimizer}", f"--torch-dtype {setup.torch_dtype}", f"--seq-len {setup.seq_len}",
+             f"--micro-batch {setup.micro_batch}"]  # fmt: skip
+    words += ["--bf16"] * setup.bf16 + ["--fp16"] * setup.fp16
+    words += [f"--grad-accum {setup.grad_accum}"] * (setup.grad_accum > 1)
+    words += ["--gradient-checkpointing"] * setup.gradient_checkpointing
+    if setup.lora_r:
+        words += [f"--lora-r {setup.lora_r} --lora-target-modules {' '.join(setup.lora_targets)}"]
+    words += [f"--offload {mode}"] * (mode != "none")
+    if setup.sharding != "none":
+        words += [f"--world-size {setup.world_size} --sharding {setup.sharding}"]
+    return " ".join(words)
+
+
+def simulation_error(
+    error: Exception, name: str, config: Any, optimizer: str, mode: str, setup: StepSetup
+) -> EstimateError:
+    """What the user reads when the model's own code or a kernel fails on fake tensors: the model, the setting, the
+    error's first line, and what to try."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    model_type = getattr(config, "model_type", "?")
+    setting = describe_setting(optimizer, mode, setup)
+    return EstimateError(
+        f"{name} (model_type {model_type!r}): the simulated step failed with {setting}: "
+        f"{type(error).__name__}: {first} "
+        "This is where the simulation on fake tensors stops, not necessarily the run: another --torch-dtype "
+        "(e.g. bfloat16), --bf16, or --no-extrapolate may plan it; `layerwise-hf estimate` gives the formula's "
+        "figures."
+    )
+
+
+def lora_targets_of(config: Any, asked: tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
+    """LoRA's target modules: those asked for, or peft's default for the architecture (q_proj and v_proj for the
+    Llama family, c_attn for GPT-2); refused, naming the model's linear modules, when none of them matches."""
+    targets = tuple(asked) if asked else default_lora_targets(config.model_type)
+    linear = linear_module_names(config)
+    if not any(_module_matches(full, t) for t in targets for full in linear):
+        leaves = sorted({full.rsplit(".", 1)[-1] for full in linear})
+        raise EstimateError(
+            f"--lora-target-modules {' '.join(targets)} match no module of this {config.model_type} model; "
+            f"its linear modules LoRA can target: {', '.join(leaves)} (e.g. --lora-target-modules {leaves[0]})."
+        )
+    return targets
+
+
+def default_lora_targets(model_type: str) -> tuple[str, ...]:
+    """peft's default `target_modules` for `model_type` (`TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`), or
+    q_proj and v_proj where peft has none."""
+    try:
+        from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+    except ImportError:
+        DEFAULTS = {}
+    return tuple(DEFAULTS.get(model_type) or DEFAULT_LORA_TARGETS)
+
+
+def linear_module_names(config: Any) -> list[str]:
+    """The qualified names of the modules LoRA can wrap (`nn.Linear`, transformers' `Conv1D`), from a model built on
+    the meta device (nothing allocated)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    # Two decoder layers name every module kind a deep model has (the extrapolation's rule for a smaller model).
+    small = with_layers(config, min(2, getattr(config, "num_hidden_layers", 2) or 2)) or config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(small))
+    return [n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))]
+
+
+def _module_matches(full: str, target: str) -> bool:
+    # NOTE: peft's rule for a list of targets: the whole name, or its last dotted parts.
+    return full == target or full.endswith("." + target)
 
 
 def to_row(

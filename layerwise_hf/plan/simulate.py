@@ -18,10 +18,10 @@ from unittest import mock
 
 import torch
 
-from ..platform.compat import dtype_kwargs, enable_activation_checkpointing
 from ..estimate.optimizers import OPTIMIZER_RULES
 from ..estimate.units import DEFAULT_LORA_TARGETS
 from ..placement.host_step import HostStepOptimizer
+from ..platform.compat import dtype_kwargs, enable_activation_checkpointing
 from .offload import close_offload, label_host_side, stand_ins
 from .ranks import RankRoute, fake_group
 from .rules import RuleOptimizer, needs_rule, tensor_spec
@@ -295,6 +295,33 @@ def run_step(model, optimizer, layerwise, setup: StepSetup, tracker: LiveBytes, 
 
 
 @contextlib.contextmanager
+def grouped_mm_as_the_kernels_run():
+    """`torch._grouped_mm` on fake tensors of every dtype its kernels take, while the context lasts."""
+    # NOTE: torch's meta kernel of `_grouped_mm` checks bfloat16 only (the CUDA fast path's rule), while the CPU kernel
+    # and CUDA's fallback (ATen/native/GroupedMMUtils.h) take float32, bfloat16 and float16 and write one output of
+    # mat_a's dtype in place (no other temporaries). transformers' MoE experts call it whenever `grouped_mm` is the
+    # experts implementation (its default on CPU and on CUDA from sm80), so a float32 or float16 MoE model trains
+    # there; the simulation gives that call the kernels' output instead of the meta kernel's refusal.
+    from torch import _meta_registrations as meta
+
+    common = getattr(meta, "_meta_grouped_mm_common", None)
+    output = getattr(meta, "_create_grouped_mm_output_tensor", None)
+    if common is None or output is None:
+        yield
+        return
+
+    def any_float(mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None, **kw):
+        low = (torch.float32, torch.float16)
+        if scale_a is None and scale_b is None and bias is None and mat_a.dtype in low and mat_b.dtype == mat_a.dtype:
+            torch._check(out_dtype in (None, mat_a.dtype), lambda: "the output dtype must be mat_a's")
+            return output(mat_a, mat_b, offs, out_dtype or mat_a.dtype)
+        return common(mat_a, mat_b, scale_a, scale_b, offs, bias, scale_result, out_dtype, **kw)
+
+    with mock.patch.object(meta, "_meta_grouped_mm_common", any_float):
+        yield
+
+
+@contextlib.contextmanager
 def unpacked_rows():
     """The mask the real run builds for unpacked rows (one sequence each): none, SDPA's `is_causal`."""
     # NOTE: transformers' masking_utils treats a FakeTensor as tracing, so find_packed_sequence_indices keeps its
@@ -345,7 +372,7 @@ def simulate(
         # deprecation warning), and FSDP2 keeps every shard's storage in place over the simulated steps.
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         model = rank.prepare(model)
-        with mode, tracker, rank.labels(), stand_ins(tracker, offload):
+        with mode, tracker, rank.labels(), stand_ins(tracker, offload), grouped_mm_as_the_kernels_run():
             handles = tracker.watch_model(model)
             layerwise = None
             if is_layerwise:
