@@ -14,6 +14,14 @@ standard optimizer, bit for bit); they differ in memory and time:
 `backward_with_norm_pass` measures what the graph saves and chooses (`choose_norm_pass`, whose docstring gives the
 rule and the measurements behind it); a driver that can run forward twice asks `forward_again` before the forward.
 `run_with_norm_pass` is the only way where collectives run once per forward (DDP, FSDP2) or the backward is compiled.
+
+A rerun calls `forward` twice per micro-batch where stock Trainer calls it once. Before the second call it puts back
+what the first changed on the model (`ForwardState`): every buffer by module and name (updated in place, as
+BatchNorm's running statistics, or replaced, as `self.seen = torch.cat([self.seen, ids])`), and every plain attribute
+of a module that the first call replaced (a counter, a tensor reassigned) or changed in place (a tensor kept outside
+buffers, such as a router's load statistics). What it cannot see is repeated: a forward hook's own state, lists or
+dicts changed in place, anything outside the model. So where the model has forward hooks of its own, `auto` does
+not rerun (`rerun_repeats`): it holds the gradients, as the standard optimizer does.
 """
 
 from __future__ import annotations
@@ -167,6 +175,8 @@ def saved_activation_bytes(loss: torch.Tensor, exclude: Any = ()) -> int:
 
 # Per optimizer, the way its last measured step chose (`forward_again` reads it before the next forward).
 _CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Per optimizer, why a rerun would repeat a side effect of its model's forward; `auto` then holds instead.
+_REPEATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _choose(optimizer: LayerwiseOptimizer, loss: torch.Tensor) -> NormPass:
@@ -174,6 +184,9 @@ def _choose(optimizer: LayerwiseOptimizer, loss: torch.Tensor) -> NormPass:
     activations = saved_activation_bytes(loss, params)
     sizes = [p.numel() * p.element_size() for p in params] or [0]
     chosen = choose_norm_pass(activations, sum(sizes), max(sizes))
+    if chosen is NormPass.RERUN and optimizer in _REPEATS:
+        # A second forward would repeat what `run_with_norm_pass` cannot put back (`rerun_repeats`).
+        chosen = NormPass.HOLD
     if _CHOSEN.get(optimizer) is not chosen:
         logger.info(
             "Exact clipping / fp16 check without gradient accumulation: the graph saves %.1f MiB of activations, "
@@ -312,8 +325,15 @@ def run_with_norm_pass(
     """
     Run `forward_backward` (forward + backward of one micro-batch) twice when exact clipping or fp16 needs every
     gradient before any layer steps: first to measure, then to clip and step. The RNG state is replayed so
-    dropout draws the same masks, and `model`'s buffers are put back so that running statistics (BatchNorm) count
-    the micro-batch once. Otherwise run it once.
+    dropout draws the same masks, and what the first forward changed on `model` is put back (`ForwardState`: buffers
+    by module and name, whether updated in place or replaced, and modules' plain attributes), so that running
+    statistics (BatchNorm), counters and recorded batches count the micro-batch once, as with stock Trainer.
+    Otherwise run it once.
+
+    Where the rerun was `auto`'s choice (`forward_again`) and the model has forward hooks of its own, whose state
+    cannot be put back (`rerun_repeats`), it runs once and holds every gradient for `step()`, as the standard
+    optimizer does, and `auto` does not choose a rerun again for this optimizer. Under DDP and FSDP2 (a collective
+    per forward) a norm pass is always a rerun.
 
     Args:
         optimizer (`LayerwiseOptimizer`):
@@ -345,18 +365,145 @@ def run_with_norm_pass(
         return forward_backward()
     if not optimizer.needs_norm_pass():
         return forward_backward()
+    route = optimizer.gradient_route
+    collective = route is not None and getattr(route, "collective_per_forward", False)
+    if model is not None and not collective and _CHOSEN.get(optimizer) is NormPass.RERUN:
+        repeats = rerun_repeats(model)
+        if repeats:
+            _REPEATS[optimizer] = repeats
+            _CHOSEN[optimizer] = NormPass.HOLD
+            logger.info(
+                "Exact clipping / fp16 check: a second forward would repeat what the model's %s keep, which cannot "
+                "be put back; measuring by 'hold' (one forward, every gradient held for step()) instead of 'rerun'.",
+                repeats,
+            )
+            # No norm pass: every gradient is held (the step window's HOLD), and step() clips and steps them.
+            return forward_backward()
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    buffers = list(model.buffers()) if model is not None else []
-    saved = [b.detach().clone() for b in buffers]
+    state = ForwardState(model) if model is not None else None
     with optimizer.norm_pass():
         result = forward_backward()
     if optimizer.step_will_be_skipped:
         return result  # every rank agrees (reduced gradients): no second pass anywhere
-    with torch.no_grad():
-        for buffer, value in zip(buffers, saved):
-            buffer.copy_(value)
+    if state is not None:
+        state.restore()
     torch.set_rng_state(cpu_rng)
     if cuda_rng is not None:
         torch.cuda.set_rng_state_all(cuda_rng)
     return forward_backward()
+
+
+# Modules whose hooks keep no state across calls that a second forward would change: transformers' output capture
+# and input-grad hooks, peft's, accelerate's, torch's own (FSDP2 runs a rerun anyway), and this package's.
+_STATELESS_HOOK_MODULES = ("torch.", "transformers.", "peft.", "accelerate.", "layerwise_hf.")
+
+
+def rerun_repeats(model: nn.Module) -> str:
+    """
+    What a second forward of `model` would repeat that `ForwardState` cannot put back: forward hooks (and global
+    module forward hooks) other than torch's, transformers', peft's, accelerate's and this package's, whose state
+    (collected activations, statistics) lives in the hook. An empty string when there are none.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.optim.norm_pass import rerun_repeats
+    >>> model = torch.nn.Linear(2, 2)
+    >>> rerun_repeats(model)
+    ''
+    >>> _ = model.register_forward_hook(lambda module, args, output: None)
+    >>> rerun_repeats(model)
+    'forward hooks (on the module Linear: <lambda>)'
+    ```
+    """
+    from torch.nn.modules import module as torch_module
+
+    found = []
+    tables = [
+        ("", "global", torch_module._global_forward_hooks),
+        ("", "global", torch_module._global_forward_pre_hooks),
+    ]
+    for name, module in model.named_modules():
+        where = f"{name or 'the module'} {type(module).__name__}"
+        tables += [(name, where, module._forward_hooks), (name, where, module._forward_pre_hooks)]
+    for _, where, table in tables:
+        for hook in table.values():
+            function = getattr(hook, "func", hook)  # functools.partial
+            owner = getattr(function, "__module__", None) or type(function).__module__ or ""
+            if not owner.startswith(_STATELESS_HOOK_MODULES):
+                label = getattr(function, "__qualname__", type(function).__name__)
+                found.append(f"on {where}: {label}")
+    return f"forward hooks ({'; '.join(dict.fromkeys(found))})" if found else ""
+
+
+# What an nn.Module keeps in its __dict__ for itself (hooks, parameters, buffers, submodules, `training`).
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+
+
+class ForwardState:
+    """
+    What a forward may change on a model, taken before the measuring forward of a rerun and put back after it, so the
+    second forward starts from the same model as the first: each buffer by module and name (a clone of its values,
+    and the tensor itself, which `forward` may replace), and each module's plain attributes (the objects, and a clone
+    of a tensor's values, not a parameter's or a buffer's alias). Modules of torch itself (DDP's and FSDP's wrappers,
+    whose attributes track their collectives) keep their attributes.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.optim.norm_pass import ForwardState
+    >>> model = torch.nn.BatchNorm1d(2)
+    >>> state = ForwardState(model)
+    >>> _ = model(torch.randn(4, 2))
+    >>> state.restore()
+    >>> int(model.num_batches_tracked)
+    0
+    ```
+    """
+
+    def __init__(self, model: nn.Module):
+        self.modules = [m for m in model.modules()]
+        self.buffers = {
+            (m, name): (b, b.detach().clone()) for m in self.modules for name, b in m._buffers.items() if b is not None
+        }
+        aliases = {
+            t.untyped_storage()._cdata
+            for m in self.modules
+            for t in (*m._parameters.values(), *m._buffers.values())
+            if t is not None
+        }
+        self.attributes: dict[nn.Module, dict[str, Any]] = {}
+        self.values: dict[tuple[nn.Module, str], torch.Tensor] = {}
+        for m in self.modules:
+            if type(m).__module__.startswith("torch."):
+                continue
+            plain = {k: v for k, v in vars(m).items() if k not in _MODULE_INTERNALS}
+            self.attributes[m] = plain
+            for key, value in plain.items():
+                if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                    if value.untyped_storage()._cdata not in aliases:
+                        self.values[(m, key)] = value.detach().clone()
+
+    def restore(self) -> None:
+        """Put every buffer and plain attribute back as it was when this state was taken."""
+        with torch.no_grad():
+            for m in self.modules:
+                for name in [n for n in m._buffers if (m, n) not in self.buffers]:
+                    del m._buffers[name]  # registered by the forward: the second one registers it again
+            for (m, name), (tensor, value) in self.buffers.items():
+                tensor.copy_(value)
+                m._buffers[name] = tensor  # the forward may have replaced it with a new tensor
+            for m, plain in self.attributes.items():
+                for key in [k for k in vars(m) if k not in _MODULE_INTERNALS and k not in plain]:
+                    delattr(m, key)
+                for key, value in plain.items():
+                    if m.__dict__.get(key, _MISSING) is not value:
+                        m.__dict__[key] = value
+            for (m, key), value in self.values.items():
+                m.__dict__[key].copy_(value)
+
+
+_MISSING = object()

@@ -460,7 +460,7 @@ def simulation_error(
     setting = describe_setting(optimizer, mode, setup)
     return EstimateError(
         f"{name} (model_type {model_type!r}): the simulated step failed with {setting}: "
-        f"{type(error).__name__}: {first} "
+        f"{type(error).__name__}: {first.rstrip('.')}. "
         "This is where the simulation on fake tensors stops, not necessarily the run: another --torch-dtype "
         "(e.g. bfloat16), --bf16, or --no-extrapolate may plan it; `layerwise-hf estimate` gives the formula's "
         "figures."
