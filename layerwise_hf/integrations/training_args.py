@@ -17,6 +17,7 @@ from ..bases.support import (
 )
 from ..optim.clipping import CLIP_MODES, ClipMode
 from ..optim.optimizer import check_layerwise_arguments
+from ..placement.host_kernel import parse_host_step
 from ..placement.offloading import check_host_step_base
 
 
@@ -50,6 +51,11 @@ class LayerwiseTrainingArguments(TrainingArguments):
             of the parameter live in host memory, stepped there by a host thread while backward goes on and copied
             back before the next forward (`layerwise_hf.placement.host_step`). Not with fp16. Without CUDA it saves
             nothing and warns.
+        layerwise_host_step (`str`, *optional*, defaults to `"auto"`):
+            The host step's kernel with `layerwise_offload="optimizer"` (`layerwise_hf.placement.host_kernel`):
+            `"fast"` (torch's fused CPU kernel where the base has one, AdamW, Adam, SGD and Adagrad; last-bit
+            differences from the per-tensor loop), `"exact"` (the base as Trainer builds it, bit for bit) or `"auto"`
+            (fast for a model on an accelerator, exact for a CPU model).
 
     Every other argument is `TrainingArguments`'; an unknown `optim` raises `ValueError` listing the valid names.
 
@@ -106,6 +112,17 @@ class LayerwiseTrainingArguments(TrainingArguments):
         },
     )
 
+    layerwise_host_step: str = field(
+        default="auto",
+        metadata={
+            "help": "The kernel of the host step with layerwise_offload='optimizer': 'fast' (torch's fused CPU kernel "
+            "where the base has one: AdamW, Adam, SGD, Adagrad; last-bit differences from the per-tensor loop), "
+            "'exact' (the base as Trainer builds it, bit for bit) or 'auto' (fast for a model on an accelerator, "
+            "exact for a CPU model).",
+            "choices": ["auto", "fast", "exact"],
+        },
+    )
+
     layerwise_accept_nonfinite_state: bool = field(
         default=False,
         metadata={
@@ -127,6 +144,7 @@ class LayerwiseTrainingArguments(TrainingArguments):
     def __post_init__(self):
         check_layerwise_arguments(self)
         check_bool_argument("layerwise_preflight", self.layerwise_preflight)
+        self.layerwise_host_step = parse_host_step(self.layerwise_host_step)
         self.layerwise_clip = ClipMode.parse(self.layerwise_clip).value
         _check_arguments_trainer_uses_late(self)
         name = getattr(self.optim, "value", self.optim)

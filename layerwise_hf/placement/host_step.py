@@ -23,7 +23,10 @@ route is attached (`stale`): until then the device parameter may still be replac
 checkpoint's weights), and DCP steps the optimizer once, with zero gradients, before loading a checkpoint into it.
 
 The host copy has the parameter's dtype, so the step is the standard optimizer's bit for bit (a bf16 model keeps
-bf16 weights, as without offload). Checkpoints hold the wrapped optimizer's own state dict, the same format as
+bf16 weights, as without offload) with `layerwise_host_step="exact"`, the default for a CPU model. For a model on an
+accelerator the default is `"fast"`: torch's fused CPU kernel where the base has one (last-bit differences from the
+per-tensor loop), and the host worker gets its share of the host's cores (`layerwise_hf.placement.host_kernel`).
+Checkpoints hold the wrapped optimizer's own state dict, the same format as
 without offload (its class is saved, not the wrapper's), so a run resumes across offload on and off.
 """
 
@@ -37,6 +40,7 @@ from typing import Any
 import torch
 
 from ..bases.params import LayerwiseFactory, LayerwiseParam
+from .host_kernel import claim_thread_share, host_kernel_flags, host_threads_for
 from .offload import HostWorker, local_tensor
 from .transfer import Ticket, Transfer, make_transfer
 
@@ -139,10 +143,14 @@ class HostStepOptimizer(torch.optim.Optimizer):
     ```
     """
 
-    def __init__(self, base: torch.optim.Optimizer, runner: HostRunner):
+    def __init__(self, base: torch.optim.Optimizer, runner: HostRunner, host_step: str = "auto"):
         (param,) = base.param_groups[0]["params"]
         self.base = base
         self.runner = runner
+        # The host step's kernel (`layerwise_host_step`): applied to the base's group at each host step only, so the
+        # wrapper's group and checkpoints keep the factory's flags. Decided by the device the model lives on.
+        self.kernel = host_kernel_flags(base, local_tensor(param).device, host_step)
+        self.threads = host_threads_for(local_tensor(param).device)
         local = local_tensor(param).detach()
         # A stable host parameter for `base` to key its state by; its states are created like it, on the host. Its
         # values are copied from the device at the first step (`stale`), not now: until training starts the device
@@ -151,6 +159,9 @@ class HostStepOptimizer(torch.optim.Optimizer):
         # lr 0, before loading one) must write back the weights it found, not the ones the optimizer was built with.
         self.host = torch.nn.Parameter(torch.empty(0, dtype=local.dtype), requires_grad=False)
         base.param_groups[0]["params"] = [self.host]
+        # NOTE: Adagrad creates its state in __init__, on the device parameter; its step creates it lazily too, so
+        # dropping it lets the first host step build it on the host (and frees the device copy).
+        base.state.pop(param, None)
         self.host_grad: torch.Tensor | None = None  # where a gradient stepping at once lands on the host
         self.last: concurrent.futures.Future | None = None  # this parameter's latest host step (-> its copy back)
         self.stale = True  # the device parameter may differ from the host copy: copy it before the next step
@@ -209,6 +220,9 @@ class HostStepOptimizer(torch.optim.Optimizer):
         if coef is not None:
             grad.mul_(coef)
         self.base.param_groups[0].update(hyper)
+        self.base.param_groups[0].update(self.kernel)
+        if self.threads is not None:
+            claim_thread_share(self.threads)
         self.host.grad = grad
         try:
             self.base.step()
@@ -261,7 +275,7 @@ class HostStepOptimizer(torch.optim.Optimizer):
         self.stale = True
 
 
-def wrap_host_steps(factory: LayerwiseFactory, runner: HostRunner) -> LayerwiseFactory:
+def wrap_host_steps(factory: LayerwiseFactory, runner: HostRunner, host_step: str | None = None) -> LayerwiseFactory:
     """
     The factory whose optimizers step on the host (`HostStepOptimizer`), all sharing `runner`.
 
@@ -274,7 +288,8 @@ def wrap_host_steps(factory: LayerwiseFactory, runner: HostRunner) -> LayerwiseF
     """
 
     def build(lp: LayerwiseParam, args: Any) -> torch.optim.Optimizer:
-        return HostStepOptimizer(factory(lp, args), runner)
+        choice = getattr(args, "layerwise_host_step", "auto") if host_step is None else host_step
+        return HostStepOptimizer(factory(lp, args), runner, choice)
 
     return build
 

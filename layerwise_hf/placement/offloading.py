@@ -14,6 +14,7 @@ import torch
 
 from ..bases.params import LayerwiseFactory
 from ..bases.registry import parse_optim_name
+from .host_kernel import parse_host_step
 from .host_step import HostRunner, HostStepOptimizer, wrap_host_steps
 from .offload import GradientOffload, parse_offload
 from .transfer import Transfer, offload_simulated
@@ -114,12 +115,18 @@ def check_fsdp2_accumulation(offload: str, gradient_accumulation_steps: int, red
     )
 
 
-def host_step_factory(factory: LayerwiseFactory, mode: str) -> tuple[LayerwiseFactory, HostRunner | None]:
-    """With `mode="optimizer"`, `factory` wrapped so each optimizer steps on the host, and their shared runner."""
+def host_step_factory(
+    factory: LayerwiseFactory, mode: str, host_step: str | None = None
+) -> tuple[LayerwiseFactory, HostRunner | None]:
+    """With `mode="optimizer"`, `factory` wrapped so each optimizer steps on the host, and their shared runner.
+    `host_step` (`"auto"`, `"fast"`, `"exact"`; `layerwise_hf.placement.host_kernel`) defaults to the arguments'
+    `layerwise_host_step`."""
+    if host_step is not None:
+        host_step = parse_host_step(host_step, "host_step")
     if mode != "optimizer":
         return factory, None
     runner = HostRunner()
-    return wrap_host_steps(factory, runner), runner
+    return wrap_host_steps(factory, runner, host_step), runner
 
 
 def enable_offload(
