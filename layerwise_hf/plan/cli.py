@@ -111,6 +111,25 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     parser.add_argument("--host-memory", default=None, help="e.g. 256GiB: say whether each offload row's host fits.")
     parser.add_argument(
+        "--host-step-rate",
+        type=float,
+        default=None,
+        help="Offload rows: the host step's ns per element (default: measured on this machine once, cached).",
+    )
+    parser.add_argument(
+        "--pcie-gbps",
+        type=float,
+        default=25.0,
+        help="Offload rows: host <-> device GB/s one way (default 25: a pinned copy on PCIe 4.0 x16, ~80%% of 31.5).",
+    )
+    parser.add_argument(
+        "--device-tflops",
+        type=float,
+        default=None,
+        help="Offload rows: the device's achieved TFLOP/s, for backward's time (rule: 4 x params x tokens FLOPs, 6 x "
+        "with activation checkpointing) and whether the host step hides behind it. Without it that is not said.",
+    )
+    parser.add_argument(
         "--device",
         choices=DEVICES,
         default="cuda",
@@ -201,19 +220,38 @@ def _run(args: argparse.Namespace) -> str:
     options = _options(args)
     result = plan(args.model, args.optim, **options)
     batches = _max_batches(args, options, result) if args.max_batch_size else {}
+    times = _offload_times(args, result)
     if args.json:
         payload = result.to_dict()
         for row in payload["optimizers"]:
             if (row["optimizer"], row["offload"]) in batches:
                 row["max_micro_batch"] = batches[(row["optimizer"], row["offload"])]
+            if (row["optimizer"], row["offload"]) in times:
+                row["offload_time"] = times[(row["optimizer"], row["offload"])].to_dict()
         return json.dumps(payload, indent=2)
     text = result.format(args.units)
+    for row in result.rows:
+        timed = times.get((row.optimizer, row.offload))
+        if timed is not None:
+            text += f"\n{row.label}, offload {row.offload}: {timed.describe()}"
+            text += f"; {timed.advice()}" if timed.advice() else ""
+    if times and getattr(args, "device_tflops", None) is None:
+        text += "\nOffload time: backward not estimated (--device-tflops says whether the host step hides)."
     for row in result.rows:
         batch = batches.get((row.optimizer, row.offload))
         if batch is not None:
             text += (f"\n{row.label}: largest micro-batch that fits in "
                      f"{format_bytes(result.device_memory, args.units)}: {batch}")  # fmt: skip
     return text
+
+
+def _offload_times(args: argparse.Namespace, result: Plan) -> dict:
+    if all(row.offload == "none" for row in result.rows):
+        return {}
+    from .offload_time import plan_times
+
+    rate, gbps, tflops = (getattr(args, k, None) for k in ("host_step_rate", "pcie_gbps", "device_tflops"))
+    return plan_times(result, host_step_rate=rate, pcie_gbps=gbps or 25.0, device_tflops=tflops)
 
 
 def _max_batches(args: argparse.Namespace, options: dict, result: Plan) -> dict[tuple[str, str], int]:
