@@ -365,6 +365,122 @@ def test_launcher_bad_option_exits_2(capsys):
     assert exit_.value.code == 2 and "invalid choice: 'sometimes'" in capsys.readouterr().err
 
 
+def _console_script(tmp_path) -> dict:
+    """An installed distribution (a dist-info on PYTHONPATH) whose console script `lw-test-cli` checks that install()
+    is in effect, prints its argv and exits 3; and a Python script `lw-test-path` on PATH that does the same."""
+    site = tmp_path / "site"
+    (site / "lw_test_tool").mkdir(parents=True)
+    (site / "lw_test_tool" / "__init__.py").write_text(
+        "import sys\n"
+        "def main():\n"
+        "    from transformers import TrainingArguments\n"
+        "    args = TrainingArguments(output_dir='o', optim='adamw_torch_layerwise', report_to='none')\n"
+        "    print('argv', sys.argv, args.optim)\n"
+        "    return 3\n"
+    )
+    info = site / "lw_test_tool-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: lw-test-tool\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[console_scripts]\nlw-test-cli = lw_test_tool:main\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "lw-test-path"
+    script.write_text("#!/usr/bin/env python3\nimport sys\nfrom lw_test_tool import main\nsys.exit(main())\n")
+    script.chmod(0o755)
+    return {
+        **ENV,
+        "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]),
+        "PATH": f"{bin_dir}{os.pathsep}{ENV['PATH']}",
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["lw-test-cli", "lw-test-path"], ids=["console-script", "on-path"])
+def test_launcher_runs_a_command_by_name_with_install_in_effect(tmp_path, name):
+    # As `python -m layerwise_hf llamafactory-cli train cfg.yaml`: a name that is no file, run in this process.
+    env = _console_script(tmp_path)
+    cmd = [sys.executable, "-m", "layerwise_hf", name, "train", "cfg.yaml"]
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 3, result.stderr[-3000:]
+    argv0 = name if name == "lw-test-cli" else str(tmp_path / "bin" / name)
+    assert f"argv {[argv0, 'train', 'cfg.yaml']} adamw_torch_layerwise" in result.stdout
+
+
+def test_launcher_runs_a_console_script_in_process(tmp_path, monkeypatch, capsys):
+    env = _console_script(tmp_path)
+    monkeypatch.syspath_prepend(env["PYTHONPATH"].split(os.pathsep)[0])
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    try:
+        assert launcher_main(["lw-test-cli", "train", "cfg.yaml"]) == 3
+    finally:
+        layerwise_hf.uninstall()
+    assert "argv ['lw-test-cli', 'train', 'cfg.yaml'] adamw_torch_layerwise" in capsys.readouterr().out
+
+
+def test_find_command_prefers_the_installed_entry_point(tmp_path, monkeypatch):
+    from layerwise_hf.integrations.launcher import find_command
+
+    assert find_command("layerwise-hf").entry_point.value == "layerwise_hf.cli:main"
+    assert find_command("no-such-command-xyz") is None
+    assert find_command("./layerwise-hf") is None  # a path is a file or nothing
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("no-such-command-xyz", "no installed console script or Python script on PATH has that name"),
+        ("ls", "is not a Python script"),
+    ],
+)
+def test_launcher_names_the_m_form_when_a_command_cannot_run(name, message, capsys):
+    assert launcher_main([name, "train", "cfg.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "python -m layerwise_hf -m MODULE" in err, err
+    assert not patching.is_installed()
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes: Python 3.11 (3.10 prints the note)")
+def test_launcher_option_after_the_script_is_noted_on_its_error(tmp_path, monkeypatch):
+    script = tmp_path / "train.py"
+    script.write_text("raise ValueError('unknown argument --layerwise_clip')\n")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        with pytest.raises(ValueError) as err:
+            launcher_main([str(script), "--layerwise_clip=previous"])
+    finally:
+        layerwise_hf.uninstall()
+    assert err.value.__notes__ == [
+        f"python -m layerwise_hf: note: --layerwise_clip=previous came after {script}, so {script} got it; the "
+        f"launcher's options go before the script: python -m layerwise_hf --layerwise_clip=previous {script} ..."
+    ]
+
+
+@pytest.mark.slow
+def test_launcher_option_after_the_script_is_pointed_to(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "from transformers import HfArgumentParser, TrainingArguments\n"
+        "HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()\n"
+    )
+    result = launch(script, "--output_dir", tmp_path / "out", "--layerwise_clip", "previous", cwd=tmp_path)
+    assert result.returncode == 1
+    assert "Some specified arguments are not used by the HfArgumentParser" in result.stderr  # the script's own error
+    note = (
+        f"python -m layerwise_hf: note: --layerwise_clip previous came after {script}, so {script} got it; the "
+        f"launcher's options go before the script: python -m layerwise_hf --layerwise_clip previous {script} ..."
+    )
+    assert note in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_launcher_option_after_a_script_that_takes_it_says_nothing(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nassert sys.argv[1:] == ['--layerwise_clip', 'previous']\n")
+    result = launch(script, "--layerwise_clip", "previous", cwd=tmp_path)
+    assert result.returncode == 0 and "note:" not in result.stderr, result.stderr
+
+
 def test_launcher_exit_status_from_the_command_line(tmp_path):
     result = launch(tmp_path / "missing.py")
     assert result.returncode == 2

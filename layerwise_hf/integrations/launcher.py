@@ -1,16 +1,20 @@
 """`python -m layerwise_hf SCRIPT [ARGS...]`: run an unchanged training script with `install()` in effect.
 
 Like `python -m cProfile` or `coverage run`: the script runs as `__main__` with `sys.argv = [SCRIPT, *ARGS]` and its
-folder first on `sys.path`; `-m MODULE` runs a module as `python -m MODULE` would. Under several processes, put the
-launcher where the script was: `accelerate launch [--config_file F] -m layerwise_hf SCRIPT [ARGS...]`.
+folder first on `sys.path`; `-m MODULE` runs a module as `python -m MODULE` would. A SCRIPT that is not a file is
+looked up as a command, such as `llamafactory-cli` or `trl`: an installed console script (its entry point is called
+in this process, as `-m` runs a module) or a Python script on `PATH`. Under several processes, put the launcher where
+the script was: `accelerate launch [--config_file F] -m layerwise_hf SCRIPT [ARGS...]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import os
 import runpy
+import shutil
 import sys
 
 from ..optim.clipping import CLIP_MODES
@@ -74,7 +78,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         print(f"{parser.prog}: error: give the SCRIPT to run, or -m MODULE", file=sys.stderr)
         return 2
-    problem = _module_problem(module) if module is not None else _script_problem(script)
+    command = None
+    if module is None and not os.path.exists(script):
+        command = find_command(script)
+    problem = (
+        None if command is not None else _module_problem(module) if module is not None else _script_problem(script)
+    )
     if problem:
         print(f"{parser.prog}: error: {problem}", file=sys.stderr)
         return 2
@@ -86,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     except UnsupportedVersionError as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 1
-    return _run(module, script, rest)
+    try:
+        return _run(module, script, rest, command)
+    except BaseException as err:
+        _hint_misplaced_options(err, rest, module or script)
+        raise
 
 
 _OPTIONS_WITH_VALUE = ("--layerwise_clip",)
@@ -114,9 +127,87 @@ def _split(argv: list[str]) -> tuple[list[str], str | None, str | None, list[str
     return argv, None, None, []
 
 
+def _hint_misplaced_options(err: BaseException, rest: list[str], target: str) -> None:
+    """When the script failed and a launcher option came after it (so the script got it), say where it goes."""
+    if isinstance(err, SystemExit) and err.code in (0, None):
+        return
+    if isinstance(err, KeyboardInterrupt):
+        return
+    options = []
+    for i, arg in enumerate(rest):
+        if arg.split("=", 1)[0] in ("--layerwise_clip", "--layerwise_preflight"):
+            options.append(arg)
+            if arg == "--layerwise_clip" and i + 1 < len(rest):
+                options.append(rest[i + 1])
+    if not options:
+        return
+    note = (
+        f"python -m layerwise_hf: note: {' '.join(options)} came after {target}, so {target} got it; the launcher's "
+        f"options go before the script: python -m layerwise_hf {' '.join(options)} {target} ..."
+    )
+    if not isinstance(err, SystemExit) and hasattr(err, "add_note"):
+        err.add_note(note)  # printed under the traceback, where the user reads last
+    else:
+        print(note, file=sys.stderr)
+
+
+class Command:
+    """A command found by name: an installed console script's entry point, or a Python script on `PATH`."""
+
+    def __init__(self, name: str, entry_point: importlib.metadata.EntryPoint | None = None, path: str | None = None):
+        self.name, self.entry_point, self.path = name, entry_point, path
+
+    def __repr__(self) -> str:
+        return f"Command({self.name!r}, {self.entry_point.value if self.entry_point else self.path!r})"
+
+
+def find_command(name: str) -> Command | None:
+    """
+    The command `name` (not a file): an installed console script (`[project.scripts]` entry point) of this Python,
+    else a Python script of that name on `PATH`; None when neither exists.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.integrations.launcher import find_command
+    >>> find_command("layerwise-hf")
+    Command('layerwise-hf', 'layerwise_hf.cli:main')
+    ```
+    """
+    if os.sep in name or (os.altsep and os.altsep in name):
+        return None  # a path, not a command name
+    # NOTE: entry points first: PATH may lead to another environment's copy of the command.
+    found = importlib.metadata.entry_points(group="console_scripts", name=name)
+    for entry_point in found:
+        return Command(name, entry_point=entry_point)
+    path = shutil.which(name)
+    if path is not None and _is_python_script(path):
+        return Command(name, path=path)
+    return None
+
+
+def _is_python_script(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(200)
+    except OSError:
+        return False
+    return first.startswith(b"#!") and b"python" in first
+
+
 def _script_problem(script: str) -> str | None:
     if not os.path.exists(script):
-        return f"can't open file {script!r}: no such file"
+        path = shutil.which(script) if os.sep not in script else None
+        if path is not None:
+            return (
+                f"{script!r} is not a file here, and the command {path} is not a Python script, so it cannot run "
+                f"with install() in effect; run its Python module instead: python -m layerwise_hf -m MODULE [ARGS...]"
+            )
+        return (
+            f"can't open file {script!r}: no such file, and no installed console script or Python script on PATH "
+            f"has that name; give the script's path, or run a module: python -m layerwise_hf -m MODULE [ARGS...] "
+            f"(e.g. -m llamafactory.cli train cfg.yaml)"
+        )
     if os.path.isdir(script) and not os.path.exists(os.path.join(script, "__main__.py")):
         return f"can't find '__main__' module in {script!r}"
     return None
@@ -140,7 +231,13 @@ def _module_problem(module: str) -> str | None:
     return None
 
 
-def _run(module: str | None, script: str | None, rest: list[str]) -> int:
+def _run(module: str | None, script: str | None, rest: list[str], command: Command | None = None) -> int:
+    if command is not None and command.entry_point is not None:
+        # As the console script's wrapper does: sys.argv[0] its name, then `sys.exit(entry_point())`.
+        sys.argv = [command.name, *rest]
+        return _exit_status(command.entry_point.load()())
+    if command is not None:
+        script = command.path
     if module is not None:
         # As `python -m`: the current directory first on sys.path, sys.argv[0] the module's file.
         sys.argv = [module, *rest]
@@ -151,3 +248,13 @@ def _run(module: str | None, script: str | None, rest: list[str]) -> int:
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
         runpy.run_path(script, run_name="__main__")
     return 0
+
+
+def _exit_status(result) -> int:
+    """What `sys.exit(result)` would exit with: None is 0, an int itself, anything else printed and 1."""
+    if result is None:
+        return 0
+    if isinstance(result, int):
+        return result
+    print(result, file=sys.stderr)
+    return 1
