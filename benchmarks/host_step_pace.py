@@ -1,27 +1,28 @@
-"""Does each base's host step keep pace with backward? (`layerwise_offload="optimizer"`, issue 19 item 6.)
+"""How fast each base steps on the host (`layerwise_offload="optimizer"`), against the host's memory floor; and, with
+`--pace`, whether that keeps pace with a Llama layer's backward on this CPU (issue 19 item 6).
 
-With `layerwise_offload="optimizer"` a host worker steps each parameter while backward goes on with the layers
-below it. That overlap pays only if stepping a layer's parameters on the host takes no longer than that layer's
-backward; otherwise the worker falls behind and the next forward waits for it.
+Launch (single process, CPU):
 
-Launch (single process, CPU; the host is the CPU here, as on a GPU machine):
+    python benchmarks/host_step_pace.py                 # the floor table (~2 min on 2 cores), into docs/offload.md
+    python benchmarks/host_step_pace.py --small         # smoke run (a 256 x 256 tensor, 2 bases)
+    python benchmarks/host_step_pace.py --pace          # host step vs one layer's backward (host_step_pace.json)
 
-    python benchmarks/host_step_pace.py                     # hidden 2048, 1 x 512 tokens, 5 repeats
-    python benchmarks/host_step_pace.py --hidden 4096 --repeats 3
-    python benchmarks/host_step_pace.py --small             # smoke run (hidden 256)
+The floor table (default). For each base: the optimizer the plugin builds for a Llama layer's `q_proj` weight
+(`--hidden` x `--hidden`, 2048 by default: 4.2M elements, its states beyond any cache), one `step()` on the CPU in
+ns per element, median of `--repeats` after one warm-up, with:
 
-Model: one randomly initialised Llama decoder layer (hidden `--hidden`, intermediate 2.75 x hidden, heads
-hidden / 128), fp32, a micro-batch of 1 x `--tokens` random activations. Measured, median of `--repeats` after one
-warm-up:
+- the kernel the host step runs: `fast` (`layerwise_host_step="fast"`, the default for a model on an accelerator:
+  torch's fused CPU kernel where the base has one) and, for those bases, `exact` (the base as Trainer builds it,
+  torch's per-tensor loop); every other base steps as built in both modes;
+- fp32 and bf16 weights (states follow the weight's dtype, as the host copy has the parameter's dtype);
+- 1 thread and all the threads this process may use;
+- the memory floor of the same bytes: the step's bytes (the weight and every state tensor read and written, the
+  gradient read) at the bandwidth `a.add_(b)` reaches on tensors of the weight's size and dtype, same threads, same
+  run. `x floor` = step / floor: 1.0 is as fast as memory allows.
 
-- `backward`: the layer's backward (forward untimed);
-- per base: one `step()` of the optimizer the plugin builds for the layer's `q_proj` weight (hidden x hidden; the
-  optimizer `build_layerwise_optimizer` gives it, so GaLore and Muon see their real target modules), on the CPU.
-  The layer's host step is that time scaled by the layer's parameter count over the tensor's (the steps are
-  per-element work), and `ratio` = layer host step / layer backward. `ratio <= 1`: the host keeps pace.
-
-A base that raises on a CPU tensor is listed with its error (it cannot step on the host at all).
-Writes `<output_dir>/host_step_pace.json`.
+Also measured: the task overhead of the host worker against the step of a small parameter (whether stepping several
+small parameters in one task pays), and how far `fast` and `exact` AdamW are apart after 100 steps of a tiny Llama.
+Writes `<output_dir>/host_step_floor.json` and the table into docs/offload.md (`--no-docs` to leave it).
 """
 
 from __future__ import annotations
@@ -108,15 +109,8 @@ def step_time(base: str, model, repeats: int) -> float:
         weight.grad = None
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--bases", nargs="*", default=list(BASES))
-    parser.add_argument("--small", action="store_true")
-    parser.add_argument("--output_dir", default=str(ROOT / "benchmarks" / "results"))
-    opts = parser.parse_args(argv)
+def pace_main(opts) -> dict:
+    """Host step vs one Llama layer's backward (`--pace`; `SLOW_ON_HOST` reads its JSON)."""
     if opts.small:
         opts.hidden, opts.tokens, opts.repeats = 256, 64, 2
     logging.disable(logging.WARNING)
@@ -154,6 +148,244 @@ def main(argv=None) -> dict:
     out = Path(opts.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "host_step_pace.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+FLOOR_BASES = (
+    "adamw_torch", "sgd", "adagrad", "rmsprop", "adafactor", "lion_32bit", "lion_8bit", "adamw_8bit", "ademamix",
+    "ademamix_8bit", "adamw_torch_8bit", "adamw_torch_4bit", "galore_adamw", "apollo_adamw", "muon",
+)  # fmt: skip
+DOCS = ROOT / "docs" / "offload.md"
+MARKER = "host-step-floor"
+
+
+def _median(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _once(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _nbytes(state: dict) -> int:
+    return sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
+
+
+def floor_rows(base: str, model, repeats: int, all_threads: int) -> list[dict]:
+    """Each kernel x thread count of `base`'s step on the layer's q_proj weight, against the floor of its bytes."""
+    from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer
+    from layerwise_hf.placement.host_kernel import host_kernel_flags
+
+    extra = {"optim_target_modules": ["attn", "mlp"]} if base.startswith(("galore", "apollo")) else {}
+    args = LayerwiseTrainingArguments("/tmp/host_step_pace", optim=f"{base}_layerwise", learning_rate=1e-4, **extra)
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    optimizer = build_layerwise_optimizer(model, args, offload="none")
+    inner = optimizer.inner[next(i for i, p in enumerate(optimizer.params) if p is weight)]
+    built = {k: inner.param_groups[0].get(k) for k in ("fused", "foreach")}
+    fast = host_kernel_flags(inner, torch.device("cuda"), "fast")  # what the host step of an accelerator model runs
+    kernels = [("exact", built), ("fast", fast)] if fast else [("as built", {})]
+    weight.grad = torch.randn_like(weight) * 1e-3
+    a, b = weight.detach().clone(), weight.grad.clone()
+    rows = []
+    try:
+        for kernel, flags in kernels:
+            inner.param_groups[0].update(flags)
+            for threads in sorted({1, all_threads}):
+                torch.set_num_threads(threads)
+                # NOTE: step and floor alternate, and the ratio is the median of each pair's: on a shared machine
+                # the load moves between two separate medians.
+                moved = 0
+                steps, adds = [], []
+                with contextlib.redirect_stdout(io.StringIO()):
+                    inner.step()
+                    a.add_(b, alpha=0.0)
+                    for _ in range(1 if base == "muon" else repeats):
+                        steps.append(_once(inner.step))
+                        adds.append(_once(lambda: a.add_(b, alpha=0.0)))  # 3 x the weight's bytes
+                moved = 2 * (weight.numel() * weight.element_size() + _nbytes(inner.state[weight]))
+                moved += weight.grad.numel() * weight.grad.element_size()
+                scale = moved / (3 * a.numel() * a.element_size())
+                seconds, floor = statistics.median(steps), statistics.median(adds) * scale
+                ratio = statistics.median(st / (ad * scale) for st, ad in zip(steps, adds))
+                n = weight.numel()
+                rows.append({
+                    "base": base, "kernel": kernel, "dtype": str(weight.dtype).removeprefix("torch."),
+                    "threads": threads, "ns_per_element": seconds / n * 1e9, "floor_ns_per_element": floor / n * 1e9,
+                    "bytes_per_element": moved / n, "x_floor": ratio,
+                })  # fmt: skip
+    finally:
+        weight.grad = None
+        torch.set_num_threads(all_threads)
+    return rows
+
+
+def task_overhead(repeats: int = 200) -> dict:
+    """A host worker task's round trip against the fused AdamW step of a small (4096-element) parameter."""
+    from layerwise_hf.placement.offload import HostWorker
+
+    torch.set_num_threads(1)
+    worker = HostWorker()
+    worker.submit(lambda: None).result()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        worker.submit(lambda: None).result()
+    task = (time.perf_counter() - start) / repeats
+    worker.close()
+    small = torch.nn.Parameter(torch.randn(4096))
+    small.grad = torch.randn(4096)
+    optimizer = torch.optim.AdamW([small], fused=True)
+    step = _median(optimizer.step, repeats)
+    return {"task_us": task * 1e6, "small_step_us": step * 1e6}
+
+
+def fast_vs_exact(steps: int = 100) -> dict:
+    """AdamW through the real host step, `fast` against `exact`, after `steps` steps of a tiny Llama (hidden 64)."""
+    import os
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer
+    from layerwise_hf.placement.offloading import wait_for_host_steps
+
+    os.environ.setdefault("LAYERWISE_HF_OFFLOAD_SIMULATE", "1")
+    weights = {}
+    for mode in ("fast", "exact"):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+        model = LlamaForCausalLM(config)
+        args = LayerwiseTrainingArguments(
+            "/tmp/host_step_pace", optim="adamw_torch_layerwise", learning_rate=1e-3, max_grad_norm=0.0,
+            layerwise_offload="optimizer", layerwise_host_step=mode,
+        )  # fmt: skip
+        optimizer = build_layerwise_optimizer(model, args)
+        optimizer.attach()
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(steps):
+            ids = torch.randint(0, 64, (4, 16), generator=generator)
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        wait_for_host_steps(optimizer)
+        weights[mode] = [p.detach().clone() for p in model.parameters()]
+    pairs = list(zip(weights["fast"], weights["exact"]))
+    per_tensor = max(((f - e).abs().max() / e.abs().max()).item() for f, e in pairs)
+    identical = sum(torch.equal(f, e) for f, e in pairs)
+    return {
+        "steps": steps,
+        "max_rel_diff_per_tensor": per_tensor,
+        "identical_tensors": identical,
+        "tensors": len(pairs),
+    }
+
+
+def floor_table(result: dict) -> str:
+    threads = sorted({r["threads"] for r in result["rows"]})
+    cols = [(d, t) for d in ("float32", "bfloat16") for t in threads]
+    head = " | ".join(f"{'fp32' if d == 'float32' else 'bf16'}, {t} thread{'s' * (t > 1)}" for d, t in cols)
+    lines = [f"| base | kernel | bytes / element (fp32) | {head} |", "|---|---|---|" + "---|" * len(cols)]
+    keyed = {(r["base"], r["kernel"], r["dtype"], r["threads"]): r for r in result["rows"]}
+    seen = []
+    for r in result["rows"]:
+        if (r["base"], r["kernel"]) not in seen:
+            seen.append((r["base"], r["kernel"]))
+    for base, kernel in seen:
+        fp32 = keyed.get((base, kernel, "float32", threads[0]))
+        cells = [f"{fp32['bytes_per_element']:.0f}" if fp32 else "-"]
+        for d, t in cols:
+            r = keyed.get((base, kernel, d, t))
+            cells.append(f"{r['ns_per_element']:.2f} ns ({r['x_floor']:.2f}x)" if r else "-")
+        lines.append(f"| `{base}` | {kernel} | " + " | ".join(cells) + " |")
+    for base, error in result["errors"].items():
+        lines.append(
+            f"| `{base}` | - | - | " + " | ".join([f"cannot step here: {error}"] + ["-"] * (len(cols) - 1)) + " |"
+        )
+    o, c = result["task_overhead"], result["fast_vs_exact"]
+    lines += [
+        "",
+        f"A {result['hidden']} x {result['hidden']} fp32 weight ({result['elements'] / 1e6:.1f}M elements), median of "
+        f"{result['repeats']} steps after a warm-up (Muon: 1), {result['machine']}. ns per element of one step, and "
+        "(x) that over the floor: the step's bytes (weight and states read and written, gradient read) at the "
+        "bandwidth `a.add_(b)` reaches on the same tensors in the same run. `fast` is `layerwise_host_step=\"fast\"` "
+        "(the default for a model on an accelerator), `exact` torch's per-tensor loop as Trainer builds it. A host "
+        f"worker task costs {o['task_us']:.0f} us, a fused AdamW step of a 4096-element parameter "
+        f"{o['small_step_us']:.0f} us. fast vs exact AdamW after {c['steps']} steps of a tiny Llama through the "
+        "host step: max |fast - exact| "
+        f"/ max |exact| per tensor {c['max_rel_diff_per_tensor']:.1e}, {c['identical_tensors']} of {c['tensors']} "
+        "tensors bit-identical. Generated by `python benchmarks/host_step_pace.py`.",
+    ]  # fmt: skip
+    return "\n".join(lines)
+
+
+def write_docs(table: str) -> None:
+    import re
+
+    text = DOCS.read_text()
+    pattern = re.compile(rf"<!-- {MARKER}:start -->\n.*?(?=<!-- {MARKER}:end -->)", re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"docs/offload.md has no <!-- {MARKER}:start --> / <!-- {MARKER}:end --> markers")
+    DOCS.write_text(pattern.sub(lambda m: f"<!-- {MARKER}:start -->\n{table}\n", text))
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--tokens", type=int, default=512, help="--pace: tokens of the layer's micro-batch")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--bases", nargs="*", default=None)
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--pace", action="store_true", help="host step vs a layer's backward (host_step_pace.json)")
+    parser.add_argument("--no-docs", action="store_true", help="leave docs/offload.md as it is")
+    parser.add_argument("--output_dir", default=str(ROOT / "benchmarks" / "results"))
+    opts = parser.parse_args(argv)
+    if opts.pace:
+        opts.bases = opts.bases or list(BASES)
+        return pace_main(opts)
+    opts.bases = opts.bases or list(FLOOR_BASES)
+    if opts.small:
+        opts.hidden, opts.repeats, opts.bases = 256, 2, ["adamw_torch", "adafactor"]
+    logging.disable(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    import os
+    import platform
+
+    all_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(all_threads)
+    started = time.perf_counter()
+    machine = f"{platform.machine()}, {all_threads} threads, torch {torch.__version__}"
+    result = {"hidden": opts.hidden, "elements": opts.hidden**2, "repeats": opts.repeats, "threads": all_threads,
+              "machine": machine, "rows": [], "errors": {}}  # fmt: skip
+    for dtype in (torch.float32, torch.bfloat16):
+        model, _ = _layer(opts.hidden)
+        model.to(dtype)
+        for base in opts.bases:
+            try:
+                result["rows"] += floor_rows(base, model, opts.repeats, all_threads)
+            except Exception as error:  # noqa: BLE001 - a base that cannot step on the CPU is a result here
+                if dtype is torch.float32:
+                    result["errors"][base] = f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"
+        del model
+    result["task_overhead"] = task_overhead()
+    result["fast_vs_exact"] = fast_vs_exact(20 if opts.small else 100)
+    result["seconds"] = time.perf_counter() - started
+    table = floor_table(result)
+    print(table)
+    print(f"({result['seconds']:.0f} s)")
+    out = Path(opts.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / ("host_step_floor_small.json" if opts.small else "host_step_floor.json")).write_text(
+        json.dumps(result, indent=2) + "\n"
+    )
+    if not opts.no_docs and not opts.small:
+        write_docs(table)
     return result
 
 
