@@ -120,17 +120,43 @@ def test_install_is_idempotent_and_uninstall_restores_every_method(tmp_path):
     finally:
         layerwise_hf.uninstall()
     layerwise_hf.uninstall()
-    assert all(vars(o)[n] is before[(o, n)] for o, n in before)
+    # Every original is back, behind a check that only adds the fix to its error for a layer-wise name.
+    assert all(_unwrapped(vars(o)[n]) is _unwrapped(before[(o, n)]) for o, n in before)
     assert TrainingArguments.__annotations__["optim"] is annotation and optim.metadata is metadata
     assert not patching.is_installed()
-    with pytest.raises(ValueError, match="adamw_torch_layerwise is not a valid OptimizerNames"):
+    with pytest.raises(ValueError) as err:
         TrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise")
-    # A Trainer created after uninstall() is a stock one, with today's error.
+    assert str(err.value).startswith("adamw_torch_layerwise is not a valid OptimizerNames")  # transformers' own
+    assert "layerwise_hf.uninstall() was called" in str(err.value) and "layerwise_hf.install() again" in str(err.value)
+    with pytest.raises(ValueError) as err:
+        TrainingArguments(output_dir=str(tmp_path), optim="adamw_nope")
+    assert "layerwise_hf" not in str(err.value)  # any other name: transformers' error, untouched
+    with pytest.raises(ValueError, match="uninstall\\(\\) was called"):
+        TrainingArguments(output_dir=str(tmp_path)).set_optimizer(name="adamw_torch_layerwise")
+    # A Trainer created after uninstall() is a stock one, with Trainer's error and how to fix it.
     args = LayerwiseTrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise", report_to="none")
     trainer = Trainer(model=tiny_llama(), args=args)
     assert type(trainer) is Trainer
-    with pytest.raises(ValueError, match=r"^Trainer cannot instantiate unsupported optimizer: adamw_torch_layerwise$"):
+    with pytest.raises(ValueError) as err:
         trainer.create_optimizer()
+    assert str(err.value).startswith("Trainer cannot instantiate unsupported optimizer: adamw_torch_layerwise")
+    assert "(or after uninstall())" in str(err.value) and "layerwise_hf.LayerwiseTrainer" in str(err.value)
+    # Installing again replaces the originals, not the checks; uninstalling again leaves one check each.
+    layerwise_hf.install()
+    assert all(
+        getattr(_unwrapped(vars(o)[n]), "_layerwise_original", None) is _unwrapped(before[(o, n)]) for o, n in before
+    )
+    layerwise_hf.uninstall()
+    for o, n in before:
+        check = vars(o)[n].__func__ if isinstance(vars(o)[n], staticmethod) else vars(o)[n]
+        assert check._layerwise_hint and check._layerwise_original is _unwrapped(before[(o, n)])
+
+
+def _unwrapped(method):
+    function = method.__func__ if isinstance(method, staticmethod) else method
+    return (
+        getattr(function, "_layerwise_original", function) if getattr(function, "_layerwise_hint", False) else function
+    )
 
 
 @pytest.mark.parametrize(

@@ -18,10 +18,16 @@ object it reached them through):
 
 Before changing anything, `install()` checks every method it replaces or the mixin overrides against the parameters of
 the tested versions, and refuses with `UnsupportedVersionError` when one is missing or different.
+
+`uninstall()` puts every original back, then leaves a thin check on `TrainingArguments.__post_init__`,
+`.set_optimizer` and `Trainer.get_optimizer_cls_and_kwargs` that calls the original and, only when it raises its
+`ValueError` for a layer-wise name, adds how to fix it (`install()` again, or the explicit classes); every other name
+and every result reach the caller exactly as from the original.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 import types
@@ -74,6 +80,11 @@ _FIX = (
     "This Trainer was created before layerwise_hf.install() (or after uninstall()), so it was not made layer-wise: "
     "create it after install() (or run the script with `python -m layerwise_hf SCRIPT ARGS`), or use "
     "layerwise_hf.LayerwiseTrainer."
+)
+_FIX_AFTER_UNINSTALL = (
+    "layerwise_hf.uninstall() was called, so stock TrainingArguments and Trainer take no layer-wise name: call "
+    "layerwise_hf.install() again (or run the script with `python -m layerwise_hf SCRIPT ARGS`), or use "
+    "layerwise_hf.LayerwiseTrainingArguments with layerwise_hf.LayerwiseTrainer."
 )
 
 
@@ -142,6 +153,7 @@ def install(*, layerwise_clip: str | None = None, layerwise_preflight: bool | No
         from transformers import Trainer, TrainingArguments
 
         check_replaced_methods()
+        _remove_hints()
         _replace(TrainingArguments, "__post_init__", _wrap_post_init(TrainingArguments.__post_init__))
         _replace(TrainingArguments, "set_optimizer", _wrap_set_optimizer(TrainingArguments.set_optimizer))
         _accept_any_optim_string(TrainingArguments)
@@ -161,7 +173,8 @@ def install(*, layerwise_clip: str | None = None, layerwise_preflight: bool | No
 def uninstall() -> None:
     """
     Undo `install()`: every replaced method is the original again, and Trainers created from now on are stock ones
-    (those created while installed stay layer-wise). Does nothing when not installed.
+    (those created while installed stay layer-wise). Does nothing when not installed. A layer-wise name then gets
+    transformers' own `ValueError`, to which a thin check left in place adds how to fix it (the module docstring).
 
     Example:
 
@@ -172,7 +185,7 @@ def uninstall() -> None:
     >>> layerwise_hf.uninstall()
     >>> TrainingArguments(output_dir="out", optim="adamw_8bit_layerwise")
     Traceback (most recent call last):
-    ValueError: adamw_8bit_layerwise is not a valid OptimizerNames, ...
+    ValueError: adamw_8bit_layerwise is not a valid OptimizerNames, ... layerwise_hf.uninstall() was called, ...
     ```
     """
     with _LOCK:
@@ -182,6 +195,59 @@ def uninstall() -> None:
         _SETTINGS.update(layerwise_clip=None, layerwise_preflight=None)
         while _UNDO:
             _UNDO.pop()()
+        _leave_hints()
+
+
+def _hinted_methods():
+    from transformers import Trainer, TrainingArguments
+
+    return [
+        (TrainingArguments, "__post_init__", lambda self, *a, **k: getattr(self, "optim", None), _FIX_AFTER_UNINSTALL),
+        (TrainingArguments, "set_optimizer", _optimizer_name_argument, _FIX_AFTER_UNINSTALL),
+        (Trainer, "get_optimizer_cls_and_kwargs", lambda args, *a, **k: getattr(args, "optim", None), _FIX),
+    ]
+
+
+def _optimizer_name_argument(self, name="adamw_torch", *args, **kwargs):
+    return name
+
+
+def _leave_hints() -> None:
+    """After uninstall(): each original wrapped in a check adding the fix to its error for a layer-wise name only."""
+    for owner, name, read_name, fix in _hinted_methods():
+        raw = vars(owner).get(name, _ABSENT)
+        if raw is _ABSENT or getattr(raw, "_layerwise_hint", False):
+            continue
+        static = isinstance(raw, staticmethod)
+        function = raw.__func__ if static else raw
+        hint = _hint(function, read_name, fix)
+        setattr(owner, name, staticmethod(hint) if static else hint)
+
+
+def _remove_hints() -> None:
+    """Before install() replaces them: the originals back, so uninstall() restores them and not a check."""
+    for owner, name, _, _ in _hinted_methods():
+        raw = vars(owner).get(name, _ABSENT)
+        static = isinstance(raw, staticmethod)
+        function = raw.__func__ if static else raw
+        if getattr(function, "_layerwise_hint", False):
+            original = function._layerwise_original
+            setattr(owner, name, staticmethod(original) if static else original)
+
+
+def _hint(original, read_name, fix: str):
+    @functools.wraps(original)
+    def check(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        except ValueError as err:
+            if _STATE["installed"] or not _serves(read_name(*args, **kwargs)):
+                raise
+            raise ValueError(f"{err} {fix}") from None
+
+    check._layerwise_original = original
+    check._layerwise_hint = True
+    return check
 
 
 def check_replaced_methods() -> None:
