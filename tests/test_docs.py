@@ -219,3 +219,39 @@ def test_readme_offload_figures_are_the_generated_plans():
     quoted = re.findall(r"\d+\.\d\d", table) + re.findall(r"\d+\.\d\d [MG]iB", section)
     assert len(quoted) >= 20
     assert not [q for q in quoted if q not in generated]
+
+
+# ---------------------------------------------------------------- scripts/setup.sh: the CPU build of torch
+
+_STUB_PYTHON = """#!/usr/bin/env bash
+echo "$*" >> "$(dirname "$0")/../../pip.log"
+case "$*" in
+  *"torch==2.13.0+cpu"*) [ "${LOCAL_CPU_WHEEL:-0}" = 1 ] || exit 1 ;;
+esac
+exit 0
+"""
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["local-wheel-store", "cpu-index"])
+def test_setup_script_installs_the_cpu_build_of_torch(tmp_path, local):
+    # scripts/setup.sh with a stand-in .venv/bin/python that logs every pip command: where pip's own sources have no
+    # CPU build, torch comes from PyTorch's CPU index, never as a plain `torch==2.13.0` from PyPI (a CUDA build).
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "setup.sh").write_text((ROOT / "scripts" / "setup.sh").read_text())
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(_STUB_PYTHON)
+    python.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "LOCAL_CPU_WHEEL": "1" if local else "0"}
+    result = subprocess.run(["bash", "scripts/setup.sh"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    torch_installs = [line for line in (tmp_path / "pip.log").read_text().splitlines() if "torch==" in line]
+    cpu_index = "-m pip install --quiet --index-url https://download.pytorch.org/whl/cpu torch==2.13.0"
+    assert torch_installs == ["-m pip install --quiet torch==2.13.0+cpu"] + ([] if local else [cpu_index])
+    said = "from pip's configured sources" if local else "installing torch 2.13.0 from https://download.pytorch.org"
+    assert said in result.stdout
+
+
+def test_setup_script_ends_by_refusing_a_cuda_build():
+    script = (ROOT / "scripts" / "setup.sh").read_text()
+    assert "assert torch.version.cuda is None" in script.splitlines()[-1]
