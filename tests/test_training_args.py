@@ -154,3 +154,22 @@ def test_training_args_pickled_by_0_1_still_load(tmp_path, monkeypatch):
 def test_a_bad_layerwise_norm_pass_names_the_field_and_the_ways(tmp_path, value):
     with pytest.raises(ValueError, match=r"layerwise_norm_pass=.* choose one of auto, retain, rerun, hold"):
         LayerwiseTrainingArguments(str(tmp_path), optim="adamw_torch_layerwise", layerwise_norm_pass=value)
+
+
+@pytest.mark.parametrize("mode", ["gradients", "optimizer"])
+def test_offload_docstring_help_and_guide_agree_that_fp16_works(tmp_path, mode):
+    # The class docstring, the field's --help and docs/offload.md make one claim, and the arguments keep it.
+    import re
+    from pathlib import Path
+
+    doc = LayerwiseTrainingArguments.__doc__
+    entry = doc[doc.index("layerwise_offload (`str`") : doc.index("layerwise_host_step (`str`")]
+    entry = re.sub(r"\s+", " ", entry)
+    assert "Not with fp16" not in entry
+    assert "With fp16 (a GradScaler) both modes work" in entry
+    help_text = LayerwiseTrainingArguments.__dataclass_fields__["layerwise_offload"].metadata["help"]
+    assert "fp16 with a GradScaler works in both modes" in help_text
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "offload.md").read_text()
+    assert "**fp16 (`fp16=True`, a GradScaler).** Both modes work with loss scaling." in guide
+    args = make(tmp_path, optim="adamw_torch_layerwise", fp16=True, use_cpu=True, layerwise_offload=mode)
+    assert args.fp16 and args.layerwise_offload == mode

@@ -49,8 +49,9 @@ class LayerwiseTrainingArguments(TrainingArguments):
             step: exact clipping in one backward, and only the gradients in flight on the device at any GA
             (`layerwise_hf.placement.offload`). `"optimizer"`: besides, each parameter's optimizer state and a copy
             of the parameter live in host memory, stepped there by a host thread while backward goes on and copied
-            back before the next forward (`layerwise_hf.placement.host_step`). Not with fp16. Without CUDA it saves
-            nothing and warns.
+            back before the next forward (`layerwise_hf.placement.host_step`). With fp16 (a GradScaler) both modes
+            work: every gradient waits on the host until GradScaler's inf check, and a skipped step changes no weight
+            and no state. Without CUDA it saves nothing and warns.
         layerwise_host_step (`str`, *optional*, defaults to `"auto"`):
             The host step's kernel with `layerwise_offload="optimizer"` (`layerwise_hf.placement.host_kernel`):
             `"fast"` (torch's fused CPU kernel where the base has one, AdamW, Adam, SGD and Adagrad; last-bit
