@@ -79,9 +79,13 @@ def ordered_on_default_stream(device: torch.device) -> Iterator[None]:
     # NOTE: torch ops of the step (bitsandbytes' state zeroing on the first step) follow the current stream: making
     # the default stream current puts them in the same order as the kernels. Tensors the step frees are reused only
     # by work the current stream queues after its wait below.
-    with streams.use(default):
-        yield
-    current.wait_stream(default)
+    try:
+        with streams.use(default):
+            yield
+    finally:
+        # NOTE: also when the step raised: it may have queued kernels that read the gradient or write a state, and
+        # the current stream's next work (the reduce-scatter's next bucket reusing the gradient) must follow them.
+        current.wait_stream(default)
 
 
 def keeps_device_sync(optimizer: Any) -> bool:
