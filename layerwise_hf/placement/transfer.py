@@ -117,7 +117,9 @@ class CudaTransfer(Transfer):
         # NOTE: the side stream must not start before the compute stream has produced `src` (or finished reading a
         # device `dst` it reuses): wait_stream orders it after everything queued on compute so far.
         self.stream.wait_stream(compute)
-        with torch.cuda.stream(self.stream):
+        # NOTE: grad mode is per thread and on in a fresh one: the host worker's copy back into a leaf parameter
+        # would raise without no_grad (ThreadTransfer's copy thread has it too).
+        with torch.no_grad(), torch.cuda.stream(self.stream):
             # NOTE: non_blocking is asynchronous only between a device tensor and pinned host memory; the host must
             # not read or write the pinned side until the event has completed.
             dst.copy_(src, non_blocking=True)

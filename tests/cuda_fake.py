@@ -1,0 +1,510 @@
+"""A fake CUDA for CPU tests, checked by torch's own CUDA sanitizer (CSAN, `torch.cuda._sanitizer`).
+
+`FakeCuda` patches `torch.cuda` (streams, events, devices, syncs), `Tensor.record_stream` / `is_cuda` / `is_pinned`
+and pinned allocation with recording stand-ins, and runs a `TorchDispatchMode` that reports every aten op to CSAN's
+`EventHandler`, the happens-before model of CUDA streams that `enable_cuda_sanitizer()` feeds from CUDA's trace
+callbacks on a GPU. CPU tensors stand in for device memory; tensors allocated with `pin_memory=True` (and what host
+threads compute from them) stand in for host memory.
+
+The model, as CUDA has it:
+- each thread has a current device (0 until it sets one) and, per device, a current stream (the default stream until
+  `torch.cuda.stream(s)` makes another current); entering and leaving `torch.cuda.stream(s)` sets the device, and
+  every device a thread sets is recorded (`touched`);
+- an op that touches device memory, or that runs while a stream is made current explicitly, is a kernel launch on
+  the thread's current stream, ordered after the thread's host work so far (launches follow program order);
+- an op on host memory only (or any op of a host thread outside `torch.cuda.stream`) is host work, reported on the
+  thread's own host "stream", which a host sync (`Event.synchronize`, `Stream.synchronize`, `torch.cuda.synchronize`,
+  `Event.query` returning True) orders after what it waited for; `HostWorker` tasks are ordered after their
+  submission and `Future.result()` after the task, as threads are;
+- a storage that died is forgotten by CSAN when its memory is reused; if another stream used it and `record_stream`
+  did not name that stream, the reuse is reported as a write on the allocating stream (the caching allocator hands a
+  freed block to the next allocation on its stream at once);
+- pinned allocations are counted (`pinned_bytes`) as the caching host allocator would allocate them.
+
+A missing wait raises CSAN's own `CUDASanitizerErrors` holding its `UnsynchronizedAccessError`s.
+
+Example:
+
+```python
+>>> with FakeCuda():
+...     side = torch.cuda.Stream(); x = torch.ones(4) * 2; host = torch.empty(4, pin_memory=True)
+...     with torch.cuda.stream(side):
+...         host.copy_(x, non_blocking=True)  # x was written on the default stream; side did not wait for it
+Traceback (most recent call last):
+torch.cuda._sanitizer.CUDASanitizerErrors: detected 1 errors
+```
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import itertools
+import threading
+from typing import Any
+
+import torch
+import torch.cuda._sanitizer as csan
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from layerwise_hf.placement import offload as offload_module
+
+aten = torch.ops.aten
+
+# What CSAN must offer for this harness; `test_cuda_fake.py` checks it, so a torch that changes it fails there first.
+REQUIRED_CSAN = {
+    "EventHandler": ("_handle_kernel_launch", "_handle_event_record", "_handle_event_wait", "_handle_stream_creation"),
+    "ArgumentHandler": ("parse_inputs", "parse_outputs", "_handle_argument"),
+    "StreamSynchronizations": ("create_stream", "stream_wait_for_event", "_state_wait_for_other"),
+    "UnsynchronizedAccessError": (),
+    "CUDASanitizerErrors": (),
+    "FACTORY_FUNCTION_REGEX": (),
+}
+
+_ids = itertools.count(1)
+
+
+class CpuArgumentHandler(csan.ArgumentHandler):
+    """CSAN's argument handler, taking the CPU tensors that stand in for device and host memory (it keeps CUDA
+    tensors only)."""
+
+    def __init__(self, seen: list) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def _handle_argument(self, value, is_write, metadata_only, name=None, is_output=False):
+        if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+            return
+        self.seen.append(value)
+        data_ptr = value.data_ptr() if value.data_ptr() else id(value)
+        if is_write:
+            self.dataptrs_written.add(data_ptr)
+        elif not metadata_only:
+            self.dataptrs_read.add(data_ptr)
+        self.tensor_aliases.setdefault(data_ptr, [])
+        if name is not None:
+            self.tensor_aliases[data_ptr].append(name)
+        if is_output:
+            self.outputs.add(data_ptr)
+
+
+class FakeStream:
+    """A CUDA stream on a fake device: an id in CSAN's model."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+        fake = FakeCuda.active
+        self.device = fake.as_device(device)
+        self.id = fake.new_stream()
+        self.cuda_stream = self.id
+
+    def wait_stream(self, other: FakeStream) -> None:
+        event = FakeEvent()
+        event.record(other)
+        self.wait_event(event)
+
+    def wait_event(self, event: FakeEvent) -> None:
+        fake = FakeCuda.active
+        if event.recorded:
+            with fake.lock:
+                fake.handler._handle_event_wait(event.id, self.id)
+
+    def record_event(self, event: FakeEvent | None = None) -> FakeEvent:
+        event = event or FakeEvent()
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        FakeCuda.active.host_waits_for_stream(self.id)
+
+    def query(self) -> bool:
+        self.synchronize()
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FakeStream) and other.id == self.id
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    def __repr__(self) -> str:
+        return f"FakeStream(id={self.id}, device={self.device})"
+
+
+class FakeEvent:
+    """A CUDA event: records a stream's position in CSAN's model."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        fake = FakeCuda.active
+        self.id = next(_ids)
+        self.recorded = False
+        with fake.lock:
+            fake.handler._handle_event_creation(self.id)
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        fake = FakeCuda.active
+        stream = stream or fake.current_stream()
+        with fake.lock:
+            fake.order_after_host(stream.id)
+            fake.handler._handle_event_record(self.id, stream.id)
+        self.recorded = True
+
+    def wait(self, stream: FakeStream | None = None) -> None:
+        (stream or FakeCuda.active.current_stream()).wait_event(self)
+
+    def synchronize(self) -> None:
+        fake = FakeCuda.active
+        if self.recorded:
+            with fake.lock:
+                fake.handler.syncs.stream_wait_for_event(fake.host_stream(), self.id)
+
+    def query(self) -> bool:
+        self.synchronize()  # True means done: the host may rely on it
+        return True
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, fake: FakeCuda) -> None:
+        super().__init__()
+        self.fake = fake
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.fake.dispatch(func, args, kwargs or {})
+
+
+class FakeCuda:
+    """Patches torch's CUDA API with the stand-ins above and reports to CSAN (see the module docstring).
+
+    Args:
+        device_count (`int`, *optional*, defaults to `2`): fake devices.
+
+    Attributes:
+        handler: CSAN's `EventHandler`.
+        touched (`dict[str, set[int]]`): thread name -> devices it set (as `cudaSetDevice` would).
+        pinned_bytes (`int`): bytes of the pinned allocations alive, as allocated (no rounding: see `pinned_blocks`).
+        pinned_blocks (`list[int]`): each pinned allocation's requested bytes.
+        launches (`list[tuple[str, int]]`): (op, stream id) of every kernel launch.
+    """
+
+    active: FakeCuda | None = None
+
+    def __init__(self, device_count: int = 2) -> None:
+        self.device_count = device_count
+        self.handler = csan.EventHandler()
+        self.lock = threading.RLock()
+        self.local = threading.local()
+        self.defaults: dict[int, FakeStream] = {}
+        self.host_streams: dict[int, int] = {}
+        self.touched: dict[str, set[int]] = {}
+        self.pinned: dict[int, int] = {}  # storage data_ptr -> bytes
+        self.pinned_blocks: list[int] = []
+        self.host_ptrs: set[int] = set()  # storages standing in for host memory
+        self.storages: dict[int, tuple[StorageWeakRef, int, int, set[int]]] = {}  # ptr -> (ref, nbytes, stream, rs)
+        self.launches: list[tuple[str, int]] = []
+        self.main = threading.get_ident()
+        self._patches = contextlib.ExitStack()
+
+    # ---- the model's state ----
+
+    def as_device(self, device: Any) -> torch.device:
+        if device is None:
+            return torch.device("cuda", self.current_device())
+        if isinstance(device, int):
+            return torch.device("cuda", device)
+        device = torch.device(device)
+        return torch.device("cuda", self.current_device() if device.index is None else device.index)
+
+    def new_stream(self) -> int:
+        sid = next(_ids)
+        with self.lock:
+            self.handler._handle_stream_creation(sid)
+        return sid
+
+    def default_stream(self, device: Any = None) -> FakeStream:
+        index = self.as_device(device).index
+        if index not in self.defaults:
+            self.defaults[index] = FakeStream(index)
+        return self.defaults[index]
+
+    def _streams(self) -> dict[int, FakeStream]:
+        if not hasattr(self.local, "streams"):
+            self.local.streams = {}
+        return self.local.streams
+
+    def current_stream(self, device: Any = None) -> FakeStream:
+        index = self.as_device(device).index
+        return self._streams().get(index) or self.default_stream(index)
+
+    def current_device(self) -> int:
+        return getattr(self.local, "device", 0)
+
+    def set_device(self, device: Any) -> None:
+        index = device if isinstance(device, int) else torch.device(device).index or 0
+        if index >= self.device_count:
+            raise RuntimeError(f"fake CUDA: device {index} of {self.device_count}")
+        self.local.device = index
+        self.touched.setdefault(threading.current_thread().name, set()).add(index)
+
+    def host_stream(self) -> int:
+        tid = threading.get_ident()
+        if tid not in self.host_streams:
+            self.host_streams[tid] = next(_ids)
+            self.handler._handle_stream_creation(self.host_streams[tid])
+        return self.host_streams[tid]
+
+    def order_after_host(self, stream: int) -> None:
+        # A launch (or event record) follows the launching thread's host work in program order.
+        syncs = self.handler.syncs
+        host = self.host_stream()
+        syncs._state_wait_for_other(syncs.current_sync_states[stream], syncs.current_sync_states[host])
+
+    def host_waits_for_stream(self, stream: int) -> None:
+        with self.lock:
+            syncs = self.handler.syncs
+            syncs._state_wait_for_other(
+                syncs.current_sync_states[self.host_stream()], syncs.current_sync_states[stream]
+            )
+
+    def host_state(self) -> dict[int, int]:
+        with self.lock:
+            return dict(self.handler.syncs.current_sync_states[self.host_stream()])
+
+    def host_waits_for_state(self, state: dict[int, int]) -> None:
+        with self.lock:
+            self.handler.syncs._state_wait_for_other(self.handler.syncs.current_sync_states[self.host_stream()], state)
+
+    def synchronize(self, device: Any = None) -> None:
+        with self.lock:
+            for sid in list(self.handler.syncs.current_sync_states):
+                self.host_waits_for_stream(sid)
+
+    # ---- ops ----
+
+    def _explicit_stream(self) -> bool:
+        return bool(getattr(self.local, "explicit", 0))
+
+    def dispatch(self, func, args, kwargs):
+        if func is aten.record_stream.default:
+            return None
+        pin = kwargs.get("pin_memory") is True
+        if pin:
+            kwargs = {**kwargs, "pin_memory": False}
+        is_factory = bool(csan.FACTORY_FUNCTION_REGEX.match(func._schema.name))
+        seen: list[torch.Tensor] = []
+        handler = CpuArgumentHandler(seen)
+        handler.parse_inputs(func._schema, args, kwargs, is_factory=is_factory)
+        inputs = list(seen)
+        input_ids = {id(t) for t in inputs}
+        outputs = func(*args, **kwargs)
+        handler.parse_outputs(func._schema, outputs, is_factory=is_factory)
+        with self.lock:
+            host_thread = threading.get_ident() != self.main
+            explicit = self._explicit_stream()
+            if pin or getattr(self.local, "force_host", False):
+                host = True
+            elif explicit:
+                host = False
+            elif host_thread:
+                host = True
+            elif inputs:
+                host = all(self._storage_ptr(t) in self.host_ptrs for t in inputs)
+            else:
+                host = False
+            stream = self.host_stream() if host else self.current_stream().id
+            if host and host_thread:
+                # NOTE: a host thread cannot read device memory: on a GPU a device tensor it uses (a clip coefficient)
+                # was copied to the host synchronously, which waits for the stream that wrote it.
+                for tensor in inputs:
+                    if self._storage_ptr(tensor) not in self.host_ptrs:
+                        info = self.handler.tensors_accessed.accesses.get(tensor.data_ptr())
+                        if info is not None and info.write is not None:
+                            self.host_waits_for_stream(info.write.stream)
+            for tensor in seen:
+                self._track_storage(tensor, stream, new_host=host and id(tensor) not in input_ids, pinned=pin)
+            if not host:
+                self.order_after_host(stream)
+                self.launches.append((str(func), stream))
+            errors = self.handler._handle_kernel_launch(
+                stream,
+                handler.dataptrs_read - handler.dataptrs_written,
+                handler.dataptrs_written,
+                handler.outputs,
+                func._schema,
+                handler.tensor_aliases,
+            )
+        if errors:
+            raise _report(errors)
+        if func is aten._local_scalar_dense.default and not host:
+            self.host_waits_for_stream(stream)  # .item() waits for the stream that computed it
+        return outputs
+
+    @staticmethod
+    def _storage_ptr(tensor: torch.Tensor) -> int:
+        return tensor.untyped_storage().data_ptr()
+
+    def _track_storage(self, tensor: torch.Tensor, stream: int, new_host: bool, pinned: bool) -> None:
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if not ptr:
+            return
+        known = self.storages.get(ptr)
+        if known is not None and known[0].expired():
+            self._free(ptr, known, stream)
+            known = None
+        if known is None:
+            self.storages[ptr] = (StorageWeakRef(storage), storage.nbytes(), stream, set())
+            self.host_ptrs.discard(ptr)
+            self.pinned.pop(ptr, None)
+            if new_host:
+                self.host_ptrs.add(ptr)
+            if pinned:
+                self.pinned[ptr] = storage.nbytes()
+                self.pinned_blocks.append(storage.nbytes())
+
+    def _free(self, ptr: int, known: tuple, stream: int) -> None:
+        _, nbytes, alloc_stream, recorded = known
+        accesses = self.handler.tensors_accessed.accesses
+        keys = [k for k in accesses if ptr <= k < ptr + max(nbytes, 1)]
+        # NOTE: host memory needs no record_stream: the caching host allocator records an event on the stream of each
+        # copy that uses a pinned block and reuses it after that event, and host threads free it after their use.
+        if not recorded and ptr not in self.host_ptrs and ptr not in self.pinned:
+            # The freed block goes to the next allocation on its stream at once: a use by another stream that the
+            # allocating stream is not ordered after (no record_stream) races with that reuse.
+            errors = self.handler._handle_kernel_launch(
+                alloc_stream, set(), set(keys), set(), "free and reuse (no record_stream)", {k: [] for k in keys}
+            )
+            if errors:
+                raise _report(errors)
+        for k in keys:
+            self.handler._handle_memory_deallocation(k)
+
+    def record_stream(self, tensor: torch.Tensor, stream: FakeStream) -> None:
+        known = self.storages.get(self._storage_ptr(tensor))
+        if known is not None:
+            known[3].add(stream.id)
+
+    @property
+    def pinned_bytes(self) -> int:
+        alive = 0
+        for ptr, nbytes in self.pinned.items():
+            known = self.storages.get(ptr)
+            if known is not None and not known[0].expired():
+                alive += nbytes
+        return alive
+
+    # ---- patching ----
+
+    @contextlib.contextmanager
+    def stream(self, stream: FakeStream | None):
+        if stream is None:
+            yield
+            return
+        streams = self._streams()
+        saved_device = self.current_device()
+        saved = streams.get(stream.device.index)
+        self.set_device(stream.device.index)
+        streams[stream.device.index] = stream
+        self.local.explicit = getattr(self.local, "explicit", 0) + 1
+        try:
+            yield
+        finally:
+            self.local.explicit -= 1
+            if saved is None:
+                streams.pop(stream.device.index, None)
+            else:
+                streams[stream.device.index] = saved
+            # NOTE: torch's StreamContext sets the device back on exit: a thread that never set one gets device 0.
+            self.set_device(saved_device)
+
+    @contextlib.contextmanager
+    def device(self, device: Any):
+        saved = self.current_device()
+        self.set_device(self.as_device(device).index)
+        try:
+            yield
+        finally:
+            self.set_device(saved)
+
+    def _submit(self, original):
+        fake = self
+
+        def submit(worker, fn, *args):
+            state = fake.host_state()
+
+            def task():
+                with _Mode(fake):
+                    fake.host_waits_for_state(state)
+                    result = fn(*args)
+                    future_state[0] = fake.host_state()
+                    return result
+
+            future_state: list = [None]
+            future = original(worker, task)
+            future._fake_cuda_state = future_state
+            return future
+
+        return submit
+
+    def __enter__(self) -> FakeCuda:
+        if FakeCuda.active is not None:
+            raise RuntimeError("FakeCuda is already active")
+        FakeCuda.active = self
+        fake = self
+        patch = self._patches.enter_context
+        from unittest import mock
+
+        cuda = torch.cuda
+        for name, value in {
+            "is_available": lambda: True,
+            "device_count": lambda: fake.device_count,
+            "current_device": fake.current_device,
+            "set_device": fake.set_device,
+            "device": fake.device,
+            "Stream": FakeStream,
+            "Event": FakeEvent,
+            "current_stream": fake.current_stream,
+            "default_stream": fake.default_stream,
+            "stream": fake.stream,
+            "synchronize": fake.synchronize,
+        }.items():
+            patch(mock.patch.object(cuda, name, value))
+        patch(mock.patch.object(torch.Tensor, "record_stream", lambda t, s: fake.record_stream(t, s), create=True))
+        patch(
+            mock.patch.object(
+                torch.Tensor, "is_cuda", property(lambda t: fake._storage_ptr(t) not in fake.host_ptrs), create=True
+            )
+        )
+        patch(mock.patch.object(torch.Tensor, "is_pinned", lambda t, device=None: fake._storage_ptr(t) in fake.pinned))
+        patch(mock.patch.object(offload_module.HostWorker, "submit", self._submit(offload_module.HostWorker.submit)))
+        result = concurrent.futures.Future.result
+
+        def result_after(future, timeout=None):
+            value = result(future, timeout)
+            state = getattr(future, "_fake_cuda_state", None)
+            if state is not None and state[0] is not None:
+                fake.host_waits_for_state(state[0])
+            return value
+
+        patch(mock.patch.object(concurrent.futures.Future, "result", result_after))
+        self.set_device(0)
+        self.touched.clear()
+        patch(_Mode(self))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._patches.close()
+        finally:
+            FakeCuda.active = None
+
+
+def _report(errors: list) -> csan.CUDASanitizerErrors:
+    # CSAN prints each error (with both stacks) to stderr and raises the count; the text goes into the exception too.
+    report = csan.CUDASanitizerErrors(errors)
+    report.add_note("\n".join(str(error) for error in errors))
+    return report
+
+
+def csan_report(excinfo: Any) -> str:
+    """The text of CSAN's report held by a `CUDASanitizerErrors` (for asserting on it)."""
+    return str(excinfo.value)

@@ -1,0 +1,128 @@
+"""The CUDA code of host offload (`CudaTransfer`, `platform/streams.py`) run on CPU under torch's CUDA sanitizer
+(`tests/cuda_fake.py`): bit-exact with the standard optimizer and free of unordered accesses, and each wait the code
+has, removed, is reported by CSAN."""
+
+import pytest
+import torch
+import torch.cuda._sanitizer as csan
+from cuda_fake import FakeCuda
+from helpers import assert_params_equal
+
+from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
+from layerwise_hf.integrations.callback import end_training
+from layerwise_hf.optim.host_offload import enable_offload
+from layerwise_hf.placement import transfer as transfer_module
+from layerwise_hf.placement.offloading import host_step_factory
+
+DEVICE = torch.device("cuda", 0)
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16), torch.nn.Linear(16, 4)
+    )
+
+
+def reference_run(ga, clip, steps=3):
+    """torch's AdamW + clip_grad_norm_ (outside the fake CUDA: it is not what is checked)."""
+    reference = _mlp()
+    standard = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for window in _batches(ga, steps):
+        for x in window:
+            reference(x).pow(2).sum().backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+        standard.step()
+        standard.zero_grad()
+    return reference
+
+
+def _batches(ga, steps):
+    torch.manual_seed(1)
+    return [[torch.randn(5, 8) for _ in range(ga)] for _ in range(steps)]
+
+
+def offload_loop(mode, ga, clip, steps=3, device=DEVICE, model=None):
+    """Layer-wise AdamW with offload through `CudaTransfer` (run it under `FakeCuda`)."""
+    model = model if model is not None else _mlp()
+    sync = [True]
+    params = [LayerwiseParam(n, p, weight_decay=0.0) for n, p in model.named_parameters()]
+    factory, runner = host_step_factory(lambda lp, _: torch.optim.AdamW([lp.param], lr=1e-2), mode)
+    transfer = transfer_module.CudaTransfer(device)
+    if runner is not None:
+        runner.transfer = transfer
+    optimizer = LayerwiseOptimizer(params, factory, sync_gradients=lambda: sync[0])
+    optimizer.configure_clipping(clip, "exact")
+    enable_offload(optimizer, mode, transfer=transfer, runner=runner)
+    optimizer.attach()
+    for window in _batches(ga, steps):
+        for k, x in enumerate(window):
+            sync[0] = k == ga - 1
+            model(x).pow(2).sum().backward()
+        optimizer.step()
+    end_training(optimizer)
+    return model, optimizer
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.5])
+@pytest.mark.parametrize("ga", [1, 4])
+@pytest.mark.parametrize("mode", ["gradients", "optimizer"])
+def test_cuda_transfer_matches_standard_with_no_unordered_access(mode, ga, clip):
+    reference = reference_run(ga, clip)
+    with FakeCuda() as fake:
+        model, _ = offload_loop(mode, ga, clip)
+        if mode == "optimizer" or ga > 1 or clip:  # else every gradient steps in backward: nothing to offload
+            assert any(stream != fake.default_stream().id for _, stream in fake.launches)  # the side stream ran
+    assert_params_equal(model, reference)
+
+
+def assert_csan_reports(run):
+    """`run()` raises CSAN's report of an unordered access (possibly re-raised by a waiter)."""
+    with pytest.raises(Exception) as excinfo:  # noqa: PT011 - the report may come back wrapped; checked below
+        run()
+    error = excinfo.value
+    while error is not None and not isinstance(error, csan.CUDASanitizerErrors):
+        error = error.__cause__ or error.__context__
+    assert isinstance(error, csan.CUDASanitizerErrors), f"not CSAN's report: {excinfo.value!r}"
+    assert any(isinstance(e, csan.UnsynchronizedAccessError) for e in error.errors)
+    assert "CSAN detected a possible data race" in "\n".join(getattr(error, "__notes__", []))
+
+
+def _without_side_stream_wait(monkeypatch):
+    init = transfer_module.CudaTransfer.__init__
+
+    def no_wait(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        for stream in vars(self).values():
+            if isinstance(stream, torch.cuda.Stream):
+                stream.wait_stream = lambda other: None
+
+    monkeypatch.setattr(transfer_module.CudaTransfer, "__init__", no_wait)
+
+
+REMOVED_WAITS = {
+    # the side stream waits for the compute stream before copying what it produced (CudaTransfer.copy)
+    "copy_waits_for_compute": _without_side_stream_wait,
+    # the compute stream waits for a copy back before using it (Ticket.wait_device)
+    "wait_device": lambda mp: mp.setattr(transfer_module._CudaTicket, "wait_device", lambda self: None),
+    # the host waits for a copy to the host before reading the buffer (Ticket.wait_host)
+    "wait_host": lambda mp: mp.setattr(transfer_module._CudaTicket, "wait_host", lambda self: None),
+}
+
+
+@pytest.mark.parametrize(
+    "removed, mode, ga, clip",
+    [
+        ("copy_waits_for_compute", "gradients", 4, 0.0),
+        ("copy_waits_for_compute", "optimizer", 1, 0.0),
+        ("wait_device", "gradients", 1, 0.5),
+        ("wait_device", "optimizer", 1, 0.0),
+        ("wait_host", "gradients", 4, 0.0),
+        ("wait_host", "optimizer", 1, 0.0),
+    ],
+)
+def test_each_removed_wait_is_reported_by_csan(monkeypatch, removed, mode, ga, clip):
+    REMOVED_WAITS[removed](monkeypatch)
+    with FakeCuda():
+        assert_csan_reports(lambda: offload_loop(mode, ga, clip))
