@@ -1106,8 +1106,8 @@ def launch_cases(specs: list[dict], opts, timeout: float) -> list[dict]:
 
 def offload_summary(trainer, mode: str) -> dict:
     """Where a layer-wise run with `layerwise_offload=mode` kept its gradients and states."""
+    from layerwise_hf.optim.host_offload import offload_of
     from layerwise_hf.placement.host_step import HostStepOptimizer
-    from layerwise_hf.placement.offloading import offload_of
 
     out = {"layerwise_offload": mode, "state_bytes_by_device": state_bytes_by_device(trainer)}
     layerwise = trainer.layerwise_optimizer if isinstance(trainer, LayerwiseTrainer) else None

@@ -448,8 +448,8 @@ def host_tensors(layerwise) -> dict:
     """The host-side tensors of an offload run: parameter copies, gradient buffers, host states."""
     import torch
 
+    from layerwise_hf.optim.host_offload import offload_of
     from layerwise_hf.placement.host_step import HostStepOptimizer
-    from layerwise_hf.placement.offloading import offload_of
 
     hosted = [inner for inner in layerwise.inner if isinstance(inner, HostStepOptimizer)]
     return {

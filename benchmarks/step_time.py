@@ -313,7 +313,7 @@ class Run(h.TimedRun):
         if self.layerwise:
             self.optimizer.detach()
         if self.offload != "none":
-            from layerwise_hf.placement.offloading import offload_of
+            from layerwise_hf.optim.host_offload import offload_of
 
             offload_of(self.optimizer).close()  # the copy thread and the host worker
             if self.offload == "optimizer":

@@ -524,7 +524,7 @@ def test_apollo_without_its_package_names_it(tmp_path, monkeypatch):
 
 
 def test_fsdp2_is_refused(tmp_path):
-    from layerwise_hf.routes.distributed import check_fsdp2_supported
+    from layerwise_hf.optim.optimizer import check_fsdp2_supported
 
     optimizer = build_layerwise_optimizer(tiny_llama(), galore_args(tmp_path, "galore_adamw_layerwise"))
     with pytest.raises(ValueError, match="cannot step FSDP2 shards"):

@@ -15,10 +15,11 @@ from test_fp16 import SCALER, Overflow, ScaleRecorder, fp16_train, same_floats
 
 from layerwise_hf import LayerwiseOptimizer, LayerwiseParam, unwrap_layerwise_optimizer
 from layerwise_hf.integrations.callback import end_training
+from layerwise_hf.optim.host_offload import enable_offload, offload_of
 from layerwise_hf.placement import offload as offload_module
 from layerwise_hf.placement import transfer as transfer_module
 from layerwise_hf.placement.host_step import HostStepOptimizer
-from layerwise_hf.placement.offloading import enable_offload, host_step_factory, offload_of, wait_for_host_steps
+from layerwise_hf.placement.offloading import host_step_factory, wait_for_host_steps
 from layerwise_hf.placement.transfer import ThreadTransfer
 
 

@@ -1,18 +1,18 @@
-"""Gradient clipping when each layer steps during backward: the modes, one object each, and the norm kernels.
+"""Gradient clipping when each layer steps during backward: the modes, one object each, and the clip coefficient.
 
-The kernels are torch's own: per-tensor norms with the kernel `clip_grad_norm_` picks for the device, the total
-stacked in `clip_grad_norm_`'s (device, dtype) grouping order, and the clip coefficient with the expression of
-`_clip_grads_with_norm_`, so exact clipping is bit-identical to Trainer's.
+The norm kernels are torch's own (`layerwise_hf.platform.norms`, re-exported here) and the clip coefficient has the
+expression of `_clip_grads_with_norm_`, so exact clipping is bit-identical to Trainer's.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 
 import torch
 
 from ..bases.support import check_max_grad_norm
+from ..platform.norms import grad_norm_kernel as grad_norm_kernel
+from ..platform.norms import total_norm as total_norm
 
 
 class ClipMode(str, enum.Enum):
@@ -72,62 +72,6 @@ class ClipMode(str, enum.Enum):
 
 
 CLIP_MODES = tuple(m.value for m in ClipMode)
-
-
-def grad_norm_kernel(grad: torch.Tensor) -> torch.Tensor:
-    """
-    The L2 norm of one gradient with the kernel `clip_grad_norm_` picks for its device.
-
-    Args:
-        grad (`torch.Tensor`):
-            One parameter's gradient.
-
-    Example:
-
-    ```python
-    >>> import torch
-    >>> from layerwise_hf.optim.clipping import grad_norm_kernel
-    >>> grad_norm_kernel(torch.tensor([3.0, 4.0]))
-    tensor(5.)
-    ```
-    """
-    from torch.utils._foreach_utils import _device_has_foreach_support
-
-    if _device_has_foreach_support(grad.device):
-        return torch._foreach_norm([grad], 2.0)[0]
-    return torch.linalg.vector_norm(grad, 2.0)
-
-
-def total_norm(norms: Sequence[tuple[torch.device, torch.dtype, torch.Tensor]]) -> torch.Tensor | None:
-    """
-    The global L2 norm from per-tensor norms `(device, gradient dtype, norm)` in parameter order, stacked exactly as
-    `clip_grad_norm_` stacks them: in torch's own (device, dtype) grouping order, on the first gradient's device.
-
-    Args:
-        norms (`Sequence[tuple[torch.device, torch.dtype, torch.Tensor]]`):
-            One `(device, gradient dtype, norm)` per gradient, in parameter order; none at all gives `None`.
-
-    Example:
-
-    ```python
-    >>> import torch
-    >>> from layerwise_hf.optim.clipping import total_norm
-    >>> cpu = torch.device("cpu")
-    >>> total_norm([(cpu, torch.float32, torch.tensor(3.0)), (cpu, torch.bfloat16, torch.tensor(4.0))])
-    tensor(5.)
-    ```
-    """
-    if not norms:
-        return None
-    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
-
-    # NOTE: torch groups by (device, dtype) in an order of its own, not first appearance; grouping stand-ins of the
-    # gradients' devices and dtypes gives the very order clip_grad_norm_ used, whatever the mix of dtypes.
-    stand_ins = [torch.empty(1, dtype=dtype, device=device) for device, dtype, _ in norms]
-    grouped = _group_tensors_by_device_and_dtype([stand_ins], with_indices=True)
-    flat = [norms[i][2] for _, (_, indices) in grouped.items() for i in indices]
-    first_device = norms[0][0]
-    return torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in flat]), 2.0)
 
 
 def clip_coef(max_grad_norm: float, norm: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from ..placement.host_step import HostStepOptimizer, unwrap_host_step
 from ..placement.offload import GradientOffload
 from ..platform.compat import checkpointing_kwargs_name
 from ..platform.streams import step_in_backward
+from ..routes.sink import BackwardEnd
 from .clipping import ClipMode, make_clipper
 from .grad_scaler import GradScalerBridge
 from .memory import GradMeter
@@ -37,6 +38,8 @@ class GradientGate:
         inner (`Sequence[torch.optim.Optimizer]`): one optimizer per parameter.
         sync (`Callable[[], bool]`): whether the current backward ends an accumulation window.
         track_grad_norm (`bool`): measure every gradient's norm even when clipping does not need it.
+        backward_end (`BackwardEnd`, *optional*): the owner's end-of-backward work (fp16 flags of offloaded
+            gradients are gathered there).
 
     Example:
 
@@ -58,11 +61,13 @@ class GradientGate:
         inner: Sequence[torch.optim.Optimizer],
         sync: Callable[[], bool],
         track_grad_norm: bool = False,
+        backward_end: BackwardEnd | None = None,
     ):
         self.names = names
         self.params = params
         self.inner = inner
         self.sync = sync
+        self.backward_end = backward_end if backward_end is not None else BackwardEnd()
         self.window = StepWindow(len(params))
         self.meter = GradMeter()
         self.clipper = make_clipper(0.0, ClipMode.OFF)
@@ -182,6 +187,12 @@ class GradientGate:
         window.stepped[i] = True
         self.offload.filled[i] = False
 
+    def merge_waiting(self, i: int) -> None:
+        """Add parameter `i`'s host sum of this window (offload) into its `.grad`, before a route's reduction."""
+        offload = self.offload
+        if offload is not None and offload.holds(i):
+            offload.merge_into(i, self.params[i])
+
     # ---- the step ----
 
     def step_pending(self) -> None:
@@ -249,7 +260,7 @@ class GradientGate:
         if scaler is not None:
             check_fp16_clip_mode(self.clipper.mode.value, True, self.clipper.max_grad_norm)
             check_fp16_weights(zip(self.names, self.params))
-        self.scaler = None if scaler is None else GradScalerBridge(scaler, owner)
+        self.scaler = None if scaler is None else GradScalerBridge(scaler, owner, self.backward_end)
 
     def whole_step(self) -> bool:
         # Exact clipping needs the global norm, and fp16 loss scaling every gradient's inf check, before any layer
@@ -257,13 +268,10 @@ class GradientGate:
         return self.clipper.needs_global_norm or self.scaler is not None
 
     def steps_now(self) -> bool:
-        # What `action` would decide for a gradient arriving now, without noting anything: STEP or not.
-        window = self.window
+        """Whether a gradient handed over now steps at once: the window's decision table, asked without noting."""
         if self.offload is not None and self.offload.active:
             return False  # this window's gradients step from the host at step()
-        return (
-            self.sync() and not window.in_norm_pass and (window.measured or not (self.whole_step() or window.hold_all))
-        )
+        return self.window.steps_now(self.sync(), self.whole_step())
 
     def wants_norms(self) -> bool:
         return self.track_grad_norm or self.clipper.needs_param_norm

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..routes.sink import BackwardEnd
 from .window import StepWindow
 
 
@@ -35,6 +36,8 @@ class GradScalerBridge:
             Accelerate's `accelerator.scaler`, enabled.
         owner (`torch.optim.Optimizer`):
             The optimizer GradScaler keys its record by (the one `scaler.step` is given, unwrapped).
+        backward_end (`BackwardEnd`, *optional*):
+            The owner's end-of-backward work, where the flags are gathered and made to agree across ranks.
 
     Example:
 
@@ -52,11 +55,11 @@ class GradScalerBridge:
     ```
     """
 
-    def __init__(self, scaler: Any, owner: Any):
+    def __init__(self, scaler: Any, owner: Any, backward_end: BackwardEnd | None = None):
         self.scaler = scaler
         self.owner_id = id(owner)
         self._owner = weakref.ref(owner)
-        self._queued_task: int | None = None  # the backward whose end publishes the offloaded gradients' flags
+        self.backward_end = backward_end if backward_end is not None else BackwardEnd()
         # The scaler record of the window in which a gradient overflowed only in the stepping pass, and of the one
         # whose stepping pass will make the ranks' flags agree.
         self.overflowed_record: dict[str, Any] | None = None
@@ -119,7 +122,7 @@ class GradScalerBridge:
             # autograd-engine callback), the flags are reduced again so that every GradScaler skips alike.
             self.agreed_record = window.scaler_record
             flags, reduce = window.found_inf, self.reduce_found_inf
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: reduce(flags))
+            self.backward_end.queue("agree_flags", lambda: reduce(flags))
         if window.scaler_record is not None and window.scaler_record is self.overflowed_record:
             return False
         grad = _local(grad)
@@ -139,12 +142,8 @@ class GradScalerBridge:
         `scaler.step`) sees every gradient checked. `offload` is the gate's `GradientOffload`; `measure`: the step
         wants the norms of host sums finished there too.
         """
-        task = torch._C._current_graph_task_id()
-        if task != -1 and task == self._queued_task:
-            return
 
         def gather(at_end: bool = True) -> None:
-            self._queued_task = None
             if at_end and offload.unfinished():
                 # Summed in earlier micro-batches, no gradient in the last one: still scaled, checked now.
                 offload.finish(measure, self.inverse_scale(window, torch.device("cpu")))
@@ -154,15 +153,12 @@ class GradScalerBridge:
                 torch.maximum(flag, offload.found_inf.to(flag.device), out=flag)
             self.publish(window, self.reduce_on_route)
 
-        if task == -1:
+        # NOTE: a backward nested in this one (a reentrant checkpoint) has a task of its own; its end runs what was
+        # queued in it, and a later gradient queues the gather again: the last one to run has seen every gradient.
+        if not self.backward_end.queue("offload_flags", gather):
             # Not inside the autograd engine (a hook called by hand): record what is known now, and again with each
             # gradient; nothing can say which gradient is the window's last.
             gather(at_end=False)
-            return
-        # NOTE: a backward nested in this one (a reentrant checkpoint) has a task of its own; its callback runs at
-        # its end, and a later gradient queues another: the last one to run has seen every gradient.
-        torch.autograd.Variable._execution_engine.queue_callback(gather)
-        self._queued_task = task
 
     def reduce_on_route(self, flags: dict) -> None:
         """Make the flags agree across ranks the way the owner's gradient route does (FSDP2: each rank checked its

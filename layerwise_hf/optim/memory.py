@@ -82,3 +82,21 @@ class GradMeter:
     def clear(self) -> None:
         self.held.clear()
         self.held_bytes = 0
+
+
+class MemoryReport:
+    """The memory figures a layer-wise optimizer reports (a mixin of `LayerwiseOptimizer`: its `gate`, `inner` and
+    parameters)."""
+
+    @property
+    def peak_grad_bytes(self) -> int:
+        """The most gradient bytes this optimizer held at once (accumulating, held, or about to step)."""
+        return self.gate.meter.peak_bytes
+
+    def state_bytes(self) -> int:
+        """Bytes held by every inner optimizer's state."""
+        return sum(tensor_bytes(s) for inner in self.inner for s in inner.state.values())
+
+    def full_grad_bytes(self) -> int:
+        """Bytes all trainable gradients take at once (what a standard optimizer holds at its step)."""
+        return sum(tensor_bytes(p) for p in self.params)

@@ -6,7 +6,8 @@ the inner optimizer reads when it steps: the logged lr is the applied lr by cons
 
 The class only wires its parts together (docs/architecture.md draws the path of a gradient through them):
 
-- a route (`layerwise_hf.routes.hooks`, `layerwise_hf.routes.ddp`) hands each reduced gradient to `grad_ready(i)`;
+- a route (`layerwise_hf.routes`) hands each reduced gradient to `grad_ready(i)`: the optimizer is the route's
+  `GradientSink` (`layerwise_hf.routes.sink`), and owns the one `BackwardEnd` that runs the end-of-backward work;
 - the step window (`layerwise_hf.optim.window`) decides what that gradient is for: accumulate, measure, hold or step;
 - the clipper (`layerwise_hf.optim.clipping`) scales it; the GradScaler bridge (`layerwise_hf.optim.grad_scaler`)
   unscales and inf-checks it under fp16; the meter (`layerwise_hf.optim.memory`) counts the gradient bytes alive;
@@ -25,18 +26,20 @@ from torch import nn
 
 from ..bases.params import LayerwiseFactory, LayerwiseParam, canonical_name
 from ..bases.registry import resolve_factory
-from ..bases.support import check_bool_argument
+from ..bases.support import check_bool_argument, check_fsdp2_optimizers
 from ..placement.local_shard import wrap_local_shards
 from ..placement.offload import parse_offload
-from ..placement.offloading import enable_offload, host_step_factory
+from ..placement.offloading import host_step_factory
 from ..routes.distributed import choose_route
 from ..routes.hooks import GradientRoute, LocalHooks
+from ..routes.sink import BackwardEnd
 from . import norm_pass
 from .clipping import CLIP_MODES as CLIP_MODES
 from .clipping import ClipMode
 from .gate import GradientGate
 from .grad_scaler import GradScalerBridge
-from .memory import tensor_bytes
+from .host_offload import enable_offload
+from .memory import MemoryReport
 from .state import layerwise_state_dict, load_layerwise_state_dict, standard_groups_names
 
 logger = logging.getLogger(__name__)
@@ -52,7 +55,7 @@ def _accelerate_sync_gradients() -> bool:
     return GradientState().sync_gradients
 
 
-class LayerwiseOptimizer(torch.optim.Optimizer):
+class LayerwiseOptimizer(MemoryReport, torch.optim.Optimizer):
     """
     A proxy optimizer over one inner optimizer per trainable parameter.
 
@@ -113,7 +116,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._sync_gradients = sync_gradients or _accelerate_sync_gradients
         self._extra_backward = False
         self._route: GradientRoute | None = None  # the last route connected (kept after detach: `route` names it)
-        self.gate = GradientGate(self.names, self._params, self.inner, self.sync_gradients, track_grad_norm)
+        self.backward_end = BackwardEnd()  # the one owner of the end of each backward (routes, hold, fp16 flags)
+        self.gate = GradientGate(
+            self.names, self._params, self.inner, self.sync_gradients, track_grad_norm, self.backward_end
+        )
         self.steps_taken = 0
         # NOTE: some transformers schedulers read `optimizer.defaults["lr"]` (polynomial, cosine_with_min_lr).
         defaults = {"lr": self.inner[0].defaults.get("lr", self.inner[0].param_groups[0]["lr"])}
@@ -211,8 +217,11 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         """Feed the per-layer steps through `route`, replacing the current one."""
         self.rebind()
         self.detach()
+        if route.steps_shards:
+            check_fsdp2_supported(self)
         # A window cut short by an exception (Ctrl-C, OOM, a callback) must not carry into the next step.
         self.gate.new_route()
+        self.backward_end.forget()
         route.attach(self)
         self._route = route
 
@@ -227,7 +236,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         """Attach to `model` as Accelerate prepared it (local hooks, DDP comm hook, FSDP2); returns the route. With
         `hold_first_step`, an exception in the first step's backward (OOM) steps nothing: it holds every gradient."""
         self.rebind()
-        route = choose_route(self, model, accelerator)
+        route = choose_route(self._params, model, accelerator)
         self.set_route(route)
         self.gate.window.hold_all = hold_first_step
         return route.name
@@ -262,6 +271,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def grad_held(self, i: int) -> None:
         """A route keeps parameter `i`'s gradient to hand it over later: count it among the gradients alive."""
         self.gate.meter.hold(i, self._params[i].grad)
+
+    def merge_waiting(self, i: int) -> None:
+        """Offload: add the window's host sum of parameter `i` into `.grad` before the route's one reduction."""
+        self.gate.merge_waiting(i)
 
     def configure_clipping(self, max_grad_norm: float | None, mode: str = "exact") -> None:
         """Apply `max_grad_norm` (`<= 0` or `None`: no clipping) the way `mode` (a `layerwise_clip` value) says."""
@@ -329,21 +342,6 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def last_grad_norm(self) -> torch.Tensor | None:
         return self.gate.last_grad_norm
 
-    # ---- memory ----
-
-    @property
-    def peak_grad_bytes(self) -> int:
-        """The most gradient bytes this optimizer held at once (accumulating, held, or about to step)."""
-        return self.gate.meter.peak_bytes
-
-    def state_bytes(self) -> int:
-        """Bytes held by every inner optimizer's state."""
-        return sum(tensor_bytes(s) for inner in self.inner for s in inner.state.values())
-
-    def full_grad_bytes(self) -> int:
-        """Bytes all trainable gradients take at once (what a standard optimizer holds at its step)."""
-        return sum(tensor_bytes(p) for p in self._params)
-
     def standard_groups_names(self) -> list[list[str]]:
         """The names in each param group of Trainer's standard optimizer: the weight-decay group, then the rest."""
         return standard_groups_names(self.names, self.in_decay_group)
@@ -394,6 +392,32 @@ def _build_inner(factory: LayerwiseFactory, lp: LayerwiseParam, args: Any) -> to
     return inner
 
 
+def check_fsdp2_supported(optimizer: LayerwiseOptimizer) -> None:
+    """
+    Refuse inner optimizers whose update of a shard differs from the update of the whole tensor (a route that steps
+    FSDP2 shards is attached only after this check).
+
+    Args:
+        optimizer (`LayerwiseOptimizer`):
+            The optimizer whose inner optimizers would step FSDP2 shards.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer
+    >>> from layerwise_hf.optim.optimizer import check_fsdp2_supported
+    >>> args = LayerwiseTrainingArguments("out", optim="adafactor_layerwise")
+    >>> check_fsdp2_supported(build_layerwise_optimizer(model, args))
+    Traceback (most recent call last):
+        ...
+    ValueError: adafactor_layerwise (Adafactor) cannot step FSDP2 shards: its update is not elementwise ...
+    ```
+    """
+    # A host-stepped optimizer (layerwise_offload="optimizer") steps a plain copy of the local shard: its own update
+    # is what must be elementwise.
+    check_fsdp2_optimizers(optimizer.optimizer_name, [getattr(i, "host_base", i) for i in optimizer.inner])
+
+
 def check_layerwise_arguments(args: Any) -> None:
     """
     Refuse a bad `layerwise_*` field of `args` (`None`, a wrong type or value) naming the field and its valid values,
@@ -432,6 +456,7 @@ def build_layerwise_optimizer(
     track_grad_norm: bool = False,
     local_shards: bool = False,
     offload: str | None = None,
+    host_step: str | None = None,
 ) -> LayerwiseOptimizer:
     """
     Build the layer-wise optimizer for `model` from `args.optim` (e.g. `"adamw_8bit_layerwise"`).
@@ -455,6 +480,9 @@ def build_layerwise_optimizer(
         offload (`str`, *optional*, defaults to `args.layerwise_offload` or `"none"`):
             `"gradients"`: gradients wait in host buffers for the step; `"optimizer"`: optimizer states and a copy of
             each parameter live on the host, stepped there during backward (see `enable_offload`).
+        host_step (`str`, *optional*, defaults to `args.layerwise_host_step` or `"auto"`):
+            With `offload="optimizer"`, the host step's kernel: `"fast"` (torch's fused CPU kernels where they exist),
+            `"exact"` (the base as Trainer builds it), `"auto"` (fast for a model on an accelerator).
 
     Example:
 
@@ -490,7 +518,7 @@ def build_layerwise_optimizer(
     if local_shards:
         factory = wrap_local_shards(factory)
     mode = parse_offload(getattr(args, "layerwise_offload", "none") if offload is None else offload, "offload")
-    factory, runner = host_step_factory(factory, mode)
+    factory, runner = host_step_factory(factory, mode, host_step)
     optimizer = LayerwiseOptimizer(
         params,
         factory,

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .clipping import grad_norm_kernel, total_norm
+from ..platform.norms import grad_norm_kernel, total_norm
 
 
 class Action(enum.Enum):
@@ -91,22 +91,35 @@ class StepWindow:
         """Forget the window: after a step, a skipped step, or an exception in the middle of one."""
         self.__init__(self.num_params)
 
-    def action(self, i: int, sync: bool, whole_step: bool) -> Action:
-        """Decide, and note, what the hook of parameter `i` does (see the class docstring's table)."""
+    def _row(self, sync: bool, whole_step: bool) -> Action:
+        # The table's row for a gradient arriving now, before its parameter's own history (REPEATED) is looked at.
         if not sync:
-            self.accumulating = True
             return Action.ACCUMULATE
         if self.in_norm_pass:
-            if self.seen_in_norm_pass[i]:
-                return Action.REPEATED
-            self.seen_in_norm_pass[i] = True
             return Action.MEASURE
-        if self.stepped[i] or self.fired[i]:
-            return Action.REPEATED
-        self.fired[i] = True
         if (whole_step or self.hold_all) and not self.measured:
             return Action.HOLD
         return Action.STEP
+
+    def steps_now(self, sync: bool, whole_step: bool) -> bool:
+        """Whether a gradient arriving now would step at once (what `action` decides, without noting anything)."""
+        return self._row(sync, whole_step) is Action.STEP
+
+    def action(self, i: int, sync: bool, whole_step: bool) -> Action:
+        """Decide, and note, what the hook of parameter `i` does (see the class docstring's table)."""
+        row = self._row(sync, whole_step)
+        if row is Action.ACCUMULATE:
+            self.accumulating = True
+            return row
+        if row is Action.MEASURE:
+            if self.seen_in_norm_pass[i]:
+                return Action.REPEATED
+            self.seen_in_norm_pass[i] = True
+            return row
+        if self.stepped[i] or self.fired[i]:
+            return Action.REPEATED
+        self.fired[i] = True
+        return row
 
     def record_norm(self, i: int, param: torch.Tensor) -> None:
         """Measure parameter `i`'s gradient once per window, with `clip_grad_norm_`'s kernel."""

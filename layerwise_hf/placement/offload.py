@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..optim.clipping import grad_norm_kernel
+from ..platform.norms import grad_norm_kernel
 from .transfer import Ticket, Transfer, make_transfer
 
 logger = logging.getLogger(__name__)

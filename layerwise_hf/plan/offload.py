@@ -26,7 +26,8 @@ from unittest import mock
 
 import torch
 
-from ..placement import host_step, offload, offloading
+from ..optim import host_offload
+from ..placement import host_step, offload
 from ..placement.host_step import HostStepOptimizer
 from ..placement.transfer import Ticket, Transfer
 from .tracker import GRADIENTS, OPTIMIZER_STATE, WEIGHTS, LiveBytes, _state_tensors
@@ -139,7 +140,7 @@ def stand_ins(tracker: LiveBytes, mode: str) -> Iterator[None]:
             stack.enter_context(mock.patch.object(module, "make_transfer", transfer))
             stack.enter_context(mock.patch.object(module, "HostWorker", worker))
         # NOTE: the warning for offload on a machine without CUDA is about running it, not planning it.
-        stack.enter_context(mock.patch.object(offloading, "offload_simulated", lambda: True))
+        stack.enter_context(mock.patch.object(host_offload, "offload_simulated", lambda: True))
         yield
 
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,9 +46,7 @@ import torch.distributed as dist
 from ..bases.support import check_ddp_comm_hook
 from ..platform.compat import checkpointing_kwargs_name
 from .hooks import LocalHooks
-
-if TYPE_CHECKING:
-    from ..optim.optimizer import LayerwiseOptimizer
+from .sink import GradientSink
 
 MAX_IN_FLIGHT = 1  # a bucket all-reduces while the next one fills: overlap, with memory bounded by two buckets
 DDP_TYPES = ("MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_HPU")
@@ -284,12 +282,12 @@ class DataParallelReducer(LocalHooks):
 
     # ---- attach / detach ----
 
-    def _entry(self, optimizer: LayerwiseOptimizer):
+    def _entry(self, sink: GradientSink):
         return self._local_ready
 
-    def attach(self, optimizer: LayerwiseOptimizer) -> None:
-        self.optimizer = optimizer
-        self.params = list(optimizer.params)
+    def attach(self, sink: GradientSink) -> None:
+        self.sink = sink
+        self.params = list(sink.params)
         # Until the first training forward shows the order parameters are used: the reverse of their order.
         self._set_buckets(build_buckets(self.params, self.config.bucket_size_limits, self._reversed_order()))
         self._ready_order: list[int] | None = []
@@ -305,7 +303,7 @@ class DataParallelReducer(LocalHooks):
         if self.model is not None:
             self._plan_from_first_forward()
             self._output_hook = self.model.register_forward_hook(self._mark_output)
-        super().attach(optimizer)
+        super().attach(sink)
 
     def _plan_from_first_forward(self) -> None:
         # Gradients become ready in about the reverse of the order the forward first uses their parameters (a
@@ -376,9 +374,9 @@ class DataParallelReducer(LocalHooks):
     # ---- backward ----
 
     def _local_ready(self, i: int) -> None:
-        optimizer = self.optimizer
-        if not (optimizer.sync_gradients() or self.config.sync_each_batch):
-            optimizer.grad_ready(i)  # accumulating locally, as under no_sync: the gradient stays in .grad
+        sink = self.sink
+        if not (sink.sync_gradients() or self.config.sync_each_batch):
+            sink.grad_ready(i)  # accumulating locally, as under no_sync: the gradient stays in .grad
             return
         self._queue_finish()  # normally done already, by the output's backward (see _mark_output)
         if self._ready_order is not None:
@@ -387,11 +385,11 @@ class DataParallelReducer(LocalHooks):
         k = bucket.slot[i]
         if bucket.ready[k]:
             raise RuntimeError(
-                f"The gradient hook of {optimizer.names[i]} fired twice in one backward (reentrant activation "
+                f"The gradient hook of {sink.names[i]} fired twice in one backward (reentrant activation "
                 f"checkpointing with a parameter in two segments?): use {checkpointing_kwargs_name()}="
                 "{'use_reentrant': False}."
             )
-        _merge_host_sum(optimizer, i, self.params[i])
+        sink.merge_waiting(i)  # the window's earlier micro-batches, summed on the host: reduced together with this one
         self._put(bucket, k, self.params[i])
         self._launch_complete()
 
@@ -406,16 +404,15 @@ class DataParallelReducer(LocalHooks):
             # NOTE: DDP's `mul_out(bucket_view, grad, 1 / world_size)`, so the reduced bits are DDP's.
             torch.mul(p.grad, 1.0 / self.world_size, out=bucket.view(k, p.shape))
         # Counted from here until it steps: in flight or held in its bucket, it is alive all the same.
-        self.optimizer.grad_held(bucket.indices[k])
+        self.sink.grad_held(bucket.indices[k])
         p.grad = None
         bucket.ready[k] = True
         bucket.count += 1
 
     def _queue_finish(self) -> None:
-        if not self._in_backward and (self.optimizer.sync_gradients() or self.config.sync_each_batch):
-            self._in_backward = True
+        if not self._in_backward and (self.sink.sync_gradients() or self.config.sync_each_batch):
             # NOTE: runs once the whole backward is done: buckets with parameters this rank did not use.
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._in_backward = self.sink.backward_end.queue("route", self._finish_backward)
 
     def _mark_output(self, module, args, output):
         # The end-of-backward callback must belong to the outermost backward: queued from a parameter's hook inside
@@ -441,7 +438,7 @@ class DataParallelReducer(LocalHooks):
     def _launch(self, bucket: _Bucket) -> None:
         for k, i in enumerate(bucket.indices):
             if not bucket.ready[k]:
-                _merge_host_sum(self.optimizer, i, self.params[i])
+                self.sink.merge_waiting(i)
             if not bucket.ready[k] and self.params[i].grad is not None:
                 # Used in an earlier micro-batch of the window but not in this one: its accumulated gradient is
                 # reduced too (DDP copies any defined .grad into its bucket).
@@ -493,13 +490,13 @@ class DataParallelReducer(LocalHooks):
             if not all(bucket.ready):
                 # Only here can a parameter be unused by every rank: this rank used all of a full bucket's.
                 used = bucket.used.tolist()
-        optimizer = self.optimizer
+        sink = self.sink
         for k, i in enumerate(bucket.indices):
             if used is not None and used[k] == 0:
                 continue  # no rank used it: .grad stays None and the optimizer skips it, as with DDP
             p = self.params[i]
             p.grad = bucket.view(k, p.shape)
-            optimizer.grad_ready(i)  # steps and frees it (or holds it: exact clipping, accumulation)
+            sink.grad_ready(i)  # steps and frees it (or holds it: exact clipping, accumulation)
         bucket.reset()  # the buffer lives on only through gradients the optimizer holds
 
     def _finish_backward(self) -> None:
@@ -514,11 +511,3 @@ class DataParallelReducer(LocalHooks):
             order = self._ready_order + [i for i in self._reversed_order() if i not in seen]
             self._set_buckets(build_buckets(self.params, self.config.bucket_size_limits, self._agree(order)))
             self._ready_order = None
-
-
-def _merge_host_sum(optimizer: LayerwiseOptimizer, i: int, param: torch.Tensor) -> None:
-    # layerwise_offload: the earlier micro-batches' gradients of this window wait in a host buffer; the one reduction
-    # of the window must see their sum with this one, as DDP reduces the accumulated `.grad`.
-    offload = getattr(getattr(optimizer, "gate", None), "offload", None)
-    if offload is not None and offload.holds(i):
-        offload.merge_into(i, param)

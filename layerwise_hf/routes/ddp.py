@@ -1,22 +1,18 @@
 """The DDP route: a comm hook that all-reduces each bucket and hands the reduced gradients to the optimizer.
 
 DDP's post-accumulate-grad hooks fire BEFORE the all-reduce, so stepping there would diverge the replicas. The comm
-hook scales and all-reduces the bucket as DDP does, then calls `LayerwiseOptimizer.grad_ready(i)` for each of its
+hook scales and all-reduces the bucket as DDP does, then calls the sink's `grad_ready(i)` for each of its
 parameters on the reduced gradient; the reducer is told that the optimizer runs in backward, so it does not copy
 the bucket back into `.grad`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
 from .hooks import GradientRoute
-
-if TYPE_CHECKING:
-    from ..optim.optimizer import LayerwiseOptimizer
+from .sink import GradientSink
 
 
 def find_ddp(model):
@@ -50,7 +46,8 @@ class _CommState:
     averaging hook."""
 
     def __init__(self, ddp_model):
-        self.optimizer: LayerwiseOptimizer | None = None
+        self.sink: GradientSink | None = None
+        self.index: dict[int, int] = {}  # id(param) -> its index in the sink
         self.process_group = ddp_model.process_group
         self.world_size = dist.get_world_size(self.process_group)
         self.gradient_as_bucket_view = ddp_model.gradient_as_bucket_view
@@ -84,7 +81,7 @@ class DDPCommHook(GradientRoute):
         super().__init__()
         self.ddp_model = ddp_model
 
-    def attach(self, optimizer: LayerwiseOptimizer) -> None:
+    def attach(self, sink: GradientSink) -> None:
         state = getattr(self.ddp_model, "_layerwise_comm_state", None)
         if state is None:
             state = _CommState(self.ddp_model)
@@ -100,13 +97,15 @@ class DDPCommHook(GradientRoute):
             self.ddp_model.reducer._set_optimizer_in_backward()
             self.ddp_model._layerwise_comm_state = state
         # The same DDP model trained again (second train()): the existing hook now feeds this optimizer.
-        state.optimizer = optimizer
+        state.sink = sink
+        state.index = {id(p): i for i, p in enumerate(sink.params)}
         self.state = state
         self.attached = True
 
     def detach(self) -> None:
         if self.attached:
-            self.state.optimizer = None
+            self.state.sink = None
+            self.state.index = {}
         self.attached = False
 
 
@@ -124,16 +123,18 @@ def _scale(state: _CommState, bucket: dist.GradBucket) -> None:
 
 
 def _finish(state: _CommState, bucket: dist.GradBucket, used: torch.Tensor | None) -> torch.Tensor:
-    optimizer = state.optimizer
-    sync = optimizer.sync_gradients() if optimizer is not None else False
+    sink = state.sink
+    sync = sink.sync_gradients() if sink is not None else False
     used_list = used.tolist() if used is not None else None
     for k, (p, g) in enumerate(zip(bucket.parameters(), bucket.gradients())):
         if used_list is not None and used_list[k] == 0:
             continue  # unused on every rank: DDP leaves .grad None and a standard optimizer skips it
-        i = optimizer.index_of(p) if optimizer is not None else None
+        i = state.index.get(id(p)) if sink is not None else None
+        if i is not None and sink.params[i] is not p:
+            i = None  # not the tensor the sink was built on (an id reused after it was replaced)
         if sync and i is not None:
             p.grad = g  # a view into the reduced bucket
-            optimizer.grad_ready(i)
+            sink.grad_ready(i)
             state.aliased.discard(id(p))
             continue
         # Not stepping now: do what DDP's finalize_bucket_dense would have done without the optimizer-in-backward
@@ -145,7 +146,7 @@ def _finish(state: _CommState, bucket: dist.GradBucket, used: torch.Tensor | Non
         if state.gradient_as_bucket_view:
             state.aliased.add(id(p))
         if i is not None:
-            optimizer.grad_ready(i)  # accumulation bookkeeping only
+            sink.grad_ready(i)  # accumulation bookkeeping only
     return bucket.buffer()
 
 

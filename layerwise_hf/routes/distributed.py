@@ -1,24 +1,22 @@
-"""Running the layer-wise path distributed: the routes' entry points and FSDP2 on CPU for tests.
+"""Picking the route for a prepared model, and FSDP2 on CPU for tests.
 
-The routes themselves live in `layerwise_hf.routes.hooks` (local hooks, FSDP2) and `layerwise_hf.routes.ddp` (the DDP
-comm hook); what is allowed under FSDP2 is decided in `layerwise_hf.bases.support`.
+The routes themselves live in `layerwise_hf.routes.hooks` (local hooks, FSDP2), `layerwise_hf.routes.data_parallel`
+(the bucketed reducer) and `layerwise_hf.routes.ddp` (the DDP comm hook); what is allowed under FSDP2 is decided in
+`layerwise_hf.bases.support`, and checked by the sink a route with `steps_shards` is attached to.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from ..bases.support import check_fsdp2_optimizers
 from .data_parallel import DataParallelConfig, DataParallelReducer
 from .ddp import DDPCommHook, find_ddp
 from .hooks import FSDP2Hooks, GradientRoute, LocalHooks
-
-if TYPE_CHECKING:
-    from ..optim.optimizer import LayerwiseOptimizer
 
 
 def is_sharded(params) -> bool:
@@ -44,15 +42,15 @@ def is_sharded(params) -> bool:
 
 
 def choose_route(
-    optimizer: LayerwiseOptimizer, model: torch.nn.Module | None = None, accelerator: Any = None
+    params: Sequence[torch.Tensor], model: torch.nn.Module | None = None, accelerator: Any = None
 ) -> GradientRoute:
     """
     The route for `model` as Accelerate prepared it: DDP-wrapped (DDP's comm hook), FSDP2-sharded, replicated
     without DDP under a data-parallel `accelerator` (the bucketed reducer), or plain (local hooks).
 
     Args:
-        optimizer (`LayerwiseOptimizer`):
-            The optimizer the route will feed.
+        params (`Sequence[torch.Tensor]`):
+            The parameters the route will hand over (the sink's `params`, after Accelerate's prepare).
         model (`torch.nn.Module`, *optional*):
             The model `accelerator.prepare` returned.
         accelerator (`accelerate.Accelerator`, *optional*):
@@ -62,7 +60,7 @@ def choose_route(
 
     ```python
     >>> from layerwise_hf.routes.distributed import choose_route
-    >>> route = choose_route(layerwise_optimizer, model, accelerator)  # one process, no DDP or FSDP2
+    >>> route = choose_route(layerwise_optimizer.params, model, accelerator)  # one process, no DDP or FSDP2
     >>> type(route).__name__
     'LocalHooks'
     ```
@@ -70,57 +68,12 @@ def choose_route(
     ddp = find_ddp(model)
     if ddp is not None:
         return DDPCommHook(ddp)
-    if is_sharded(optimizer.params):
+    if is_sharded(params):
         return FSDP2Hooks()
     config = DataParallelConfig.from_accelerator(accelerator) if accelerator is not None else None
     if config is not None and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         return DataParallelReducer(model, config)
     return LocalHooks()
-
-
-def connect(optimizer: LayerwiseOptimizer, model: torch.nn.Module | None = None) -> str:
-    """
-    Route gradients of `model` (as prepared: plain, DDP-wrapped or FSDP2-sharded) to `optimizer`'s per-parameter
-    optimizers. Returns the route taken: `"local"`, `"ddp"` or `"fsdp2"`.
-
-    Args:
-        optimizer (`LayerwiseOptimizer`):
-            The optimizer to connect.
-        model (`torch.nn.Module`, *optional*):
-            The model as prepared.
-
-    Example:
-
-    ```python
-    >>> from layerwise_hf.routes.distributed import connect
-    >>> connect(layerwise_optimizer, accelerator.prepare(model))  # after accelerator.prepare
-    'ddp'
-    ```
-    """
-    return optimizer.connect(model)
-
-
-def check_fsdp2_supported(optimizer: LayerwiseOptimizer) -> None:
-    """
-    Refuse inner optimizers whose update of a shard differs from the update of the whole tensor.
-
-    Args:
-        optimizer (`LayerwiseOptimizer`):
-            The optimizer whose inner optimizers would step FSDP2 shards.
-
-    Example:
-
-    ```python
-    >>> from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer
-    >>> from layerwise_hf.routes.distributed import check_fsdp2_supported
-    >>> args = LayerwiseTrainingArguments("out", optim="adafactor_layerwise")
-    >>> check_fsdp2_supported(build_layerwise_optimizer(model, args))
-    Traceback (most recent call last):
-        ...
-    ValueError: adafactor_layerwise (Adafactor) cannot step FSDP2 shards: its update is not elementwise ...
-    ```
-    """
-    check_fsdp2_optimizers(optimizer.optimizer_name, optimizer.inner)
 
 
 # ---- FSDP2 on CPU (tests and CPU demos) ----

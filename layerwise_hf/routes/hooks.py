@@ -8,8 +8,8 @@
 - `DDPCommHook` (`layerwise_hf.routes.ddp`): DDP's post-accumulate-grad hooks fire BEFORE the all-reduce, so a comm
   hook all-reduces each bucket and hands the reduced gradients over instead.
 
-A route only calls the optimizer's public per-parameter entry point, `LayerwiseOptimizer.grad_ready(i)`, once
-parameter `i`'s reduced gradient is in `.grad`.
+A route is handed a `GradientSink` (`layerwise_hf.routes.sink`; the optimizer is one) and hands it each gradient,
+`sink.grad_ready(i)`, once parameter `i`'s reduced gradient is in `.grad`.
 """
 
 from __future__ import annotations
@@ -17,20 +17,18 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from ..bases.support import check_fsdp2_optimizers
-
-if TYPE_CHECKING:
-    from ..optim.optimizer import LayerwiseOptimizer
+from .sink import GradientSink
 
 logger = logging.getLogger(__name__)
 
-# id(param) -> the LayerwiseOptimizer whose hooks are on it. A second optimizer attaching to the same parameter
-# (a second Trainer on the same model, or one whose train() died before detaching) takes the hooks over, so a
-# parameter can never be stepped twice per backward. Kept off the Parameter itself so models still pickle.
+# id(param) -> the route whose hooks are on it. A route of a second optimizer attaching to the same parameter (a
+# second Trainer on the same model, or one whose train() died before detaching) takes the hooks over, so a parameter
+# can never be stepped twice per backward. Kept off the Parameter itself so models still pickle; it is per parameter,
+# not per optimizer: whatever holds the hooks of a tensor must be known to whoever would hook it next.
 _OWNERS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 # A gradient at least this fraction of the largest trainable one is "large" for `_StepHold`: holding it costs its
@@ -47,6 +45,7 @@ class GradientRoute:
         name (`str`): `"local"`, `"ddp"` or `"fsdp2"` (what `LayerwiseOptimizer.connect` returns).
         collective_per_forward (`bool`): gradients are reduced by collectives that run once per forward, so a norm
             pass must rerun forward and backward (`run_with_norm_pass`) rather than backward alone.
+        steps_shards (`bool`): the sink steps FSDP2 shards, so its updates must be elementwise (the sink checks).
 
     Example:
 
@@ -60,11 +59,12 @@ class GradientRoute:
 
     name = "none"
     collective_per_forward = False
+    steps_shards = False
 
     def __init__(self) -> None:
         self.attached = False
 
-    def attach(self, optimizer: LayerwiseOptimizer) -> None:
+    def attach(self, sink: GradientSink) -> None:
         raise NotImplementedError
 
     def detach(self) -> None:
@@ -97,11 +97,11 @@ class LocalHooks(GradientRoute):
         self._params: list[torch.Tensor] = []
         self._hold: _StepHold | None = None
 
-    def attach(self, optimizer: LayerwiseOptimizer) -> None:
+    def attach(self, sink: GradientSink) -> None:
         taken_from = set()
-        for p in optimizer.params:
+        for p in sink.params:
             other = _OWNERS.get(id(p))
-            if other is not None and other is not optimizer and other.index_of(p) is not None:
+            if other is not None and other is not self and other.attached and other.hooks(p):
                 other.detach()
                 taken_from.add(id(other))
         if taken_from:
@@ -110,23 +110,26 @@ class LocalHooks(GradientRoute):
                 "train() did not finish?); they were removed so no parameter is stepped twice.",
                 len(taken_from),
             )
-        ready = self._entry(optimizer)
-        self._params = list(optimizer.params)
+        ready = self._entry(sink)
+        self._params = list(sink.params)
         for i, p in enumerate(self._params):
             if not p.requires_grad:
                 # Frozen since the optimizer was built: autograd gives it no gradient, so no hook (torch refuses one
                 # on a tensor that does not require grad); nothing steps it, as a standard optimizer skips it.
                 continue
             self._handles.append(p.register_post_accumulate_grad_hook(_Hook(ready, i)))
-            _OWNERS[id(p)] = optimizer
-        self._owner = weakref.ref(optimizer)
+            _OWNERS[id(p)] = self
         self.attached = True
 
-    def _entry(self, optimizer: LayerwiseOptimizer) -> Callable[[int], None]:
+    def hooks(self, param: torch.Tensor) -> bool:
+        """Whether this route's hook is on `param` (the very tensor)."""
+        return any(p is param for p in self._params)
+
+    def _entry(self, sink: GradientSink) -> Callable[[int], None]:
         # What each parameter's hook calls with its index.
         if not self.hold_large_steps:
-            return optimizer.grad_ready
-        self._hold = _StepHold(optimizer)
+            return sink.grad_ready
+        self._hold = _StepHold(sink)
         return self._hold.grad_ready
 
     @property
@@ -141,9 +144,8 @@ class LocalHooks(GradientRoute):
         if self._hold is not None:
             self._hold.forget()
             self._hold = None
-        owner = self._owner() if self.attached else None
         for p in self._params:
-            if owner is not None and _OWNERS.get(id(p)) is owner:
+            if self.attached and _OWNERS.get(id(p)) is self:
                 del _OWNERS[id(p)]
         self._params = []
         self.attached = False
@@ -180,10 +182,10 @@ class _StepHold:
     gradient for `step()`; under exact clipping it is held in the backward that follows the norm pass.
     """
 
-    def __init__(self, optimizer: LayerwiseOptimizer):
-        self.optimizer = optimizer
-        # Plain tensors: only the one-process and data-parallel routes hold a step (not FSDP2's DTensors).
-        sizes = [p.numel() * p.element_size() for p in optimizer.params]
+    def __init__(self, sink: GradientSink):
+        self.sink = sink
+        # Plain tensors: only the one-process route holds a step (not FSDP2's DTensors).
+        sizes = [p.numel() * p.element_size() for p in sink.params]
         self.large = [s >= LARGE_FRACTION * max(sizes) for s in sizes]
         self.plan = self._plan(list(reversed(range(len(sizes)))))
         self.forget()
@@ -211,14 +213,14 @@ class _StepHold:
         return plan
 
     def grad_ready(self, i: int) -> None:
-        optimizer = self.optimizer
-        steps_now = optimizer.steps_in_backward()
+        sink = self.sink
+        steps_now = sink.steps_in_backward()
         if i in self.seen or (self.queued and not steps_now):
             # A backward noted here ended without its end callback: cut short by an exception. What it held is
             # still in `.grad`, as a gradient no hook consumed (`step()` steps it, `zero_grad()` frees it).
             self.forget()
         if not steps_now or not self._queue_finish():
-            optimizer.grad_ready(i)
+            sink.grad_ready(i)
             return
         self.seen.add(i)
         self.order.append(i)
@@ -228,25 +230,23 @@ class _StepHold:
             if between:
                 self.held.append(i)
                 self.waiting = set(between)
-                optimizer.grad_held(i)  # alive next to the ones stepping meanwhile: the meter counts it
+                sink.grad_held(i)  # alive next to the ones stepping meanwhile: the meter counts it
                 return
-        optimizer.grad_ready(i)
+        sink.grad_ready(i)
         if self.held:
             self.waiting.discard(i)
             if not self.waiting:
                 self.release()  # the next gradient is a large one, not computed yet
 
     def release(self) -> None:
-        """Step every held gradient (the optimizer's `grad_ready`), in the order they arrived."""
+        """Step every held gradient (the sink's `grad_ready`), in the order they arrived."""
         while self.held:
-            self.optimizer.grad_ready(self.held.pop(0))
+            self.sink.grad_ready(self.held.pop(0))
         self.waiting = set()
 
     def _queue_finish(self) -> bool:
         if not self.queued:
-            try:
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            except RuntimeError:
+            if not self.sink.backward_end.queue("hold", self._finish):
                 return False  # not inside the autograd engine (a hook called by hand): nothing can be held
             self.queued = True
         return True
@@ -279,13 +279,8 @@ class FSDP2Hooks(LocalHooks):
 
     name = "fsdp2"
     collective_per_forward = True
+    steps_shards = True
     hold_large_steps = False
-
-    def attach(self, optimizer: LayerwiseOptimizer) -> None:
-        # A host-stepped optimizer (layerwise_offload="optimizer") steps a plain copy of the local shard: its own
-        # update is what must be elementwise.
-        check_fsdp2_optimizers(optimizer.optimizer_name, [getattr(i, "host_base", i) for i in optimizer.inner])
-        super().attach(optimizer)
 
     def reduce_found_inf(self, flags):
         import torch.distributed as dist

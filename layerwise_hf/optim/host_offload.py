@@ -1,0 +1,102 @@
+"""Where host offload joins the path of a gradient: `enable_offload` gives the optimizer's gate a `GradientOffload`
+(`layerwise_hf.placement.offload`), the one stage through which accumulated and held gradients wait on the host.
+The mechanism (buffers, transfers, host steps) lives in `layerwise_hf.placement`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..placement.host_step import HostRunner, HostStepOptimizer
+from ..placement.offload import GradientOffload, parse_offload
+from ..placement.offloading import check_host_step_base
+from ..placement.transfer import Transfer, offload_simulated
+
+if TYPE_CHECKING:
+    from .optimizer import LayerwiseOptimizer
+
+logger = logging.getLogger(__name__)
+
+
+def enable_offload(
+    optimizer: LayerwiseOptimizer,
+    mode: str = "gradients",
+    transfer: Transfer | None = None,
+    max_in_flight: int = 2,
+    runner: HostRunner | None = None,
+) -> None:
+    """
+    Hold `optimizer`'s gradients in host memory between their backward and their step (`layerwise_offload`).
+
+    With `mode="gradients"` every gradient that would wait on the device (each micro-batch's under gradient
+    accumulation; every one with exact clipping, whose step needs the global norm) is copied to a host buffer during
+    backward and freed on the device; `step()` copies each back and steps it, the next copy overlapping the step
+    (`layerwise_hf.placement.offload`). Exact clipping then needs one forward and one backward per micro-batch, and
+    gradient accumulation keeps only the gradients in flight on the device. Without either, gradients step in
+    backward as without offload. Under fp16 loss scaling every gradient waits too: each is unscaled and inf-checked
+    as it is offloaded, and GradScaler gets the flags at the end of the window's last backward
+    (`GradScalerBridge.check_offloaded`), so a step it skips changes no parameter and no state.
+
+    With `mode="optimizer"` (only through `build_layerwise_optimizer(offload="optimizer")`, which wraps each inner
+    optimizer in a `layerwise_hf.placement.host_step.HostStepOptimizer` before any state exists) each parameter's
+    optimizer state and a host copy of the parameter live in host memory: a final gradient is copied to the host and
+    freed, a host worker steps it while backward goes on, and the updated parameter is copied back before the next
+    forward (`wait_for_host_steps` for reading the weights otherwise). Gradients that wait for the step (GA, exact
+    clipping) wait in host buffers as with `"gradients"` and are stepped from there.
+
+    On a machine without CUDA the device and the host are the same memory: offload saves nothing there. It still runs
+    the same path with a copy thread standing in for the side stream (`layerwise_hf.placement.transfer.ThreadTransfer`)
+    and warns once, unless `LAYERWISE_HF_OFFLOAD_SIMULATE=1` says that is what is wanted (tests).
+
+    Args:
+        optimizer (`LayerwiseOptimizer`): the optimizer to offload.
+        mode (`str`, *optional*, defaults to `"gradients"`): `"gradients"` (`"none"` turns offload off).
+        transfer (`Transfer`, *optional*): the device's copies (`layerwise_hf.placement.transfer`); chosen for the
+            gradients' device by default.
+        max_in_flight (`int`, *optional*, defaults to `2`): copies to the host in flight at once.
+        runner (`HostRunner`, *optional*): the host steps' transfer and worker (`mode="optimizer"`).
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.optim.optimizer import build_layerwise_optimizer
+    >>> optimizer = build_layerwise_optimizer(model, args, offload="gradients")  # or args.layerwise_offload
+    ```
+    """
+    mode = parse_offload(mode, "mode")
+    gate = optimizer.gate
+    if gate.offload is not None:
+        gate.offload.close()
+    gate.offload = None
+    if mode == "none":
+        return
+    if mode == "optimizer":
+        check_host_step_base(optimizer.optimizer_name)
+    hosted = all(isinstance(inner, HostStepOptimizer) for inner in optimizer.inner)
+    if (mode == "optimizer") != hosted or (hosted and runner is None):
+        raise ValueError(
+            "layerwise_offload='optimizer' must be chosen when the optimizer is built (its states are created on the "
+            "host): pass offload='optimizer' to build_layerwise_optimizer, or set args.layerwise_offload."
+        )
+    if not torch.cuda.is_available() and not offload_simulated() and transfer is None:
+        logger.warning(
+            "layerwise_offload=%r on a machine without CUDA: the device and the host are the same memory, so offload "
+            "saves none. It runs the same path as on a GPU, with a copy thread for the side stream "
+            "(LAYERWISE_HF_OFFLOAD_SIMULATE=1 says this is intended and silences this warning).",
+            mode,
+        )
+    if runner is not None:
+        transfer = runner.transfer_for(optimizer.params[0]) if transfer is None else transfer
+    worker = None if runner is None else runner.worker
+    gate.offload = GradientOffload(transfer, max_in_flight, worker=worker, host_steps=runner is not None)
+    # NOTE: a route may ask what is held before any hook of the next window runs (the data-parallel route merges a
+    # host sum before reducing); a window GradScaler skipped must be forgotten by then.
+    gate.offload.check_window = gate.close_skipped_window
+
+
+def offload_of(optimizer: LayerwiseOptimizer) -> GradientOffload | None:
+    """The host offload of `optimizer` (`enable_offload`), or `None`: its host buffers and device-side counters."""
+    return optimizer.gate.offload
