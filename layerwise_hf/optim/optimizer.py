@@ -480,9 +480,8 @@ def build_layerwise_optimizer(
         offload (`str`, *optional*, defaults to `args.layerwise_offload` or `"none"`):
             `"gradients"`: gradients wait in host buffers for the step; `"optimizer"`: optimizer states and a copy of
             each parameter live on the host, stepped there during backward (see `enable_offload`).
-        host_step (`str`, *optional*, defaults to `args.layerwise_host_step` or `"auto"`):
-            With `offload="optimizer"`, the host step's kernel: `"fast"` (torch's fused CPU kernels where they exist),
-            `"exact"` (the base as Trainer builds it), `"auto"` (fast for a model on an accelerator).
+        host_step (`str`, *optional*, defaults to `args.layerwise_host_step`):
+            The host step's kernel (`layerwise_hf.placement.host_kernel`).
 
     Example:
 
@@ -499,20 +498,7 @@ def build_layerwise_optimizer(
     check_layerwise_arguments(args)
     for argument, value in (("track_grad_norm", track_grad_norm), ("local_shards", local_shards)):
         check_bool_argument(argument, value)
-    if decay_parameter_names is None:
-        from transformers import Trainer
-
-        # NOTE: Trainer.get_decay_parameter_names does not use `self`; calling it keeps the split identical.
-        decay_parameter_names = Trainer.get_decay_parameter_names(None, model)
-    decay = set(decay_parameter_names)
-    embedding_params = {
-        id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding) and getattr(m, "weight", None) is not None
-    }
-    params = [
-        LayerwiseParam(n, p, args.weight_decay if n in decay else 0.0, is_embedding=id(p) in embedding_params)
-        for n, p in model.named_parameters()
-        if p.requires_grad
-    ]
+    params, decay = _layerwise_params(model, args.weight_decay, decay_parameter_names)
     if factory is None:
         factory = resolve_factory(args, model)
     if local_shards:
@@ -530,6 +516,26 @@ def build_layerwise_optimizer(
     )
     enable_offload(optimizer, mode, runner=runner)
     return optimizer
+
+
+def _layerwise_params(
+    model: nn.Module, weight_decay: float, decay_parameter_names: Iterable[str] | None
+) -> tuple[list[LayerwiseParam], set[str]]:
+    if decay_parameter_names is None:
+        from transformers import Trainer
+
+        # NOTE: Trainer.get_decay_parameter_names does not use `self`; calling it keeps the split identical.
+        decay_parameter_names = Trainer.get_decay_parameter_names(None, model)
+    decay = set(decay_parameter_names)
+    embedding_params = {
+        id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding) and getattr(m, "weight", None) is not None
+    }
+    params = [
+        LayerwiseParam(n, p, weight_decay if n in decay else 0.0, is_embedding=id(p) in embedding_params)
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    ]
+    return params, decay
 
 
 def unwrap_layerwise_optimizer(optimizer: Any) -> LayerwiseOptimizer | None:
