@@ -174,6 +174,14 @@ class LayerwiseTrainerMixin:
 
         return optimizer.run_with_norm_pass(forward_backward, model) if rerun else forward_backward()
 
+    def compute_loss_context_manager(self):
+        # NOTE: Trainer's training_step (4.55 - 5.24) and TRL's trainers call compute_loss only inside this context, so
+        # it marks a backward that compute_loss runs itself, whichever subclass's compute_loss that is (one before the
+        # mixin in the bases included, which need not call super()).
+        context = super().compute_loss_context_manager()
+        marker = getattr(self, "_layerwise_in_compute_loss", None)
+        return context if marker is None else _marking(context, marker)
+
     def _layerwise_compiled(self, model) -> bool:
         cached = getattr(self, "_layerwise_compiled_cache", None)
         if cached is None or cached[0] is not model:
@@ -293,9 +301,11 @@ def _extra_backwards_accumulate(trainer, optimizer, norm_pass: NormPass | None):
     process, measured the `norm_pass` way when one is given). Any other backward, such as one `compute_loss` runs
     itself for an auxiliary loss (`loss.backward()` or `accelerator.backward`, with `retain_graph=True`), only
     accumulates, as with the standard optimizer: stepping there would change weights that Trainer's backward still
-    needs.
+    needs. `LayerwiseTrainerMixin.compute_loss_context_manager` marks the backwards run inside `compute_loss`.
     """
-    backward, compute_loss = trainer.accelerator.backward, trainer.compute_loss
+    # NOTE: Trainer's training_step calls self.accelerator.backward(loss) itself, with no method or callback event
+    # between the loss and its backward; the norm pass must run that backward (twice, over a retained graph).
+    backward = trainer.accelerator.backward
     in_compute_loss = [False]
 
     def trainer_backward(loss, **kwargs):
@@ -304,19 +314,24 @@ def _extra_backwards_accumulate(trainer, optimizer, norm_pass: NormPass | None):
                 return optimizer.backward_with_norm_pass(loss, backward, norm_pass=norm_pass, **kwargs)
             return backward(loss, **kwargs)
 
-    def marked_compute_loss(*args, **kwargs):
-        in_compute_loss[0] = True
-        try:
-            return compute_loss(*args, **kwargs)
-        finally:
-            in_compute_loss[0] = False
-
-    trainer.accelerator.backward, trainer.compute_loss = trainer_backward, marked_compute_loss
+    trainer.accelerator.backward, trainer._layerwise_in_compute_loss = trainer_backward, in_compute_loss
     try:
         with optimizer.extra_backward():
             yield
     finally:
-        del trainer.accelerator.backward, trainer.compute_loss
+        del trainer.accelerator.backward
+        trainer._layerwise_in_compute_loss = None
+
+
+@contextlib.contextmanager
+def _marking(context, marker: list[bool]):
+    """Enter Trainer's `compute_loss_context_manager()` context with `marker[0]` True inside it (nesting kept)."""
+    with context as entered:
+        previous, marker[0] = marker[0], True
+        try:
+            yield entered
+        finally:
+            marker[0] = previous
 
 
 def _replicate_without_ddp(accelerator, model) -> None:
