@@ -255,3 +255,51 @@ def test_setup_script_installs_the_cpu_build_of_torch(tmp_path, local):
 def test_setup_script_ends_by_refusing_a_cuda_build():
     script = (ROOT / "scripts" / "setup.sh").read_text()
     assert "assert torch.version.cuda is None" in script.splitlines()[-1]
+
+
+# ---------------------------------------------------------------- one install command, everywhere
+
+_INSTALL = re.compile(r"pip install (?:-\S+ )*(\"[^\"]+\"|[^\s`)]+)")
+
+
+def _plugin_installs():
+    """Every `pip install` of this package in the README, the guides and the example configs: (file, line, target)."""
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "examples").rglob("*.yaml"))]
+    for path in files:
+        for line in path.read_text().splitlines():
+            for target in _INSTALL.findall(line):
+                target = target.strip("`\"'")
+                if target.startswith((".", "layerwise")) or "layerwise-hf" in target:
+                    yield path.relative_to(ROOT), line, target
+
+
+def test_the_plugin_installs_one_way_everywhere():
+    # Not on PyPI yet: `pip install .` (extras `".[x]"`) in the clone; `layerwise-hf` only where the text says what
+    # changes once it is published.
+    installs = list(_plugin_installs())
+    assert {str(path) for path, _, _ in installs} >= {"README.md", "docs/frameworks.md", "docs/usage.md"}
+    for path, line, target in installs:
+        if target.startswith("layerwise-hf"):
+            assert "once" in line.lower() or "published" in line.lower(), f"{path}: {line}"
+        else:
+            assert re.fullmatch(r"\.(\[[a-z,]+\])?", target), f"{path}: {line}"
+    header = (ROOT / "examples" / "frameworks" / "axolotl.yaml").read_text().split("base_model")[0]
+    assert "`pip install .` in a clone of layerwise_hf" in header
+
+
+@pytest.mark.slow
+def test_the_documented_install_command_resolves_to_this_package(tmp_path):
+    # What `pip install ".[bnb]"` does in a clone, without changing this environment.
+    import shutil
+
+    clone = tmp_path / "layerwise_hf"
+    shutil.copytree(ROOT, clone, ignore=shutil.ignore_patterns(".venv*", ".git", "build", "*.egg-info", "__pycache__"))
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--ignore-installed", ".[bnb]"],
+        cwd=clone,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Would install layerwise-hf-0.1.0" in result.stdout

@@ -103,8 +103,9 @@ SHORT_RUN = {"max_grad_norm": 1.0, "weight_decay": 0.1, "warmup_steps": 1, "save
 
 
 def axolotl_config(tmp_path: Path, name: str, optimizer: str | None, plugin: bool = True, **extra) -> Path:
-    """examples/frameworks/axolotl.yaml with the model, data and size swapped for tiny local ones."""
-    cfg = yaml.safe_load((EXAMPLES / "axolotl.yaml").read_text())
+    """examples/frameworks/axolotl-cpu.yaml (the GPU config with the CPU lines the guide states) with the model, data
+    and size swapped for tiny local ones."""
+    cfg = yaml.safe_load((EXAMPLES / "axolotl-cpu.yaml").read_text())
     if not plugin:
         cfg.pop("plugins")
         cfg.pop("layerwise_clip", None)
@@ -120,8 +121,6 @@ def axolotl_config(tmp_path: Path, name: str, optimizer: str | None, plugin: boo
         micro_batch_size=4,
         max_steps=4,
         learning_rate=0.01,
-        bf16=False,
-        fp16=False,
         tf32=False,
         seed=0,
         **SHORT_RUN,
@@ -133,8 +132,9 @@ def axolotl_config(tmp_path: Path, name: str, optimizer: str | None, plugin: boo
 
 
 def llamafactory_config(tmp_path: Path, name: str, optim: str | None, **extra) -> Path:
-    """examples/frameworks/llamafactory.yaml with the model, data and size swapped for tiny local ones."""
-    cfg = yaml.safe_load((EXAMPLES / "llamafactory.yaml").read_text())
+    """examples/frameworks/llamafactory-cpu.yaml (the GPU config with the CPU lines the guide states) with the model,
+    data and size swapped for tiny local ones."""
+    cfg = yaml.safe_load((EXAMPLES / "llamafactory-cpu.yaml").read_text())
     if optim is not None:
         cfg["optim"] = optim
     columns = {"prompt": "instruction", "response": "output"} if cfg["stage"] == "sft" else {"prompt": "text"}
@@ -149,8 +149,6 @@ def llamafactory_config(tmp_path: Path, name: str, optim: str | None, **extra) -
         per_device_train_batch_size=4,
         max_steps=4,
         learning_rate=0.01,
-        bf16=False,
-        use_cpu=True,
         seed=0,
         overwrite_cache=True,
         preprocessing_num_workers=1,
@@ -303,6 +301,27 @@ def test_axolotl_plugin_resumes_bit_identically(tmp_path):
     resumed = axolotl_config(tmp_path, "resumed", OPTIM, resume_from_checkpoint=str(checkpoint))
     run(sys.executable, "-m", "axolotl.cli.train", resumed, cwd=tmp_path)
     assert_same_weights(tmp_path / "whole", tmp_path / "resumed")
+
+
+@pytest.mark.slow
+@needs_axolotl
+def test_axolotl_without_the_plugins_line_fails_as_the_guide_says(tmp_path):
+    # The guide's "Without the `plugins:` line": transformers' error, which the plugin never loaded cannot add to.
+    make_assets(tmp_path)
+    config = axolotl_config(tmp_path, "plain", OPTIM, plugin=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "axolotl.cli.train", str(config)],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert f"{OPTIM} is not a valid OptimizerNames" in result.stderr
+    guide = (ROOT / "docs" / "frameworks.md").read_text()
+    assert "is not a valid OptimizerNames" in guide[guide.index("## axolotl") : guide.index("## LLaMA-Factory")]
 
 
 # ---------------------------------------------------------------- LLaMA-Factory
@@ -491,6 +510,34 @@ def test_example_configs_turn_the_plugin_on():
         for line in path.read_text().splitlines():
             if ":" in line and not line.lstrip().startswith(("#", "-")) and not line.rstrip().endswith(":"):
                 assert " # " in line, f"{path}: every key needs a comment: {line!r}"
+
+
+# The lines a CPU machine needs, as docs/frameworks.md states them.
+CPU_LINES = {
+    "axolotl": {"bf16": (False, "auto"), "fp16": (False, None)},
+    "llamafactory": {"bf16": (False, True), "use_cpu": (True, None)},
+}
+
+
+@pytest.mark.parametrize("framework", sorted(CPU_LINES))
+def test_cpu_variant_is_the_gpu_config_with_the_lines_the_guide_states(framework):
+    gpu = yaml.safe_load((EXAMPLES / f"{framework}.yaml").read_text())
+    cpu = yaml.safe_load((EXAMPLES / f"{framework}-cpu.yaml").read_text())
+    changed = {k: (cpu.get(k), gpu.get(k)) for k in gpu.keys() | cpu.keys() if cpu.get(k) != gpu.get(k)}
+    assert changed == CPU_LINES[framework]
+    guide = (ROOT / "docs" / "frameworks.md").read_text()
+    for key, (value, _) in CPU_LINES[framework].items():
+        assert f"{key}: {str(value).lower()}" in guide, f"the guide does not state {key}: {value}"
+    assert f"examples/frameworks/{framework}-cpu.yaml" in guide
+
+
+def test_the_guide_s_offline_variables_are_the_ones_the_tests_run_with():
+    guide = (ROOT / "docs" / "frameworks.md").read_text()
+    (line,) = [x for x in guide.splitlines() if x.startswith("export HF_HUB_OFFLINE=1")]
+    documented = dict(pair.split("=") for pair in line.removeprefix("export ").split())
+    assert documented == {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "AXOLOTL_DO_NOT_TRACK": "1"}
+    assert all(ENV[k] == v for k, v in documented.items())
+    assert "AXOLOTL_DO_NOT_TRACK=1" in guide and "telemetry" in guide
 
 
 if __name__ == "__main__":
