@@ -165,6 +165,9 @@ class HostStepOptimizer(torch.optim.Optimizer):
         self.host_grad: torch.Tensor | None = None  # where a gradient stepping at once lands on the host
         self.last: concurrent.futures.Future | None = None  # this parameter's latest host step (-> its copy back)
         self.stale = True  # the device parameter may differ from the host copy: copy it before the next step
+        # The device parameter's version counter as the last copy back (or refresh) left it: a different count at the
+        # next step means something else wrote the weights in between (a constraint, a mask, load_state_dict).
+        self.version: int | None = None
         group = {k: v for k, v in base.param_groups[0].items() if k != "params"}
         super().__init__([{**group, "params": [param]}], base.defaults)
 
@@ -203,7 +206,7 @@ class HostStepOptimizer(torch.optim.Optimizer):
 
     def step_host(self, grad: torch.Tensor, waits: list[Any], coef: torch.Tensor | None) -> None:
         """Step from `grad`, a host tensor that is complete once `waits` are, scaled by `coef` (clipping) first."""
-        if self.stale:
+        if self.stale or self._written_since():
             self.refresh()
         # The lr and the rest are read now: the scheduler changes them before the worker may run.
         hyper = {k: v for k, v in self.param_groups[0].items() if k != "params"}
@@ -228,8 +231,18 @@ class HostStepOptimizer(torch.optim.Optimizer):
             self.base.step()
         finally:
             self.host.grad = None
-        param = self.param_groups[0]["params"][0]
-        return self.runner.transfer_for(self.host).copy(local_tensor(param), self.host)
+        local = local_tensor(self.param_groups[0]["params"][0])
+        # NOTE: the copy's copy_ counts one write to the parameter's version, when it is issued (CUDA) or when the
+        # copy thread runs it (CPU stand-in): expected from the count now, not read after it.
+        self.version = local._version + 1
+        return self.runner.transfer_for(self.host).copy(local, self.host)
+
+    def _written_since(self) -> bool:
+        # Whether the device parameter was written since the last copy back: its host copy is then out of date.
+        if self.version is None or self.last is None:
+            return False
+        self.last.result()  # the copy back was issued (the forward before this step waited for it already)
+        return local_tensor(self.param_groups[0]["params"][0])._version != self.version
 
     def wait_host(self) -> None:
         """Block until this parameter's host step and copy back are done (before its host buffers are reused)."""
@@ -252,6 +265,7 @@ class HostStepOptimizer(torch.optim.Optimizer):
             # by its sharded DTensor: the host copy is of the local shard.
             self.host.data = transfer.host_empty_like(local)
         transfer.copy(self.host, local).wait_host()
+        self.version = local._version
         self.stale = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
