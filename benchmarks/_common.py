@@ -524,6 +524,25 @@ def timing_stats(times: list[float], cpu_times: list[float], ref_times: list[flo
     }
 
 
+def ref_times(run) -> tuple[list[float], list[float]]:
+    return run.times, run.cpu_times
+
+
+def print_timing(timing: dict, key: str, ref: str, extra: list[tuple] = ()) -> None:
+    """The timing table of `timing_stats` entries (`key`: the entry's name field, `ref`: the reference's name), with
+    `extra` columns (header, width, entry -> cell) after the GA, and each timed step's wall seconds."""
+    ratio = lambda e, k, f: f.format(e[k]) if k in e else "-"  # noqa: E731
+    print_table(
+        [(key, 10), ("GA", 3), *[c[:2] for c in extra], ("wall med s", 10), (f"vs {ref}", 8), ("paired", 7),
+         ("cpu med s", 9), (f"vs {ref}", 8), (" wall seconds of each timed step", 0, "<")],
+        [[e[key], e["grad_accum"], *[c[2](e) for c in extra], f"{e['median_s']:.4f}", ratio(e, "ratio", "{:.3f}x"),
+          ratio(e, "paired_ratio_median", "{:.3f}"), f"{e['cpu_median_s']:.4f}", ratio(e, "cpu_ratio", "{:.3f}x"),
+          " " + " ".join(f"{t:.3f}" for t in e["times_s"])] for e in timing.values()],
+    )  # fmt: skip
+    print(f"vs {ref}: median step time / {ref}'s at the same GA; paired: median of same-round ratios; cpu: process "
+          "CPU time (single-threaded: barely touched by other processes).")  # fmt: skip
+
+
 # ---- subprocesses ----
 
 
@@ -620,6 +639,37 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def plot_panels(path: Path, title: str, panels: list[dict]) -> None:
+    """
+    A row of panels, each a dict: `title`, `ylabel`, `series` ({label: {x: y}} drawn as grouped bars, or with
+    `line=True` as lines over the x's), `lines` ({label: y}: dashed horizontal marks), `log` (log y scale).
+    """
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    for ax, p in zip(axes[0], panels):
+        series = {k: v for k, v in p["series"].items() if v}
+        xs = list(dict.fromkeys(x for values in series.values() for x in values))
+        width = 0.8 / max(1, len(series))
+        for k, (label, values) in enumerate(series.items()):
+            ys = [values.get(x, float("nan")) for x in xs]
+            if p.get("line"):
+                ax.plot(range(len(xs)), ys, marker="o" if len(xs) < 30 else None, label=label, color=f"C{k}")
+            else:
+                at = [i + (k - (len(series) - 1) / 2) * width for i in range(len(xs))]
+                ax.bar_label(ax.bar(at, ys, width, label=label, color=f"C{k}"), fmt="%.3g", fontsize=6)
+        for k, (label, y) in enumerate(p.get("lines", {}).items()):
+            ax.axhline(y, color=("red", "green", "0.4")[k % 3], ls="--", lw=1, label=label)
+        step = max(1, len(xs) // 12)
+        ax.set_xticks(range(0, len(xs), step), [str(x) for x in xs][::step], fontsize=7, rotation=20, ha="right")
+        ax.set(title=p["title"], ylabel=p.get("ylabel", ""), yscale="log" if p.get("log") else "linear")
+        ax.legend(fontsize=7)
+    save_figure(fig, path, title, fontsize=9)
+
+
+def verdict(ok) -> str:
+    return {True: "PASS", False: "FAIL", None: "-"}[None if ok is None else bool(ok)]
 
 
 def write_report(output_dir, name: str, report: dict, plot=None) -> Path:

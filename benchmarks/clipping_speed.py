@@ -1,26 +1,5 @@
 """Step time of each layer-wise clipping mode (`layerwise_clip`) relative to no clipping, and how close `previous`
-stays to `exact`, on the example task (examples/train.py: byte-level Llama, generated grammar corpus).
-
-Launch (single process, CPU):
-
-    python benchmarks/clipping_speed.py                   # example-task model, GA 1 and GA 4, ~5 min on 2 busy cores
-    python benchmarks/clipping_speed.py --small --rounds 2 --warmup 1 --accuracy_steps 3 --output_dir /tmp/bench
-    python benchmarks/clipping_speed.py --rounds 15 --threads 2   # more repeats / threads
-
-Timing: every configuration (mode x GA) has its own model copy and `adamw_torch_layerwise` optimizer, and one
-optimizer step of each runs per round, in a shuffled order each round, so machine noise hits all of them alike.
-The first `--warmup` rounds are dropped; the median of the remaining step times is compared with the median of
-no clipping (`max_grad_norm=0`) at the same GA. Backward goes through `LayerwiseOptimizer.backward_with_norm_pass`,
-as `LayerwiseTrainer.training_step` does on one process, so `exact` at GA 1 runs one forward and two backwards (the
-first over the retained graph, measuring the norm).
-
-Accuracy: `exact`, `previous`, `per_param` and no clipping each train `--accuracy_steps` steps (GA 1, cosine schedule
-with warmup, max_grad_norm 1.0) from the same weights on the same batches; the parameter and loss differences to
-`exact` are printed.
-
-Writes `<output_dir>/clipping_speed.json` and `.png`; prints tables and the PASS/FAIL of the goals (exact two-pass
-<= 1.7x no clipping, one-pass modes <= 1.05x).
-"""
+stays to `exact`, on the example task. Options, goals and the last results: benchmarks/README.md."""
 
 from __future__ import annotations
 
@@ -112,28 +91,27 @@ class Run(h.TimedRun):
 
 def time_modes(base_model, dataset, opts) -> dict:
     runs = [Run(base_model, mode, ga, opts) for ga in opts.grad_accum for mode in opts.modes]
-    forwards_per_step = {}
+    fwd = {}
 
     def step(run, rnd):
         before = run.forwards
         times = run.step(h.micro_batches(dataset, rnd, run.ga, opts.batch_size))
-        forwards_per_step[(run.mode, run.ga)] = run.forwards - before
+        fwd[run] = run.forwards - before
         return times
 
     h.interleaved_rounds(runs, opts, step)
+    # Without the `none` reference of a GA there is nothing to divide by: the run's own medians only.
+    ref = {r.ga: r for r in runs if r.mode == "none"}
     results = {}
-    for ga in opts.grad_accum:
-        ref = next((r for r in runs if r.ga == ga and r.mode == "none"), None)
-        for run in (r for r in runs if r.ga == ga):
-            # Without the `none` reference there is nothing to divide by: the run's own medians only.
-            reference = ref or run
-            stats = h.timing_stats(run.times, run.cpu_times, reference.times, reference.cpu_times)
-            if ref is None:
-                stats = {k: v for k, v in stats.items() if "ratio" not in k}
-            entry = {"mode": run.mode, "grad_accum": ga, **stats}
-            entry["forwards_per_step"] = forwards_per_step[(run.mode, ga)]
-            results[f"{run.mode} ga{ga}"] = entry
     for run in runs:
+        stats = h.timing_stats(run.times, run.cpu_times, *h.ref_times(ref.get(run.ga, run)))
+        stats = stats if run.ga in ref else {k: v for k, v in stats.items() if "ratio" not in k}
+        results[f"{run.mode} ga{run.ga}"] = {
+            "mode": run.mode,
+            "grad_accum": run.ga,
+            **stats,
+            "forwards_per_step": fwd[run],
+        }
         run.close()
     return results
 
@@ -209,85 +187,46 @@ def accuracy(base_model, dataset, opts) -> dict:
 
 def print_report(timing: dict, checks: list[dict], acc: dict, desc: str) -> None:
     print(f"\n{desc}")
-    rows = [
-        [e["mode"], e["grad_accum"], e["forwards_per_step"], f"{e['median_s']:.4f}",
-         f"{e['ratio']:.3f}x" if "ratio" in e else "-",
-         f"{e['paired_ratio_median']:.3f}" if "paired_ratio_median" in e else "-", f"{e['cpu_median_s']:.4f}",
-         f"{e['cpu_ratio']:.3f}x" if "cpu_ratio" in e else "-", " " + " ".join(f"{t:.3f}" for t in e["times_s"])]
-        for e in timing.values()
-    ]  # fmt: skip
-    columns = [("mode", 10), ("GA", 3), ("fwd/step", 8), ("wall med s", 10), ("vs none", 8), ("paired", 7),
-               ("cpu med s", 9), ("vs none", 8), (" wall seconds of each timed step", 0, "<")]  # fmt: skip
-    h.print_table(columns, rows)
-    print(
-        "fwd/step: model forwards per optimizer step. paired: median of same-round wall ratios to none. cpu: process "
-        "CPU time (single-threaded: barely touched by other processes)."
-    )
+    h.print_timing(timing, "mode", "none", [("fwd/step", 8, lambda e: e["forwards_per_step"])])
     print("\nGoals (ratio of median step times to no clipping at the same GA; wall = the goal, cpu = cross-check):")
     for c in checks:
-        print(
-            f"  {c['config']:<16} {c['passes']:<9} <= {c['limit']:.2f}x   wall {c['ratio']:.3f}x "
-            f"{'PASS' if c['pass'] else 'FAIL'}   cpu {c['cpu_ratio']:.3f}x {'PASS' if c['cpu_pass'] else 'FAIL'}"
-        )
-    print(
-        f"\nAccuracy vs exact after {acc['steps']} steps (GA 1, max_grad_norm {acc['max_grad_norm']}; exact clipped "
-        f"{acc['clipped_steps_exact']}/{acc['steps']} steps). rel = ||p - p_exact|| / ||p_exact||:"
-    )
-    header = (
-        f"{'mode':<10} {'final loss':>10} {'max |dloss|':>11} {'rel (all params)':>16} {'rel median tensor':>17} "
-        f"{'rel max tensor':>14} {'max |dp|':>9}  worst tensor"
-    )
-    print(header)
-    for mode, m in acc["modes"].items():
-        print(
-            f"{mode:<10} {m['final_loss']:>10.4f} {m['max_abs_loss_diff_vs_exact']:>11.4f} "
-            f"{m['rel_param_diff_vs_exact']:>16.3e} {m['median_rel_param_diff_vs_exact']:>17.3e} "
-            f"{m['max_rel_param_diff_vs_exact']:>14.3e} {m['max_abs_param_diff_vs_exact']:>9.2e}  "
-            f"{m['max_rel_param_diff_tensor'] if m['max_rel_param_diff_vs_exact'] > 0 else '-'}"
-        )
-    exact = acc["modes"]["exact"]["losses"]
-    marks = sorted({0, 1, 4, len(exact) // 4, len(exact) // 2, 3 * len(exact) // 4, len(exact) - 1} - {len(exact)})
-    marks = [k for k in marks if k < len(exact)]
+        print(f"  {c['config']:<16} {c['passes']:<9} <= {c['limit']:.2f}x   wall {c['ratio']:.3f}x "
+              f"{h.verdict(c['pass'])}   cpu {c['cpu_ratio']:.3f}x {h.verdict(c['cpu_pass'])}")  # fmt: skip
+    m = acc["modes"]
+    h.print_table(
+        [("mode", 10), ("final loss", 10), ("max |dloss|", 11), ("rel (all params)", 16), ("rel median tensor", 17),
+         ("rel max tensor", 14), ("max |dp|", 9), ("worst tensor", 0, "<")],
+        [[k, f"{a['final_loss']:.4f}", f"{a['max_abs_loss_diff_vs_exact']:.4f}", f"{a['rel_param_diff_vs_exact']:.3e}",
+          f"{a['median_rel_param_diff_vs_exact']:.3e}", f"{a['max_rel_param_diff_vs_exact']:.3e}",
+          f"{a['max_abs_param_diff_vs_exact']:.2e}",
+          a["max_rel_param_diff_tensor"] if a["max_rel_param_diff_vs_exact"] else "-"]
+         for k, a in m.items()],
+        title=f"\nAccuracy vs exact after {acc['steps']} steps (GA 1, max_grad_norm {acc['max_grad_norm']}; exact "
+        f"clipped {acc['clipped_steps_exact']}/{acc['steps']} steps). rel = ||p - p_exact|| / ||p_exact||:",
+    )  # fmt: skip
+    n = acc["steps"]
+    marks = sorted({k for k in (0, 1, 4, n // 4, n // 2, 3 * n // 4, n - 1) if 0 <= k < n})
     print("\nloss / rel (all params) at steps " + ", ".join(str(k + 1) for k in marks) + ":")
-    for mode, m in acc["modes"].items():
-        cells = "  ".join(f"{m['losses'][k]:.4f}/{m['rel_param_diff_vs_exact_per_step'][k]:.1e}" for k in marks)
-        print(f"  {mode:<10} {cells}")
+    for mode, a in m.items():
+        print(
+            f"  {mode:<10} "
+            + "  ".join(f"{a['losses'][k]:.4f}/{a['rel_param_diff_vs_exact_per_step'][k]:.1e}" for k in marks)
+        )
 
 
 def plot(timing: dict, acc: dict, path: Path, desc: str) -> None:
-    plt = h.pyplot()
-    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(18, 4.8))
     gas = sorted({e["grad_accum"] for e in timing.values()})
-    modes = [m for m in MODES if any(e["mode"] == m for e in timing.values())]
-    width = 0.8 / max(1, 2 * len(gas))
-    for k, ga in enumerate(gas):
-        for j, (key, label) in enumerate((("ratio", "wall"), ("cpu_ratio", "cpu"))):
-            ys = [timing.get(f"{m} ga{ga}", {}).get(key, float("nan")) for m in modes]
-            slot = 2 * k + j
-            xs = [i + (slot - (2 * len(gas) - 1) / 2) * width for i in range(len(modes))]
-            bars = left.bar(xs, ys, width, label=f"GA {ga} {label}", color=f"C{k}", alpha=1.0 if j == 0 else 0.5)
-            left.bar_label(bars, fmt="%.2f", fontsize=7)
-    left.axhline(GOAL_TWO_PASS, color="red", ls="--", lw=1, label=f"two-pass goal {GOAL_TWO_PASS}x")
-    left.axhline(GOAL_ONE_PASS, color="green", ls="--", lw=1, label=f"one-pass goal {GOAL_ONE_PASS}x")
-    left.set_xticks(range(len(modes)), modes)
-    left.set_ylabel("median step time / no clipping")
-    left.set_title("step time by layerwise_clip mode")
-    left.legend(fontsize=7)
-    for k, (mode, m) in enumerate(acc["modes"].items()):
-        steps = range(1, len(m["losses"]) + 1)
-        middle.plot(steps, m["losses"], label=mode, lw=1.2, color=f"C{k}")
-        if mode != "exact":
-            right.plot(steps, m["rel_param_diff_vs_exact_per_step"], label=mode, lw=1.2, color=f"C{k}")
-    middle.set_xlabel("step")
-    middle.set_ylabel("training loss")
-    middle.set_title(f"loss, GA 1, max_grad_norm {acc['max_grad_norm']}")
-    middle.legend(fontsize=8)
-    right.set_yscale("log")
-    right.set_xlabel("step")
-    right.set_ylabel("||theta - theta_exact|| / ||theta_exact||")
-    right.set_title("parameter drift from exact clipping")
-    right.legend(fontsize=8)
-    h.save_figure(fig, path, desc)
+    bars = {f"GA {ga} {w}": {e["mode"]: e.get(k, float("nan")) for e in timing.values() if e["grad_accum"] == ga}
+            for ga in gas for k, w in (("ratio", "wall"), ("cpu_ratio", "cpu"))}  # fmt: skip
+    steps = lambda key, skip=(): {m: dict(enumerate(a[key], 1)) for m, a in acc["modes"].items() if m not in skip}  # noqa: E731
+    h.plot_panels(path, desc, [
+        dict(title="step time by layerwise_clip mode", ylabel="median step time / no clipping", series=bars,
+             lines={f"two-pass goal {GOAL_TWO_PASS}x": GOAL_TWO_PASS, f"one-pass {GOAL_ONE_PASS}x": GOAL_ONE_PASS}),
+        dict(title=f"loss, GA 1, max_grad_norm {acc['max_grad_norm']}", ylabel="training loss", line=True,
+             series=steps("losses")),
+        dict(title="parameter drift from exact clipping", ylabel="||theta - theta_exact|| / ||theta_exact||",
+             line=True, log=True, series=steps("rel_param_diff_vs_exact_per_step", ("exact",))),
+    ])  # fmt: skip
 
 
 def main(argv=None) -> None:
