@@ -1,37 +1,5 @@
 """Step time of fp16 loss scaling (`torch.amp.GradScaler`) with the layer-wise optimizer relative to a standard
-AdamW under the same scaler, on the example task (examples/train.py: byte-level Llama, generated grammar corpus).
-
-Launch (single process, CPU):
-
-    python benchmarks/fp16_speed.py                   # example-task model, GA 1 and GA 4, ~1.5 min on 2 busy cores
-    python benchmarks/fp16_speed.py --small --rounds 2 --warmup 1 --output_dir /tmp/x
-    python benchmarks/fp16_speed.py --rounds 40 --threads 2   # more repeats / threads
-
-Both run the forward under `torch.autocast("cpu", dtype=torch.float16)` with their own `torch.amp.GradScaler("cpu")`
-and clip to max_grad_norm 1.0 (lr `--learning_rate`, weight decay 0.1):
-
-- `standard`: `torch.optim.AdamW` over all parameters; `scaler.scale(loss).backward()` per micro-batch, then at the
-  window end `scaler.unscale_`, `clip_grad_norm_`, `scaler.step`, `scaler.update`, `zero_grad(set_to_none=True)`.
-- `layerwise`: `adamw_torch_layerwise` with `configure_clipping(1.0, "exact")` and `use_grad_scaler(scaler)`;
-  `backward_with_norm_pass(scaler.scale(loss), norm_pass="retain")` per micro-batch, then `grad_norm()`, `scaler.step`,
-  `scaler.update`, `zero_grad()`.
-
-Timing: every configuration (optimizer x GA) has its own model copy, optimizer and scaler; one optimizer step of
-each runs per round, in a shuffled order each round, so machine noise hits all of them alike. The first `--warmup`
-rounds are dropped; the median of the remaining step times is compared with the standard optimizer's median at the
-same GA (and the median of same-round ratios). Also recorded: model forwards and backwards per step, steps the
-scaler skipped (non-finite gradient norm), and the layer-wise optimizer's `peak_grad_bytes` against
-`full_grad_bytes()` (what the standard optimizer holds at its step).
-
-What to expect: without accumulation the layer-wise optimizer must unscale and inf-check every gradient before any
-layer steps, so each step runs a second backward over the retained graph (one forward, two backwards): roughly 1.5x
-the standard step at GA 1 (1 + the backward's share of a step; under CPU fp16 autocast backward is about 2/3 of
-forward + backward, so ~1.65x on CPU), with the gradients still never all alive at once. With accumulation the
-gradients are held until the window's end, checked there, and stepped like the standard optimizer's: about 1.0x at
-GA 4, with the full gradients alive (no saving).
-
-Writes `<output_dir>/fp16_speed.json` and `.png`; prints a table (no goals: nothing here passes or fails).
-"""
+AdamW under the same scaler, on the example task. What is measured and the last results: benchmarks/README.md."""
 
 from __future__ import annotations
 
@@ -182,49 +150,26 @@ def time_configs(base_model, dataset, opts) -> dict:
 
 def print_report(timing: dict, desc: str) -> None:
     print(f"\n{desc}")
-    rows = [
-        [e["optimizer"], e["grad_accum"], f"{e['forwards_per_step']}/{e['backwards_per_step']}",
-         f"{e['median_s']:.4f}", f"{e['ratio']:.3f}x", f"{e['paired_ratio_median']:.3f}", f"{e['cpu_median_s']:.4f}",
-         f"{e['cpu_ratio']:.3f}x", f"{e['skipped_steps']}/{e['steps']}", f"{e['peak_grad_bytes'] / MIB:.2f}",
-         f"{e['full_grad_bytes'] / MIB:.2f}"]
-        for e in timing.values()
-    ]  # fmt: skip
-    columns = [("optimizer", 10), ("GA", 3), ("fwd/bwd", 7), ("wall med s", 10), ("vs std", 7), ("paired", 7),
-               ("cpu med s", 9), ("vs std", 7), ("skipped", 8), ("peak grad MiB", 13),
-               ("full grad MiB", 13)]  # fmt: skip
-    h.print_table(columns, rows)
-    print(
-        "fwd/bwd: model forwards / backwards per optimizer step. vs std: median step time / the standard optimizer's "
-        "at the same GA; paired: median of same-round ratios. skipped: steps with a non-finite gradient norm "
-        "(GradScaler skipped them), warm-up included. peak grad: layer-wise `peak_grad_bytes`; standard: the .grad "
-        "bytes alive at its step."
-    )
-    print("\nwall seconds of each timed step:")
-    for key, entry in timing.items():
-        print(f"  {key:<14} " + " ".join(f"{t:.3f}" for t in entry["times_s"]))
+    h.print_timing(timing, "optimizer", "standard", [
+        ("fwd/bwd", 7, lambda e: f"{e['forwards_per_step']}/{e['backwards_per_step']}"),
+        ("skipped", 8, lambda e: f"{e['skipped_steps']}/{e['steps']}"),
+        ("peak grad MiB", 13, lambda e: f"{e['peak_grad_bytes'] / MIB:.2f}"),
+        ("full grad MiB", 13, lambda e: f"{e['full_grad_bytes'] / MIB:.2f}"),
+    ])  # fmt: skip
+    print("fwd/bwd: model forwards / backwards per optimizer step. skipped: steps with a non-finite gradient norm "
+          "(GradScaler skipped them), warm-up included. peak grad: layer-wise `peak_grad_bytes`; standard: the .grad "
+          "bytes alive at its step.")  # fmt: skip
 
 
 def plot(timing: dict, path: Path, desc: str) -> None:
-    plt = h.pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
-    gas = sorted({e["grad_accum"] for e in timing.values()})
-    width = 0.8 / len(KINDS)
-    for j, kind in enumerate(KINDS):
-        xs = [i + (j - (len(KINDS) - 1) / 2) * width for i in range(len(gas))]
-        entries = [timing[f"{kind} ga{ga}"] for ga in gas]
-        bars = left.bar(xs, [e["median_s"] for e in entries], width, label=kind, color=f"C{j}")
-        left.bar_label(bars, labels=[f"{e['median_s']:.3f}s\n{e['ratio']:.2f}x" for e in entries], fontsize=7)
-        bars = right.bar(xs, [e["peak_grad_bytes"] / MIB for e in entries], width, label=kind, color=f"C{j}")
-        right.bar_label(bars, fmt="%.2f", fontsize=7)
-    for ax in (left, right):
-        ax.set_xticks(range(len(gas)), [f"GA {ga}" for ga in gas])
-        ax.legend(fontsize=8)
-        ax.margins(y=0.2)
-    left.set_ylabel("median step time (s)")
-    left.set_title("fp16 + GradScaler step time (ratio to standard)")
-    right.set_ylabel("MiB")
-    right.set_title("gradient bytes alive at once (peak)")
-    h.save_figure(fig, path, desc, fontsize=9)
+    def series(key, scale=1):
+        return {k: {f"GA {e['grad_accum']}": e[key] / scale for e in timing.values() if e["optimizer"] == k}
+                for k in KINDS}  # fmt: skip
+
+    h.plot_panels(path, desc, [
+        dict(title="fp16 + GradScaler step time", ylabel="median step time (s)", series=series("median_s")),
+        dict(title="gradient bytes alive at once (peak)", ylabel="MiB", series=series("peak_grad_bytes", MIB)),
+    ])  # fmt: skip
 
 
 def main(argv=None) -> None:
