@@ -1,25 +1,6 @@
 """Per-rank memory and step time on 2 CPU ranks (gloo): Trainer under the DDP config (standard DDP vs the layer-wise
 data-parallel route), and a plain Accelerate loop under FSDP2.
-
-Launch (each configuration runs in its own `accelerate launch` process group, spawned by this script):
-
-    python benchmarks/distributed_memory.py                       # 58M Llama, batch 1x128: DDP (6 runs) + FSDP2 (2)
-    python benchmarks/distributed_memory.py --engines ddp --time  # also the step-time rounds (and --profile)
-    python benchmarks/distributed_memory.py --small --steps 2 --output_dir /tmp/bench   # smoke run
-
-DDP (`configs/accelerate/cpu_ddp.yaml`, Trainer): for each of `--ddp_optims` (adamw_torch, adamw_8bit) three runs,
-(a) standard DDP with Trainer's default DDP kwargs, (b) the same with `gradient_as_bucket_view=True`, (c) the
-`<optim>_layerwise` LayerwiseTrainer (no DDP wrapper: the layer-wise route reduces the gradients itself). Per rank the
-training peak is VmHWM during `trainer.train()` minus the RSS just before it (peak reset with
-`echo 5 > /proc/self/clear_refs`; the ranks run with MALLOC_MMAP_THRESHOLD_=65536). Target: (c) below (b) by at least
-60% of all gradient bytes, for each optimizer. `--time`: step time of (c) vs (a), interleaved rounds in one launch
-without the malloc setting; `--profile`: where the time goes (cProfile of rank 0).
-
-FSDP2 (`configs/accelerate/cpu_fsdp2.yaml`, plain loop): peak RSS per step, gradient bytes three ways (`.grad`
-tensors, the storages they keep alive, plus FSDP2's reduce-scatter buffers), optimizer state, and the FSDP2 check.
-
-Writes `<output_dir>/distributed_memory.json` and `.png`; prints the tables and the PASS/FAIL checks.
-"""
+Launch, method and last results: benchmarks/README.md."""
 
 from __future__ import annotations
 

@@ -1,29 +1,6 @@
 """How fast each base steps on the host (`layerwise_offload="optimizer"`), against the host's memory floor; and, with
 `--pace`, whether that keeps pace with a Llama layer's backward on this CPU (issue 19 item 6).
-
-Launch (single process, CPU):
-
-    python benchmarks/host_step_pace.py                 # the floor table (~2 min on 2 cores), into docs/offload.md
-    python benchmarks/host_step_pace.py --small         # smoke run (a 256 x 256 tensor, 2 bases)
-    python benchmarks/host_step_pace.py --pace          # host step vs one layer's backward (host_step_pace.json)
-
-The floor table (default). For each base: the optimizer the plugin builds for a Llama layer's `q_proj` weight
-(`--hidden` x `--hidden`, 2048 by default: 4.2M elements, its states beyond any cache), one `step()` on the CPU in
-ns per element, median of `--repeats` after one warm-up, with:
-
-- the kernel the host step runs: `fast` (`layerwise_host_step="fast"`, the default for a model on an accelerator:
-  torch's fused CPU kernel where the base has one) and, for those bases, `exact` (the base as Trainer builds it,
-  torch's per-tensor loop); every other base steps as built in both modes;
-- fp32 and bf16 weights (states follow the weight's dtype, as the host copy has the parameter's dtype);
-- 1 thread and all the threads this process may use;
-- the memory floor of the same bytes: the step's bytes (the weight and every state tensor read and written, the
-  gradient read) at the bandwidth `a.add_(b)` reaches on tensors of the weight's size and dtype, same threads, same
-  run. `x floor` = step / floor: 1.0 is as fast as memory allows.
-
-Also measured: the task overhead of the host worker against the step of a small parameter (whether stepping several
-small parameters in one task pays), and how far `fast` and `exact` AdamW are apart after 100 steps of a tiny Llama.
-Writes `<output_dir>/host_step_floor.json` and the table into docs/offload.md (`--no-docs` to leave it).
-"""
+Launch, method and last results: benchmarks/README.md."""
 
 from __future__ import annotations
 

@@ -1,45 +1,6 @@
 """Peak memory, counted gradient / optimizer-state bytes and step time of standard vs layer-wise optimizers on one CPU
 process, next to the analytic floor and `layerwise_hf.estimate.estimate()`.
-
-Launch:
-
-    python benchmarks/memory_suite.py                                  # 58.1M-param Llama, 12 configurations
-    python benchmarks/memory_suite.py --small --output_dir /tmp/bench  # smoke run, seconds
-    python benchmarks/memory_suite.py --configs adamw_torch adamw_torch_layerwise --batch_size 4 --rounds 15
-
-Configurations (`--configs`): adamw_torch, adamw_8bit, adafactor and galore_adamw (rank 16, gap 50, on attn + mlp),
-each standard and `_layerwise`; LoRA (peft, r=8 on q_proj/v_proj, base frozen) with adamw_torch standard and
-layer-wise; adamw_torch standard and layer-wise at gradient accumulation 4. The standard optimizer is the one
-Trainer builds (`Trainer.create_optimizer`: its decay split, bitsandbytes' 32-bit embeddings, GaLore's groups); the
-layer-wise one is `build_layerwise_optimizer(model, args)` + `attach()`. Both run the same plain loop (forward,
-backward, `step()`, `zero_grad()`), fp32, no clipping, on the same random tokens.
-
-The `tied_clip_*` configurations tie the embeddings and clip exactly (max_grad_norm 1.0, GA 1) at micro-batch 1 and
-2: the standard optimizer with `clip_grad_norm_` before `step()`; layer-wise through its norm pass as
-`LayerwiseTrainer` runs it (`backward_with_norm_pass`, or `run_with_norm_pass` when `forward_again` says so), with
-the package's rule (`layerwise_hf.optim.norm_pass.choose_norm_pass`) and, `_retain`, with the graph retained in every
-step (the way before the rule). Their target is the peak: at most the standard configuration's (+4 MiB of RSS noise).
-
-Memory: each configuration runs in its own process (forked from a server that imported the libraries once), with
-`MALLOC_MMAP_THRESHOLD_=65536` so freed tensors go back to the OS and RSS follows live memory. Before any optimizer
-exists it measures the RSS at rest (weights + runtime) and the activations: a forward+backward as in training whose
-every weight gradient is freed as soon as it appears (its peak RSS, and its RSS at the first weight gradient). Then
-`--steps` training steps: the RSS high-water mark (VmHWM, reset by writing "5" to /proc/self/clear_refs) per phase
-(forward+backward, step), the live `.grad` bytes counted in a hook on every parameter, the optimizer state counted
-by the storage its tensors keep. Last, the optimizer's temporaries: the RSS one step of a single tensor adds
-(the first-stepped tensor and the two largest), measured alone. Checks:
-- agreement: at the moment holding the peak, peak RSS - the RSS of weights and activations then = gradients alive
-  then + state + temporaries, within 16 MiB + 2%;
-- floor: (peak RSS - runtime) / (weights + state + largest gradient + activation peak), runtime = RSS at rest -
-  weights; layer-wise target <= 1.05x.
-
-Time: one separate process (default malloc) holds every configuration and steps them round-robin, in a shuffled
-order each round, so machine noise falls on all of them alike; medians after `--warmup` rounds (`--rounds 0`: no
-timing). Layer-wise / standard median step time, target <= 1.05x.
-
-Writes `<output_dir>/memory_suite.json` and `.png` and prints the tables, the estimator's errors and the PASS/FAIL of
-each target. scripts/gen_readme.py turns the JSON into the README's results table.
-"""
+Launch, method and last results: benchmarks/README.md."""
 
 from __future__ import annotations
 

@@ -1,59 +1,6 @@
 """How close `layerwise-hf plan` comes to real runs: the peak of live tensor bytes and the RSS training peak of small
 real CPU trainings, against the plan of the same setup (`plan(..., device="cpu")`, fake tensors).
-
-Launch:
-
-    python benchmarks/plan_accuracy.py                                  # every configuration below (minutes)
-    python benchmarks/plan_accuracy.py --quick --output_dir /tmp/b      # two tiny configurations, seconds
-    python benchmarks/plan_accuracy.py --only 'qwen2 .*8bit' --only ddp # the configurations whose name matches
-    python benchmarks/plan_accuracy.py --list                           # their names
-    python benchmarks/plan_accuracy.py --merge /tmp/b/plan_accuracy.json # its rows into the committed report
-
-The real run is a plain loop written here, as Trainer runs a step (forward under autocast, loss / grad accum,
-backward, clip, `step()`, `zero_grad()`; fp16 through `torch.amp.GradScaler("cpu")`), with the optimizers the
-benchmark harness builds (`_common.trainer_optimizer`, `_common.layerwise_optimizer`); 2-rank configurations run
-Trainer itself (LayerwiseTrainer for `_layerwise`) under `accelerate launch` (gloo). Each configuration runs in a
-process of its own (forked) with `M_MMAP_THRESHOLD` at 64 KiB, so freed tensors go back to the OS and RSS follows live
-memory.
-Two runs of the configuration in that process, each creating the optimizer state in a first step:
-
-1. the **RSS training peak**: VmHWM during step 3 (reset by writing 5 to /proc/self/clear_refs) less the footprint of
-   the process without tensors (the RSS at rest before the step less the bytes its tensors hold then). No profiler in
-   this run: it keeps memory of its own that RSS would count. `--split` adds step 4 under the plan's own tracker
-   (`LiveBytes`) on the real tensors, which splits the real peak into the plan's categories: where a row misses,
-   this says which category is off.
-2. the **tensor peak**: torch's profiler (`profile_memory=True`), started before the model is built, records every
-   allocation and free of the CPU allocator, so the running sum of its events is the bytes allocated at each moment
-   (the CPU counterpart of `torch.cuda.memory_allocated`); the peak is its highest value during step 2 (the
-   counterpart of `max_memory_allocated` reset before the step), as the plan measures its second step. Nothing is
-   assumed alive: weights, state, DDP buckets count because their allocation was seen. The bytes held at rest are
-   checked against the storages of every tensor Python reaches.
-
-On 2 ranks the two runs are two launches of `--rank_steps` (4) Trainer steps, the last one measured (DDP rebuilds its
-buckets in the second step), and each rank reports its own figures and every step's tensor peak; the table shows the
-rank with the higher peak. There the tensor peak comes from the CPU allocator counted on every thread
-(`benchmarks/_thread_memory.py`), not from the profiler: the profiler sees an allocation or a free only on a thread
-where it is enabled, and gloo frees a collective's tensors on its own worker thread when that thread drops the last
-reference to the work, so the profiler's sum grew with frees it never saw (+20 MiB on one DDP rank; +3-20 MiB per
-step under FSDP2), while the counted bytes, the tensors Python reaches and RSS stayed flat over 30 steps. On one
-process both agree to the byte. What gloo adds under FSDP2: its reduce-scatter all-reduces a clone of its input, and
-its all-gather fills a flat buffer of the output's size before copying out; the plan of CPU ranks (`device="cpu"`)
-counts both, a CUDA plan neither (NCCL allocates no such buffers; `layerwise_hf.plan.ranks`).
-
-Host offload (`offload-*` configurations, `LAYERWISE_HF_OFFLOAD_SIMULATE=1`: the copy thread and the host worker
-as on a GPU): on a CPU the device and the host are one memory, so the plan's device + host peak is compared, and the
-tensor peak is measured by `LiveBytes` on every thread instead of the profiler (see `offload_measure`), device and host
-sides apart.
-
-Goal: the plan within 5% of the tensor peak and within 10% of the RSS training peak. bitsandbytes' CPU step
-allocates temporaries its CUDA kernels do not; the plan counts the state from the estimator's rules and no kernel
-temporaries (see the JSON's `plan.optimizer_state_from_rule`).
-
-Writes `<output_dir>/plan_accuracy.json` and `.png` (planned against measured, one point per configuration, the
-goal's bands) and prints the table. `--merge REPORT...` puts the rows of reports from runs of some configurations
-(`--only`) into the report in `<output_dir>`, in place of the rows of the same names, and computes the summary and
-the figure again; the report's `measured_in` says which run (planner commit, torch, time) each row comes from.
-"""
+Launch, method and last results: benchmarks/README.md."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """Reliability soak: >= 1000 small Trainer steps, stopped and resumed from its checkpoint every segment by a new
 LayerwiseTrainer on the same model object. Shows that memory stays flat (no hook, state or optimizer leak) and
 that the final weights equal an uninterrupted run's.
-
-    python benchmarks/soak.py                       # 1000 steps, 10 segments
-    python benchmarks/soak.py --steps 200 --segment 50 --output_dir /tmp/soak   # quick
-
-Prints one row per segment and writes benchmarks/results/soak.json (or OUTPUT_DIR/soak.json).
-"""
+Launch, method and last results: benchmarks/README.md."""
 
 from __future__ import annotations
 

@@ -1,59 +1,6 @@
 """Step time of `adamw_torch_layerwise` vs `torch.optim.AdamW` in a plain loop (no Trainer, one process), and with
 `--profile` where the layer-wise optimizer's extra time goes.
-
-Launch (single process, CPU):
-
-    python benchmarks/step_time.py                          # 20.3M-param Llama, 2 x 128 tokens, 8 timed rounds
-    python benchmarks/step_time.py --rounds 16 --profile    # more rounds, then profile a few layer-wise steps
-    python benchmarks/step_time.py --small --warmup 1 --rounds 2 --profile --output_dir /tmp/bench   # smoke run
-
-Model: a randomly initialised Llama (vocab 8000, hidden 384, intermediate 1536, 6 layers, 6 heads; untied
-embeddings, as the other benchmarks' models), fp32, micro-batch `--batch_size` x `--seq_len` (2 x 128) of random
-tokens, the same batch for both optimizers in a round. Each optimizer has its own deep copy of the same weights:
-
-- `standard`: `torch.optim.AdamW` over Trainer's decay / no-decay split (weight decay 0.1 on the decay group);
-- `layerwise`: `build_layerwise_optimizer(model, LayerwiseTrainingArguments(optim="adamw_torch_layerwise", ...))`,
-  clipping off, `attach()`ed; when `build_layerwise_optimizer` takes `track_grad_norm`, it gets `False` (no one
-  reads the norm here) and the JSON says so (`track_grad_norm_passed`).
-
-One step = forward + backward + `step()` + `zero_grad()`; no clipping, no accumulation. `--steps_per_round` steps of
-each optimizer per round (their mean is the round's time), the two in a freshly shuffled order each round; `--warmup`
-rounds dropped. Reported: median step time of each, layer-wise / standard (ratio of medians, and the median of the
-same-round ratios), process CPU time likewise.
-
-`--profile` then runs `--profile_steps` more steps of each, three ways, and prints and stores where the extra time
-goes: (1) torch's optimizer step hooks on every inner optimizer (time per inner `step()`, and per gradient the
-layer-wise hook's own work before its step: the norm it records, its bookkeeping), against the standard `step()`;
-(2) `torch.profiler` operator totals, layer-wise minus standard (per-norm time is the norm operators' row);
-(3) `cProfile` of the layer-wise steps, top functions by own time.
-
-`--offload` adds host offload (`layerwise_offload`, issue 19) to the same rounds, so every ratio below is measured
-side by side. The offload code runs its GPU path on CPU: host buffers apart from the parameters, the host worker
-thread, and a copy thread standing in for the side stream (`LAYERWISE_HF_OFFLOAD_SIMULATE=1`, no injected delay):
-
-- no clipping, against `standard`: `offload_optimizer` (`layerwise_offload="optimizer"`: each gradient is copied to
-  the host as it is final and the host worker steps it while backward goes on) and `offload_optimizer_after` (the
-  same, with the host worker held until backward has returned, then stepping everything: the way torchao's
-  `CPUOffloadOptimizer` and DeepSpeed's ZeRO-Offload step; gradients are still copied out during backward);
-- exact clipping at GA 1 (`max_grad_norm=1.0`), against `standard_clip` (`clip_grad_norm_` before `step()`):
-  `layerwise_norm_pass` (no offload; `backward_with_norm_pass(norm_pass="retain")`: a measuring backward, then the
-  stepping one) and `offload_gradients` (`layerwise_offload="gradients"`: one backward; each gradient's norm taken
-  and the gradient copied out as it is final, copied back one at a time in `step()`, the next copy overlapping the
-  current step).
-
-Every offload step ends by waiting for the host (`wait_for_host_steps`, what the next forward would wait for), so a
-step's time holds all of its host work. Where the time goes, per step (median): `forward`, `backward` (both
-backwards for the norm pass), `step` (`step()` + `zero_grad()`; for `offload_gradients` the copies back and the
-device steps), `wait` (host work still running after `step()`), `host_step` (the host worker inside the wrapped
-optimizers' `step()`, torch's step hooks on them) and how much of it ran while backward did, and the CPU seconds of
-the copy thread and of the host worker (`/proc/self/task/<tid>/stat`, 10 ms ticks, summed over all timed steps).
-`--offload_only` times only the offload rows and their references (no `layerwise`); `--rows` names the rows to time.
-With the three clipping rows the JSON's `cost_model` sets `layerwise_hf.estimate.offload_choice`'s prediction (from
-this run's backward, step and copy times) next to what the rounds measured; `LAYERWISE_HF_OFFLOAD_DELAY=<s>` delays
-every copy, a slower link emulated.
-
-Writes `<output_dir>/step_time.json` and `.png` (`--name` for another name).
-"""
+Launch, method and last results: benchmarks/README.md."""
 
 from __future__ import annotations
 
