@@ -319,3 +319,12 @@ def test_lora_targets_that_match_nothing_are_refused(model, targets, tmp_path, m
     linear = "c_attn, c_fc, c_proj, lm_head" if model is GPT2 else "down_proj, gate_proj, k_proj, lm_head, o_proj"
     assert f"its linear modules LoRA can target: {linear}" in err, err
     assert "Traceback" not in err
+
+
+def test_a_config_transformers_refuses_is_an_error_naming_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(plan_core, "simulate", lambda *a, **k: pytest.fail("simulated despite bad input"))
+    path = _config_dir(tmp_path, dict(LLAMA, hidden_size=30, num_attention_heads=4))
+    assert main(["plan", path]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"layerwise-hf plan: error: {path}: transformers refuses this config: "), err
+    assert "hidden size (30) is not a multiple of the number of attention heads (4)" in err and "Traceback" not in err

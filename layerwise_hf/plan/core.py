@@ -376,7 +376,14 @@ def plan(
 
 def _config_of(model: Any) -> tuple[Any, str, str]:
     """The model's config (a copy: the simulation turns off its KV cache), name and source."""
-    config, name, source = resolve_config(model)
+    try:
+        config, name, source = resolve_config(model)
+    except EstimateError:
+        raise
+    except Exception as e:
+        # transformers validates a config as it builds it (e.g. heads that do not divide the hidden size).
+        reason = " ".join(line.strip() for line in str(e).strip().splitlines())
+        raise EstimateError(f"{model}: transformers refuses this config: {type(e).__name__}: {reason}") from e
     check_causal_lm(config, name)
     return copy.deepcopy(config), name, source
 
@@ -471,7 +478,10 @@ def lora_targets_of(config: Any, asked: tuple[str, ...] | list[str] | None) -> t
     """LoRA's target modules: those asked for, or peft's default for the architecture (q_proj and v_proj for the
     Llama family, c_attn for GPT-2); refused, naming the model's linear modules, when none of them matches."""
     targets = tuple(asked) if asked else default_lora_targets(config.model_type)
-    linear = linear_module_names(config)
+    try:
+        linear = linear_module_names(config)
+    except Exception:
+        return targets  # a model that cannot be built: the simulation reports it, naming the setting
     if not any(_module_matches(full, t) for t in targets for full in linear):
         leaves = sorted({full.rsplit(".", 1)[-1] for full in linear})
         raise EstimateError(
