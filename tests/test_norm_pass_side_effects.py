@@ -131,3 +131,62 @@ def test_rerun_repeats_names_user_hooks_and_not_transformers_own():
     model.model.layers[0].register_forward_pre_hook(lambda module, args: None)
     assert rerun_repeats(model).startswith("forward hooks (on model.layers.0 LlamaDecoderLayer: ")
     assert NormPass("hold") is NormPass.HOLD
+
+
+class OrderLog(torch.nn.Module):
+    """The shape of transformers' `test_resume_batch_order` model: a bias-free 10 x 10 layer whose forward appends the
+    batch's row ids (column 0 of the inputs) to a buffer by replacing it; a resized buffer loads from a checkpoint."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(10, 10, bias=False)
+        self.register_buffer("data_order", torch.empty(0, dtype=torch.long))
+
+    def load_state_dict(self, state_dict, strict=True):
+        if "data_order" in state_dict and self.data_order.shape != state_dict["data_order"].shape:
+            self.data_order = state_dict["data_order"].clone()
+        return super().load_state_dict(state_dict, strict=strict)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.fc(input_ids)
+        self.data_order = torch.cat([self.data_order, input_ids[:, 0].int().detach().clone()])
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, size: int = 10):
+        g = torch.Generator().manual_seed(42)
+        self.data = torch.randn((size, 10), generator=g)
+        self.data[:, 0] = torch.arange(size)
+        self.labels = torch.randint(0, 10, (size,), generator=g)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.data[i], "labels": self.labels[i]}
+
+
+def _order_run(out, layerwise: bool, resume=None):
+    from safetensors.torch import load_file
+    from transformers import set_seed
+
+    set_seed(42)
+    model = OrderLog()
+    cls, args_cls = (LayerwiseTrainer, LayerwiseTrainingArguments) if layerwise else (Trainer, TrainingArguments)
+    args = args_cls(output_dir=str(out), seed=42, learning_rate=0.1, per_device_train_batch_size=2, save_steps=1,
+                    num_train_epochs=3, optim="sgd_layerwise" if layerwise else "sgd", disable_tqdm=True,
+                    dataloader_num_workers=0, report_to="none", use_cpu=True)  # fmt: skip
+    cls(model=model, args=args, train_dataset=Rows()).train(resume_from_checkpoint=resume)
+    return load_file(out / "checkpoint-15" / "model.safetensors")["data_order"]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_peer_resume_batch_order_test_passes_layerwise_as_with_stock(tmp_path):
+    # transformers' test_resume_batch_order, run with LayerwiseTrainer and sgd_layerwise at the defaults.
+    stock = _order_run(tmp_path / "stock", layerwise=False)
+    baseline = _order_run(tmp_path / "layerwise", layerwise=True)
+    resumed = _order_run(tmp_path / "resumed", layerwise=True, resume=str(tmp_path / "layerwise" / "checkpoint-6"))
+    assert len(stock) == 30
+    assert torch.equal(baseline, stock) and torch.equal(resumed, stock)
