@@ -126,3 +126,11 @@ def test_each_removed_wait_is_reported_by_csan(monkeypatch, removed, mode, ga, c
     REMOVED_WAITS[removed](monkeypatch)
     with FakeCuda():
         assert_csan_reports(lambda: offload_loop(mode, ga, clip))
+
+
+def test_no_thread_touches_a_device_other_than_its_ranks():
+    rank_device = torch.device("cuda", 1)
+    with FakeCuda() as fake:
+        torch.cuda.set_device(rank_device)
+        offload_loop("optimizer", 1, 0.0, device=rank_device)
+    assert fake.touched and all(devices == {1} for devices in fake.touched.values()), fake.touched

@@ -109,10 +109,15 @@ class CudaTransfer(Transfer):
     """
 
     def __init__(self, device: torch.device):
-        self.device = torch.device(device)
+        device = torch.device(device)
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.stream = torch.cuda.Stream(device=self.device)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+        if torch.cuda.current_device() != self.device.index:
+            # NOTE: the current device is per thread, 0 in a thread that never set it (the host worker), and leaving
+            # torch.cuda.stream sets it back: without this every rank's host worker opens a context on GPU 0.
+            torch.cuda.set_device(self.device)
         compute = torch.cuda.current_stream(self.device)
         # NOTE: the side stream must not start before the compute stream has produced `src` (or finished reading a
         # device `dst` it reuses): wait_stream orders it after everything queued on compute so far.
