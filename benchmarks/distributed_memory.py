@@ -721,47 +721,22 @@ def print_report(runs: list[dict], checks: list[dict], model_desc: str) -> None:
             )
 
 
-def plot(runs: list[dict], path: Path, model_desc: str) -> None:
-    plt = h.pyplot()
-    engines = [e for e in ENGINES if any(r["engine"] == e for r in runs)]
-    metrics = [
-        ("peak RSS\n- start", lambda r: max(r["step_peak_rss_bytes"]) - r["rss_start_bytes"]),
-        (".grad\ntensors", lambda r: r["grad_tensor_peak_bytes"]),
-        (".grad\nstorages", lambda r: r["grad_storage_peak_bytes"]),
-        ("all grad\nbuffers", lambda r: r["grad_total_peak_bytes"]),
-        ("optimizer\nstate", lambda r: r["optimizer_state_bytes"]),
-    ]
-    fig, axes = plt.subplots(2, len(engines), figsize=(7 * len(engines), 8.5), squeeze=False)
-    for col, engine in enumerate(engines):
-        ax, line_ax = axes[0][col], axes[1][col]
-        rss_ax = line_ax.twinx()
-        series = [(o, [r for r in runs if r["engine"] == engine and r["optim"] == o]) for o in OPTIMS]
-        series = [(o, rs) for o, rs in series if rs]
-        width = 0.8 / (2 * len(series))
-        for k, (optim, rs) in enumerate(series):
-            for run in sorted(rs, key=lambda r: r["rank"]):
-                slot = 2 * k + run["rank"]
-                xs = [i + (slot - len(series) + 0.5) * width for i in range(len(metrics))]
-                ax.bar(xs, [fn(run) / MIB for _, fn in metrics], width, label=f"{optim} rank {run['rank']}",
-                       color=f"C{k}", alpha=1.0 if run["rank"] == 0 else 0.55)  # fmt: skip
-            rank0 = min(rs, key=lambda r: r["rank"])
-            timeline = rank0["timeline_bytes"][-1]
-            # Layer-wise runs sample twice per parameter (hook and step): plot against the fraction of the step.
-            xs = [i / max(1, len(timeline) - 1) for i in range(len(timeline))]
-            line_ax.plot(xs, [t[0] / MIB for t in timeline], color=f"C{k}", label=f"{optim} .grad tensors")
-            line_ax.plot(xs, [t[2] / MIB for t in timeline], color=f"C{k}", ls="--", label=f"{optim} all buffers")
-            rss_ax.plot(xs, [t[3] / MIB for t in timeline], color=f"C{k}", ls=":", label=f"{optim} RSS (right)")
-        ax.set_xticks(range(len(metrics)), [m for m, _ in metrics], fontsize=8)
-        ax.set_ylabel("MiB per rank (max over steps)")
-        ax.set_title(f"{engine.upper()}, 2 CPU ranks")
-        ax.legend(fontsize=7)
-        line_ax.set_xlabel("end of forward -> gradient hooks -> end of backward (last step, rank 0)")
-        line_ax.set_ylabel("MiB alive")
-        line_ax.set_title(f"{engine.upper()}: gradient memory during the last step")
-        rss_ax.set_ylabel("process RSS, MiB (dotted)")
-        handles = line_ax.get_legend_handles_labels()[0] + rss_ax.get_legend_handles_labels()[0]
-        line_ax.legend(handles=handles, fontsize=7)
-    h.save_figure(fig, path, model_desc)
+def fsdp2_panels(runs: list[dict]) -> list[dict]:
+    metrics = {
+        "peak RSS - start": lambda r: max(r["step_peak_rss_bytes"]) - r["rss_start_bytes"],
+        ".grad tensors": lambda r: r["grad_tensor_peak_bytes"],
+        ".grad storages": lambda r: r["grad_storage_peak_bytes"],
+        "all grad buffers": lambda r: r["grad_total_peak_bytes"],
+        "optimizer state": lambda r: r["optimizer_state_bytes"],
+    }
+    bars = {f"{r['optim']} rank {r['rank']}": {m: fn(r) / MIB for m, fn in metrics.items()} for r in runs}
+    last = {f"{r['optim']} {what}": {k: t[col] / MIB for k, t in enumerate(r["timeline_bytes"][-1])}
+            for r in runs if r["rank"] == 0 for col, what in ((0, ".grad tensors"), (2, "all buffers"))}  # fmt: skip
+    return [
+        dict(title="FSDP2, 2 CPU ranks", ylabel="MiB per rank (max over steps)", series=bars),
+        dict(title="FSDP2: gradient memory during the last step (rank 0, per sample)", ylabel="MiB alive", line=True,
+             series=last),
+    ]  # fmt: skip
 
 
 # ---- DDP report ----
@@ -955,66 +930,37 @@ def print_estimator_check(rows: list[dict]) -> None:
 
 
 def plot_all(report: dict, path: Path, model_desc: str) -> None:
-    plt = h.pyplot()
-    ddp_runs, targets = report.get("ddp_runs") or [], report.get("ddp_targets") or []
-    loop_runs = report.get("runs") or []
-    step_time = report.get("step_time")
-    ncols = max(1, len(targets))
-    nrows = 1 + bool(loop_runs or step_time or ddp_runs)
-    fig, axes = plt.subplots(nrows, max(ncols, 2), figsize=(7 * max(ncols, 2), 4.6 * nrows), squeeze=False)
-    for col, t in enumerate(targets):
-        ax = axes[0][col]
-        for k, kind in enumerate(KINDS):
-            per_rank = t["peak_bytes_per_rank"][kind]
-            for rank, value in per_rank.items():
-                x = k + (int(rank) - 0.5) * 0.38
-                ax.bar(x, value / MIB, 0.36, color=f"C{k}", alpha=1.0 if rank == "0" else 0.6,
-                       label=f"{KINDS[kind]}" if rank == "0" else None)  # fmt: skip
-                ax.text(x, value / MIB, f"{value / MIB:.0f}", ha="center", va="bottom", fontsize=7)
-        if t["peak_bytes"]["bucket_view"] is not None:
-            line = (t["peak_bytes"]["bucket_view"] - t["target_saving_bytes"]) / MIB
-            ax.axhline(line, color="k", ls="--", lw=1, label=f"target: (b) - 60% of grads = {line:.0f}")
-        ax.set_xticks(range(len(KINDS)), ["(a) std DDP", "(b) bucket view", "(c) layer-wise"])
-        ax.set_ylabel("training peak per rank, MiB (rank 0 | rank 1)")
-        verdict = {True: "PASS", False: "FAIL", None: "-"}[t["pass"]]
-        ax.set_title(f"{t['base_optim']}: VmHWM during train() - RSS before ({verdict})", fontsize=10)
-        ax.legend(fontsize=7, loc="lower left")
-    if nrows > 1:
-        ax = axes[1][0]
-        labels = [f"{t['base_optim']}\n{kind}" for t in targets for kind in KINDS]
-        grads, state = [], []
-        for t in targets:
-            for kind in KINDS:
-                rs = [r for r in ddp_runs if r["base_optim"] == t["base_optim"] and r["kind"] == kind]
-                grads.append((by_rank_max(rs, "grad_live_peak_bytes") or 0) / MIB)
-                state.append((by_rank_max(rs, "optimizer_state_bytes") or 0) / MIB)
-        xs = range(len(labels))
-        ax.bar(xs, grads, color="C3", label="gradient storage alive at once (incl. DDP buckets)")
-        ax.bar(xs, state, bottom=grads, color="C7", label="optimizer state")
-        ax.set_xticks(list(xs), labels, fontsize=7)
-        ax.set_ylabel("MiB per rank (max over ranks)")
-        ax.set_title("DDP: counted gradient + state bytes", fontsize=10)
-        ax.legend(fontsize=7)
-        ax = axes[1][1]
-        if step_time:
-            names = list(step_time["configs"])
-            ax.bar(range(len(names)), [step_time["configs"][c]["median_s"] for c in names], color="C2")
-            ax.set_xticks(range(len(names)), [c.replace(":", "\n") for c in names], fontsize=7)
-            ax.set_ylabel("median s/step (slower rank)")
-            ratios = ", ".join(f"{o} {r['wall_ratio']:.3f}x" for o, r in step_time["ratios"].items())
-            ax.set_title(f"DDP step time, layer-wise / standard: {ratios}", fontsize=10)
-        elif loop_runs:
-            fs = [r for r in loop_runs if r["engine"] == "fsdp2"]
-            names = [f"{r['optim']}\nrank {r['rank']}" for r in fs]
-            ax.bar(range(len(fs)), [(max(r["step_peak_rss_bytes"]) - r["rss_start_bytes"]) / MIB for r in fs])
-            ax.set_xticks(range(len(fs)), names, fontsize=7)
-            ax.set_ylabel("peak RSS - start, MiB")
-            ax.set_title("FSDP2, plain loop", fontsize=10)
-        else:
-            ax.axis("off")
-    for col in range(len(targets), axes.shape[1]):
-        axes[0][col].axis("off")
-    h.save_figure(fig, path, model_desc)
+    ddp_runs, step_time = report.get("ddp_runs") or [], report.get("step_time")
+    panels = []
+    for t in report.get("ddp_targets") or []:
+        per_rank = {
+            f"rank {k}": {kind: t["peak_bytes_per_rank"][kind].get(k, 0) / MIB for kind in KINDS} for k in "01"
+        }
+        line = (
+            {}
+            if t["peak_bytes"]["bucket_view"] is None
+            else {"target: (b) - 60% of grads": (t["peak_bytes"]["bucket_view"] - t["target_saving_bytes"]) / MIB}
+        )
+        panels.append(dict(title=f"{t['base_optim']}: VmHWM during train() - RSS before ({h.verdict(t['pass'])})",
+                           ylabel="training peak per rank, MiB", series=per_rank, lines=line))  # fmt: skip
+    if ddp_runs:
+        keys = {"gradients alive at once": "grad_live_peak_bytes", "optimizer state": "optimizer_state_bytes"}
+        bases = dict.fromkeys(r["base_optim"] for r in ddp_runs)
+        rows = {
+            f"{b} {k}": [r for r in ddp_runs if (r["base_optim"], r["kind"]) == (b, k)] for b in bases for k in KINDS
+        }
+        counted = {
+            what: {n: (by_rank_max(rs, key) or 0) / MIB for n, rs in rows.items()} for what, key in keys.items()
+        }
+        panels.append(dict(title="DDP: counted gradient + state bytes", ylabel="MiB per rank (max)", series=counted))
+    if step_time:
+        ratios = ", ".join(f"{o} {r['wall_ratio']:.3f}x" for o, r in step_time["ratios"].items())
+        configs = {c: v["median_s"] for c, v in step_time["configs"].items()}
+        title = f"DDP step time, layer-wise / standard: {ratios}"
+        panels.append(dict(title=title, ylabel="median s/step (slower rank)", series={"median": configs}))
+    fsdp2 = [r for r in report.get("runs") or [] if r["engine"] == "fsdp2"]
+    panels += fsdp2_panels(fsdp2) if fsdp2 else []
+    h.plot_panels(path, model_desc, panels)
 
 
 def main(argv=None) -> None:
