@@ -190,3 +190,16 @@ def test_the_peer_resume_batch_order_test_passes_layerwise_as_with_stock(tmp_pat
     resumed = _order_run(tmp_path / "resumed", layerwise=True, resume=str(tmp_path / "layerwise" / "checkpoint-6"))
     assert len(stock) == 30
     assert torch.equal(baseline, stock) and torch.equal(resumed, stock)
+
+
+def test_forward_state_keeps_buffers_registered_as_none_and_clones_no_graph_tensor():
+    model = RecordingModel()
+    model.register_buffer("absent", None)
+    model.last_output = torch.ones(3, requires_grad=True) * 2  # an activation kept on the module
+    kept = model.last_output
+    state = ForwardState(model)
+    assert (model, "last_output") not in state.values  # put back by identity, never cloned
+    model.last_output = torch.zeros(3)
+    state.restore()
+    assert "absent" in model._buffers and model._buffers["absent"] is None
+    assert model.last_output is kept

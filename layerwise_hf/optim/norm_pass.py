@@ -447,8 +447,8 @@ class ForwardState:
     What a forward may change on a model, taken before the measuring forward of a rerun and put back after it, so the
     second forward starts from the same model as the first: each buffer by module and name (a clone of its values,
     and the tensor itself, which `forward` may replace), and each module's plain attributes (the objects, and a clone
-    of a tensor's values, not a parameter's or a buffer's alias). Modules of torch itself (DDP's and FSDP's wrappers,
-    whose attributes track their collectives) keep their attributes.
+    of the values of a tensor outside autograd that aliases no parameter or buffer). Modules of torch itself (DDP's
+    and FSDP's wrappers, whose attributes track their collectives) keep their attributes.
 
     Example:
 
@@ -466,6 +466,7 @@ class ForwardState:
 
     def __init__(self, model: nn.Module):
         self.modules = [m for m in model.modules()]
+        self.registered = {m: dict(m._buffers) for m in self.modules}  # names, with buffers registered as None
         self.buffers = {
             (m, name): (b, b.detach().clone()) for m in self.modules for name, b in m._buffers.items() if b is not None
         }
@@ -483,22 +484,25 @@ class ForwardState:
             plain = {k: v for k, v in vars(m).items() if k not in _MODULE_INTERNALS}
             self.attributes[m] = plain
             for key, value in plain.items():
-                if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                # Statistics and counters: tensors outside autograd. A tensor of the graph (an activation kept on the
+                # module) is put back by identity only, never cloned: that would hold a second copy at the peak.
+                if isinstance(value, torch.Tensor) and not value.requires_grad:
                     if value.untyped_storage()._cdata not in aliases:
                         self.values[(m, key)] = value.detach().clone()
 
     def restore(self) -> None:
         """Put every buffer and plain attribute back as it was when this state was taken."""
         with torch.no_grad():
-            for m in self.modules:
-                for name in [n for n in m._buffers if (m, n) not in self.buffers]:
+            for m, registered in self.registered.items():
+                for name in [n for n in m._buffers if n not in registered]:
                     del m._buffers[name]  # registered by the forward: the second one registers it again
-            for (m, name), (tensor, value) in self.buffers.items():
+                    m._non_persistent_buffers_set.discard(name)
+                m._buffers.update(registered)  # the forward may have replaced one with a new tensor
+            for tensor, value in self.buffers.values():
                 tensor.copy_(value)
-                m._buffers[name] = tensor  # the forward may have replaced it with a new tensor
             for m, plain in self.attributes.items():
                 for key in [k for k in vars(m) if k not in _MODULE_INTERNALS and k not in plain]:
-                    delattr(m, key)
+                    del m.__dict__[key]
                 for key, value in plain.items():
                     if m.__dict__.get(key, _MISSING) is not value:
                         m.__dict__[key] = value
