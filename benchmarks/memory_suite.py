@@ -924,58 +924,28 @@ def overhead_notes(configs: list[dict]) -> list[str]:
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = h.pyplot()
     configs = [c for c in report["configs"] if "error" not in c]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(17, 6), gridspec_kw={"width_ratios": [3, 1.3]})
-    xs = range(len(configs))
-    # The left bar is the counted prediction at the moment holding the peak, part by part.
-    parts = [
-        ("weights", lambda c: c["memory"]["weight_bytes"]),
-        (
-            "activations then",
-            lambda c: c["analysis"]["agreement"]["baseline_rss_bytes"] - c["memory"]["rss_rest_bytes"],
-        ),
-        ("optimizer state", lambda c: c["analysis"]["state_counted_bytes"]),
-        (
-            "gradients alive then",
-            lambda c: c["analysis"]["agreement"]["counted_bytes"] - c["analysis"]["state_counted_bytes"],
-        ),
-        ("optimizer temporaries", lambda c: c["analysis"]["agreement"]["temporaries_bytes"]),
-    ]
-    bottom = [0.0] * len(configs)
-    width = 0.38
-    for k, (label, fn) in enumerate(parts):
-        ys = [fn(c) / MIB for c in configs]
-        left.bar([x - width / 2 for x in xs], ys, width, bottom=bottom, label=f"counted: {label}", color=f"C{k}")
-        bottom = [b + y for b, y in zip(bottom, ys)]
-    peaks = [c["analysis"]["training_peak_bytes"] / MIB for c in configs]
-    bars = left.bar([x + width / 2 for x in xs], peaks, width, color="0.35", label="measured: peak RSS - runtime")
-    left.bar_label(bars, fmt="%.0f", fontsize=7)
-    left.scatter([x + width / 2 for x in xs], [c["analysis"]["floor_bytes"] / MIB for c in configs], marker="_",
-                 s=500, color="red", zorder=3, label="floor: weights + state + largest gradient + act")  # fmt: skip
-    est = [
-        (x, (c["estimate"]["total_bytes"] + c["analysis"]["activation_bytes"]) / MIB)
-        for x, c in zip(xs, configs)
-        if "error" not in c["estimate"]
-    ]
-    left.scatter([x + width / 2 for x, _ in est], [y for _, y in est], marker="x", color="black", zorder=3,
-                 label="estimate() total + act")  # fmt: skip
-    left.set_xticks(list(xs), [c["name"] for c in configs], rotation=30, ha="right", fontsize=8)
-    left.set_ylabel("MiB")
-    left.set_title("Training memory at the peak: counted (left bar) vs measured (right bar)")
-    left.set_ylim(0, 1.35 * max(peaks))  # room for the legend above the bars
-    left.legend(fontsize=7, ncol=3, loc="upper center")
-    timed = [c for c in configs if "ratio" in (c.get("timing") or {})]
-    ratios = right.bar(range(len(timed)), [c["timing"]["ratio"] for c in timed], color="C4")
-    right.bar_label(ratios, fmt="%.3f", fontsize=7)
-    right.axhline(TIME_GOAL, color="red", ls="--", lw=1, label=f"target {TIME_GOAL}x")
-    right.axhline(1.0, color="0.5", lw=0.8)
-    right.set_xticks(range(len(timed)), [c["name"] for c in timed], rotation=30, ha="right", fontsize=8)
-    right.set_ylabel("median step time, layer-wise / standard")
-    right.set_title("Step time")
-    right.set_ylim(min([0.9, *(c["timing"]["ratio"] - 0.02 for c in timed)]), None)
-    right.legend(fontsize=7)
-    h.save_figure(fig, path, report["description"], fontsize=9)
+    # The counted prediction at the moment holding the peak, part by part, beside the measured peak.
+    parts = {
+        "counted: weights": lambda c, a: c["memory"]["weight_bytes"],
+        "counted: activations then": lambda c, a: a["agreement"]["baseline_rss_bytes"] - c["memory"]["rss_rest_bytes"],
+        "counted: optimizer state": lambda c, a: a["state_counted_bytes"],
+        "counted: gradients alive then": lambda c, a: a["agreement"]["counted_bytes"] - a["state_counted_bytes"],
+        "counted: optimizer temporaries": lambda c, a: a["agreement"]["temporaries_bytes"],
+        "measured: peak RSS - runtime": lambda c, a: a["training_peak_bytes"],
+        "floor": lambda c, a: a["floor_bytes"],
+    }
+    memory = {k: {c["name"]: fn(c, c["analysis"]) / MIB for c in configs} for k, fn in parts.items()}
+    timed = {
+        "layer-wise / standard": {
+            c["name"]: c["timing"]["ratio"] for c in configs if "ratio" in (c.get("timing") or {})
+        }
+    }
+    h.plot_panels(path, report["description"], [
+        dict(title="Training memory at the peak: counted parts vs measured", ylabel="MiB", series=memory),
+        dict(title="Step time", ylabel="median step time, layer-wise / standard", series=timed,
+             lines={f"target {TIME_GOAL}x": TIME_GOAL}),
+    ])  # fmt: skip
 
 
 def main(argv=None) -> int:

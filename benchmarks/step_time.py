@@ -642,29 +642,15 @@ def print_breakdown(report: dict) -> None:
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = h.pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     t = report["timing"]
-    for k, kind in enumerate(t):
-        left.plot(range(1, len(t[kind]["times_s"]) + 1), t[kind]["times_s"], marker="o", label=kind, color=f"C{k}")
-    left.set_xlabel("timed round")
-    left.set_ylabel("mean step time in the round (s)")
-    left.set_title("step time per round")
-    left.legend(fontsize=8)
-    for k, kind in enumerate(t):
-        if t[kind]["reference"] == kind:
-            continue
-        ratios = t[kind]["paired_ratios"]
-        label = f"{kind} / {t[kind]['reference']} (median {t[kind]['ratio']:.3f})"
-        right.plot(range(1, len(ratios) + 1), ratios, marker="o", color=f"C{k}", label=label)
-    if "layerwise" in t:
-        right.axhline(GOAL, color="red", ls="--", lw=1, label=f"layer-wise goal {GOAL}x")
-    right.axhline(1.0, color="0.5", lw=0.8)
-    right.set_xlabel("timed round")
-    right.set_ylabel("row / its reference, same round")
-    right.set_title("ratio per round")
-    right.legend(fontsize=8)
-    h.save_figure(fig, path, report["description"], fontsize=9)
+    ratios = {f"{k} / {v['reference']} (median {v['ratio']:.3f})": dict(enumerate(v["paired_ratios"], 1))
+              for k, v in t.items() if v["reference"] != k}  # fmt: skip
+    h.plot_panels(path, report["description"], [
+        dict(title="step time per round", ylabel="mean step time in the round (s)", line=True,
+             series={k: dict(enumerate(v["times_s"], 1)) for k, v in t.items()}),
+        dict(title="ratio per round", ylabel="row / its reference, same round", line=True, series=ratios,
+             lines={f"layer-wise goal {GOAL}x": GOAL} if "layerwise" in t else {}),
+    ])  # fmt: skip
 
 
 def main(argv=None) -> int:
