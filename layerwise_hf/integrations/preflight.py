@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ..bases.support import check_bool_argument
+from ..platform.dtensor import local_storage_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ def _mem_available() -> int | None:
 def _model_bytes(model: torch.nn.Module) -> int:
     storages = {}
     for t in [*model.parameters(), *model.buffers()]:
-        local = getattr(t, "_local_tensor", t)  # an FSDP2 DTensor holds its shard
+        local = local_storage_tensor(t)  # an FSDP2 DTensor holds its shard
         storage = local.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
@@ -155,7 +156,7 @@ def _model_bytes(model: torch.nn.Module) -> int:
 
 def model_device(model: torch.nn.Module) -> torch.device:
     for p in model.parameters():
-        return getattr(p, "_local_tensor", p).device
+        return local_storage_tensor(p).device
     return torch.device("cpu")
 
 

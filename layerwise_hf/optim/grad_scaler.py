@@ -19,12 +19,9 @@ from typing import Any
 
 import torch
 
+from ..platform.dtensor import local_tensor as _local
 from ..routes.sink import BackwardEnd
 from .window import StepWindow
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class GradScalerBridge:

@@ -6,28 +6,32 @@ from typing import Any
 
 import torch
 
+from ..platform.dtensor import local_tensor
+
 
 def tensor_bytes(obj: Any) -> int:
     """
-    Bytes of every tensor in `obj` (a tensor, or dicts, lists and objects holding tensors), counting only the local
-    shard of a DTensor.
+        Bytes of every tensor in `obj` (a tensor, or dicts, lists and objects holding tensors), counting only the local
+        shard of a DTensor.
 
-    Args:
-        obj (`Any`):
-            A tensor, or a dict, list, tuple or object holding tensors (e.g. an optimizer's `state`).
+        Args:
+            obj (`Any`):
+                A tensor, or a dict, list, tuple or object holding tensors (e.g. an optimizer's `state`).
 
-    Example:
+        Example:
 
-    ```python
-    >>> import torch
-    >>> from layerwise_hf.optim.memory import tensor_bytes
-    >>> tensor_bytes({"exp_avg": torch.zeros(4, 4), "step": torch.tensor(1.0)})
-    68
-    ```
+        ```python
+        >>> import torch
+
+    from ..platform.dtensor import local_tensor
+        >>> from layerwise_hf.optim.memory import tensor_bytes
+        >>> tensor_bytes({"exp_avg": torch.zeros(4, 4), "step": torch.tensor(1.0)})
+        68
+        ```
     """
     if isinstance(obj, torch.Tensor):
         # A DTensor's numel() is the global size; this rank holds only its local shard.
-        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        local = local_tensor(obj)
         if type(local) is not torch.Tensor and hasattr(local, "__tensor_flatten__"):
             # A tensor subclass (torchao's quantized optimizer states): its own numel and dtype describe the
             # dequantized tensor; what it holds is its inner tensors (codes, scales).
@@ -46,20 +50,22 @@ def tensor_bytes(obj: Any) -> int:
 
 class GradMeter:
     """
-    The gradients a layer-wise optimizer holds (accumulating, or waiting for the step) and the most bytes held at
-    once. A gradient is counted from the moment its hook sees it until its parameter steps and frees it.
+        The gradients a layer-wise optimizer holds (accumulating, or waiting for the step) and the most bytes held at
+        once. A gradient is counted from the moment its hook sees it until its parameter steps and frees it.
 
-    Example:
+        Example:
 
-    ```python
-    >>> import torch
-    >>> from layerwise_hf.optim.memory import GradMeter
-    >>> meter = GradMeter()
-    >>> meter.hold(0, torch.zeros(256))
-    >>> meter.release(0)
-    >>> meter.held_bytes, meter.peak_bytes
-    (0, 1024)
-    ```
+        ```python
+        >>> import torch
+
+    from ..platform.dtensor import local_tensor
+        >>> from layerwise_hf.optim.memory import GradMeter
+        >>> meter = GradMeter()
+        >>> meter.hold(0, torch.zeros(256))
+        >>> meter.release(0)
+        >>> meter.held_bytes, meter.peak_bytes
+        (0, 1024)
+        ```
     """
 
     def __init__(self) -> None:

@@ -17,7 +17,9 @@ import torch
 
 from ..bases.support import qualname
 from ..placement.host_step import unwrap_host_step
-from ..placement.local_shard import _to_global, _to_local
+from ..platform.dtensor import local_tensor as _local
+from ..platform.dtensor import state_to_global as _to_global
+from ..platform.dtensor import state_to_local as _to_local
 
 if TYPE_CHECKING:
     from .optimizer import LayerwiseOptimizer
@@ -33,11 +35,6 @@ _RENAMED_MODULES = {
     "layerwise_hf.routes.local_shard.": "layerwise_hf.placement.local_shard.",
 }
 STATE_DICT_VERSION = 1
-
-
-def _local(t):
-    # A DTensor norm (FSDP2) is replicated: its local value is the global norm.
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def layerwise_state_dict(optimizer: LayerwiseOptimizer) -> dict[str, Any]:

@@ -16,7 +16,6 @@ resume bit-exactly on the same number of shards; on another number the shards wo
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +23,10 @@ import torch
 
 from ..bases.params import LayerwiseFactory, LayerwiseParam
 from ..bases.support import qualname
+from ..platform.dtensor import is_dtensor as _is_dtensor
+from ..platform.dtensor import shard_count as _shard_count
+from ..platform.dtensor import state_to_global as _to_global
+from ..platform.dtensor import state_to_local as _to_local
 from ..platform.streams import step_in_backward
 
 # Optimizers outside bitsandbytes whose step cannot take a DTensor (transformers' Adafactor mixes it with plain
@@ -31,34 +34,6 @@ from ..platform.streams import step_in_backward
 _LOCAL_SHARD_CLASSES = frozenset({"transformers.optimization.Adafactor"})
 
 _SHARDS_KEY = "local_shards"  # saved per parameter state: the number of shards its state was computed for
-_PIECE = "@shard"  # a state tensor of one shard only is saved under `<key>@shard<index>`
-
-
-def _is_dtensor(t: Any) -> bool:
-    return hasattr(t, "device_mesh") and hasattr(t, "to_local")
-
-
-def _shard_count(param) -> int:
-    """How many local shards the parameter is cut into (the product of the mesh dims it is sharded over)."""
-    from torch.distributed.tensor import Shard
-
-    if not _is_dtensor(param):
-        return 1
-    mesh = param.device_mesh
-    return math.prod(mesh.size(d) for d, p in enumerate(param.placements) if isinstance(p, Shard))
-
-
-def _shard_index(param) -> int:
-    """This rank's shard among `_shard_count` (ranks that replicate one shard, as under HSDP, share the index)."""
-    from torch.distributed.tensor import Shard
-
-    if not _is_dtensor(param):
-        return 0
-    mesh, coordinate, index = param.device_mesh, param.device_mesh.get_coordinate(), 0
-    for d, placement in enumerate(param.placements):
-        if isinstance(placement, Shard):
-            index = index * mesh.size(d) + coordinate[d]
-    return index
 
 
 class LocalShardOptimizer(torch.optim.Optimizer):
@@ -162,38 +137,6 @@ def _unwrap(base, state: dict[str, Any]) -> dict[str, Any]:
     state = dict(state)
     nested = state.pop(getattr(base, "_FSDP_WRAPPED_QUANT_STATE_KEY", None), None)
     return {**state, **(nested or {})}
-
-
-def _to_global(param, state: dict[str, Any]) -> dict[str, Any]:
-    """Shard-shaped tensors as DTensors laid out like `param`; any other tensor under its shard's own key."""
-    if not _is_dtensor(param):
-        return state
-    from torch.distributed.tensor import DTensor
-
-    local_shape, shard = param.to_local().shape, _shard_index(param)
-    out = {}
-    for key, value in state.items():
-        if not isinstance(value, torch.Tensor) or key.startswith("qmap"):
-            out[key] = value  # plain values, and bitsandbytes' quantization maps, are the same on every rank
-        elif value.dim() and value.shape == local_shape:
-            out[key] = DTensor.from_local(
-                value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-            )
-        else:
-            out[f"{key}{_PIECE}{shard}"] = value
-    return out
-
-
-def _to_local(param, state: dict[str, Any]) -> dict[str, Any]:
-    own = f"{_PIECE}{_shard_index(param)}"
-    out = {}
-    for key, value in state.items():
-        if _PIECE in key:
-            if key.endswith(own):
-                out[key.removesuffix(own)] = value
-            continue
-        out[key] = value.to_local() if _is_dtensor(value) else value
-    return out
 
 
 def local_shards_of(optimizer) -> int | None:

@@ -33,8 +33,9 @@ from typing import Any
 
 import torch
 
+from ..platform.dtensor import local_tensor as local_tensor
 from ..platform.norms import grad_norm_kernel
-from .transfer import Ticket, Transfer, make_transfer
+from .transfer import Ticket, Transfer, device_of, make_transfer
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +60,6 @@ def parse_offload(value: Any, argument: str = "layerwise_offload") -> str:
         f"{argument}={value!r} is not an offload mode: choose one of {', '.join(OFFLOAD_MODES)} ('gradients': "
         "gradients wait in host memory for the step; 'optimizer': optimizer states and the step live on the host)."
     )
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor itself, or a DTensor's local shard (what this rank copies)."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def shard_norm(param: torch.Tensor, local_norm: torch.Tensor) -> torch.Tensor:
@@ -106,7 +102,8 @@ class GradientOffload:
 
     Args:
         transfer (`Transfer`, *optional*):
-            The device's copies; by default `make_transfer` for the first gradient's device.
+            The device's copies; by default chosen at the first copy: `choose(gradient)`, or `make_transfer` for the
+            first gradient's device.
         max_in_flight (`int`, *optional*, defaults to `2`):
             Copies out allowed in flight at once; the next stash waits for the oldest. The device side then holds at
             most this many gradients being copied, next to the one autograd is computing.
@@ -114,6 +111,9 @@ class GradientOffload:
             The host thread for adds and norms (`layerwise_offload="optimizer"` shares its host steps' one).
         host_steps (`bool`, *optional*, defaults to `False`):
             The gradients are stepped on the host from their buffers (`HostStepOptimizer.step_host`), not copied back.
+        choose (`Callable[[torch.Tensor], Transfer]`, *optional*):
+            Gives the transfer at the first copy when `transfer` is not given (`HostRunner.transfer_for`: the host
+            steps' copies and these share one).
 
     Example:
 
@@ -133,10 +133,12 @@ class GradientOffload:
         max_in_flight: int = 2,
         worker: HostWorker | None = None,
         host_steps: bool = False,
+        choose: Callable[[torch.Tensor], Transfer] | None = None,
     ):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight={max_in_flight!r}: at least one copy must be allowed in flight.")
         self.transfer = transfer
+        self.choose = choose
         self.max_in_flight = max_in_flight
         self.worker = worker or HostWorker()
         self.host_steps = host_steps  # layerwise_offload="optimizer": step() steps from the host buffers
@@ -166,8 +168,9 @@ class GradientOffload:
         return any(self.filled.values())
 
     def _transfer_for(self, tensor: torch.Tensor) -> Transfer:
+        # Chosen at the first copy, for the device of a device-side tensor (a gradient, or the parameter copied into).
         if self.transfer is None:
-            self.transfer = make_transfer(tensor.device)
+            self.transfer = make_transfer(device_of(tensor)) if self.choose is None else self.choose(tensor)
         return self.transfer
 
     @torch.no_grad()

@@ -11,6 +11,7 @@ import torch
 from ..estimate.models import TensorSpec
 from ..estimate.optimizers import OptimizerRule, tensor_state_bytes, uses_qmaps
 from ..estimate.units import BNB_QMAP_BYTES
+from ..platform.dtensor import local_storage_tensor
 
 # Families whose step is a compiled kernel (bitsandbytes) or a tensor subclass (torchao) that fake tensors do not run.
 RULE_FAMILIES = ("bnb", "torchao")
@@ -92,5 +93,5 @@ class RuleOptimizer(torch.optim.Optimizer):
         spec = self.specs.get(id(p))
         if spec is None and len(self.specs) == 1:
             (spec,) = self.specs.values()
-        local = getattr(p, "_local_tensor", p)
+        local = local_storage_tensor(p)
         return dataclasses.replace(spec, shape=tuple(local.shape))

@@ -33,6 +33,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..platform.dtensor import local_storage_tensor as _local
+
 WEIGHTS = "weights"
 GRADIENTS = "gradients"
 OPTIMIZER_STATE = "optimizer_state"
@@ -57,12 +59,6 @@ _INDEX = re.compile(r"\.\d+(?=\.|$|\s)")
 def phase_key(phase: str) -> str:
     """A place in the step with its layer indices left out (`model.layers.*.mlp`)."""
     return _INDEX.sub(".*", phase)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # A DTensor (FSDP2's parameters, gradients and states) holds no storage: its rank's local tensor does.
-    local = getattr(t, "_local_tensor", None)
-    return t if local is None else local
 
 
 def _storages(tensors: Iterable[torch.Tensor]) -> Iterable[torch.UntypedStorage]:
