@@ -54,7 +54,9 @@ _TRAINER_METHODS = {
     "_save_checkpoint": ("self", "model", "trial"),
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
     "get_optimizer_cls_and_kwargs": ("args", "model"),
-    "compute_loss": ("self", "model", "inputs", "return_outputs", "num_items_in_batch"),
+    # The mixin marks the backwards run inside compute_loss by overriding this public method (Trainer's
+    # training_step calls compute_loss only inside it).
+    "compute_loss_context_manager": ("self",),
     "get_decay_parameter_names": ("self", "model"),
     "_get_output_dir": ("self", "trial"),
 }
