@@ -1,70 +1,6 @@
 """The GPU check: the layer-wise optimizers on one CUDA device, against the standard ones, in one run of a few minutes.
-
-Run it through `bash benchmarks/gpu_check.sh` (picks the interpreter, sets the environment, refuses to start without
-CUDA, bounds the time), or directly:
-
-    python benchmarks/gpu_check.py                      # CUDA: the seven checks below (not yet run on a GPU)
-    python benchmarks/gpu_check.py --tiny               # CPU dry run: tiny models, same code paths (~4 min, 2 cores)
-    python benchmarks/gpu_check.py --checks parity,fp16 --output /tmp/gpu_check.json
-
-Models are built from `LlamaConfig` with random weights (nothing downloaded). Each check runs in its own
-try/except so that one failing keeps the others' numbers:
-
-1. `parity`: `adamw_torch`, `adamw_8bit` and `sgd` through `Trainer` against their `_layerwise` forms through
-   `LayerwiseTrainer`; a small Llama (vocab 1024, hidden 256, 4 layers: bitsandbytes quantizes its matrices), fp32,
-   GA 1 and 2, `max_grad_norm=1.0` with `layerwise_clip="exact"`, eager attention, deterministic algorithms, the same
-   optimizer and norm kernels on both sides: the weights and the logged `grad_norm` must be bit-identical. A
-   tolerance on the weights cannot catch a wrongly applied clip: AdamW barely reacts to a uniform gradient scale, and
-   SGD's parameter changes are far below 1e-4. `--inject_clip_error 0.01` scales every layer-wise step's gradient by
-   0.99 (a clip coefficient off by 1%) to show that this check fails it where the former `--parity_atol` one passed
-   (`passed_former_atol` in the JSON).
-2. `fp16`: `fp16=True` (autocast + the accelerator's CUDA `GradScaler`), same model, GA 1 and 2, clipping on. A
-   forward hook on the input embedding multiplies its output by inf on one chosen step: that step must be skipped by
-   both (non-finite `grad_norm` logged, no parameter changed across it, the scale halved), the scale histories must
-   agree, and the parameter updates (w_after - w_before, layer-wise vs standard) must agree within `--update_rtol`
-   of the update's norm, parameter by parameter (not bit-exact: autocast is not a kernel this check controls).
-3. `fp16_norm_pass`: fp16 + exact clipping runs a measuring backward, then the stepping backward. A gradient hook
-   makes one tensor in the middle of backward inf/nan in the SECOND backward of one step only. Expected: the
-   gradients computed before it in that backward keep their step, it and every later one do not step, GradScaler
-   skips the step and halves the scale, and no weight holds a nan/inf.
-4. `fsdp2_8bit`: `adamw_8bit_layerwise` under FSDP2 (`accelerate launch` with `configs/accelerate/gpu_fsdp2.yaml`,
-   fp32) on 1 rank, and on 2 ranks when two GPUs are visible (skipped otherwise, with the reason). Each rank's
-   shards must equal the same bitsandbytes optimizer stepped by hand on the same local shards and gradients, bit for
-   bit (the contract of `layerwise_hf.placement.local_shard`): on CUDA bitsandbytes launches on the default stream
-   while
-   FSDP2 runs the hook on its reduce-scatter stream, so a missing stream order shows here. GA 1 with exact clipping,
-   GA 2 without. On CPU (`--tiny`) the same launches run on gloo, FSDP2 forced as the tests force it.
-5. `memory`: a ~1.1B Llama (vocab 32000, hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 KV heads) with
-   bfloat16 weights, activation checkpointing, micro-batch 4 x 512, a few steps of `adamw_8bit` vs
-   `adamw_8bit_layerwise`, each in a fresh process: `torch.cuda.max_memory_allocated()` / `max_memory_reserved()`
-   over `train()` (peak stats reset just before), next to `layerwise_hf.estimate.estimate()`'s weights / gradients /
-   optimizer state for the same config and the optimizer state actually held, and next to `layerwise-hf plan`'s
-   simulated peak of the same run (`layerwise_hf.plan.plan(..., device="cuda")`, planned on the CPU while the GPU
-   runs; `planned_peak_bytes` and `measured_over_planned` per case). Passes when the layer-wise peak is below the
-   standard one; the plan's ratio is reported, not judged. On CPU (`--tiny`) the same runs and the plan happen but
-   memory is reported as not measured.
-6. `step_time`: the same model and batch, clipping off (one backward per step on both sides), median step time of
-   `adamw_8bit`, of `adamw_8bit_layerwise`, and of `adamw_8bit_layerwise` with `LAYERWISE_HF_BNB_DEVICE_SYNC=1`
-   (bitsandbytes' own `torch.cuda.synchronize()` after every parameter, which the layer-wise step removes), each in
-   a fresh process, with the number of those syncs counted. Passes when the syncs are where they should be (none in
-   the layer-wise run, one per parameter and step with the variable set); the times are reported, not judged.
-7. `offload`: host offload (`layerwise_offload`). Parity: `adamw_torch` through `Trainer` against
-   `adamw_torch_layerwise` with `layerwise_offload="gradients"` and `"optimizer"`, the small model, GA 1 and 2, exact
-   clipping: `"gradients"` bit-exact (the gradients go to host buffers and back; the step is the device's), and
-   `"optimizer"` bit-exact on CPU but on CUDA within `--offload_rtol` of the updates (it steps AdamW on the host,
-   whose kernel is not CUDA's; a missing wait for a copy gives wrong weights by far more); every gradient waited in a
-   host buffer, and with `"optimizer"` every state is on the CPU. Then the ~1B model of check 5 (bf16, activation
-   checkpointing, exact clipping), `adamw_torch`, `adamw_torch_layerwise` and it with each offload mode, one after
-   the other in ONE fresh process (emptied, peak statistics reset before each): `max_memory_allocated()`, the
-   median step time against `adamw_torch`, where the states are. Passes when parity passes, every run finishes,
-   `"optimizer"` keeps no state on the device and peaks below the layer-wise run without offload; the times are
-   reported, not judged. On CPU (`--tiny`) the offload code runs its CPU stand-in (a copy thread with a delay on
-   every copy) and memory is not measured.
-
-Writes one JSON (`--output`, default `benchmarks/results/gpu_check.json`, rewritten after every check so a run cut
-short keeps what it measured) and prints a table. Exit status: 0 when every check passed, 1 otherwise, 2 when the
-asked device is missing, 124 when stopped by SIGTERM/SIGINT (the time limit of gpu_check.sh).
-"""
+Run it through `bash benchmarks/gpu_check.sh`, or `--tiny` for the CPU dry run. The seven checks, their criteria, the
+JSON and the exit status: benchmarks/README.md."""
 
 from __future__ import annotations
 
@@ -210,29 +146,12 @@ class TokenDataset(torch.utils.data.Dataset):
 
 
 def training_args(output_dir, optim: str, device: str, **overrides) -> LayerwiseTrainingArguments:
-    kwargs = dict(
-        output_dir=str(output_dir),
-        optim=optim,
-        learning_rate=1e-2,
-        weight_decay=0.1,
-        lr_scheduler_type="cosine",
-        warmup_steps=0,
-        max_steps=6,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=1,
-        max_grad_norm=MAX_GRAD_NORM,
-        layerwise_clip="exact",
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=device == "cpu",
-        seed=0,
-        data_seed=0,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
-    kwargs.update(overrides)
-    return LayerwiseTrainingArguments(**kwargs)
+    kwargs = dict(output_dir=str(output_dir), optim=optim, learning_rate=1e-2, weight_decay=0.1,
+                  lr_scheduler_type="cosine", warmup_steps=0, max_steps=6, per_device_train_batch_size=4,
+                  gradient_accumulation_steps=1, max_grad_norm=MAX_GRAD_NORM, layerwise_clip="exact", logging_steps=1,
+                  save_strategy="no", report_to="none", use_cpu=device == "cpu", seed=0, data_seed=0,
+                  disable_tqdm=True, dataloader_num_workers=0)  # fmt: skip
+    return LayerwiseTrainingArguments(**{**kwargs, **overrides})
 
 
 def make_trainer(model, args, dataset, callbacks=(), device="cuda", scaler: dict | None = None):
@@ -344,24 +263,13 @@ def compare_runs(base_model, std, lw, steps: int, criterion: str, opts) -> dict:
     norms_std, norms_lw = logged(std, "grad_norm"), logged(lw, "grad_norm")
     norm_diff = list_diff(norms_std, norms_lw)
     scale = max([1.0, *[abs(n) for n in norms_std if math.isfinite(n)]])
-    out = dict(
-        criterion=criterion,
-        max_abs_param_diff=diff,
-        exact=exact,
-        **update_diff(base_model, std.model, lw.model),
-        grad_norm_max_abs_diff=norm_diff,
-        steps_logged=len(norms_std),
-    )
+    out = dict(criterion=criterion, max_abs_param_diff=diff, exact=exact, **update_diff(base_model, std.model,
+               lw.model), grad_norm_max_abs_diff=norm_diff, steps_logged=len(norms_std))  # fmt: skip
     complete = len(norms_std) == steps and norm_diff is not None
-    if criterion == "bit-exact":
-        out["passed"] = bool(complete and exact and norm_diff == 0.0)
-    else:
-        out["passed"] = bool(
-            complete and out["update_max_rel_diff"] <= opts.update_rtol and norm_diff <= opts.update_rtol * scale
-        )
-    out["passed_former_atol"] = bool(
-        complete and diff <= opts.parity_atol and norm_diff <= max(opts.parity_atol, 1e-6) * scale
-    )
+    close = out["update_max_rel_diff"] <= opts.update_rtol and complete and norm_diff <= opts.update_rtol * scale
+    out["passed"] = bool(complete and exact and norm_diff == 0.0) if criterion == "bit-exact" else bool(close)
+    out["passed_former_atol"] = bool(complete and diff <= opts.parity_atol
+                                     and norm_diff <= max(opts.parity_atol, 1e-6) * scale)  # fmt: skip
     return out
 
 
@@ -434,20 +342,11 @@ def check_parity(opts, sizes, device, record) -> dict:
     base_model = build_model(config)
     steps, batch = sizes["parity_steps"], sizes["small_batch"]
     cases = []
-    result = {
-        "model": sizes["small_model"],
-        "seq": sizes["small_seq"],
-        "batch": batch,
-        "steps": steps,
-        "dtype": "float32",
-        "max_grad_norm": MAX_GRAD_NORM,
-        "layerwise_clip": "exact",
-        "attention": "eager",
-        "criterion": "bit-exact weights and grad_norm (fp32, deterministic algorithms, eager attention, same kernels)",
-        "former_atol": opts.parity_atol,
-        "inject_clip_error": opts.inject_clip_error,
-        "cases": cases,
-    }
+    result = {"model": sizes["small_model"], "seq": sizes["small_seq"], "batch": batch, "steps": steps,
+              "dtype": "float32", "max_grad_norm": MAX_GRAD_NORM, "layerwise_clip": "exact", "attention": "eager",
+              "criterion": "bit-exact weights and grad_norm (fp32, deterministic algorithms, eager attention, same "
+              "kernels)", "former_atol": opts.parity_atol, "inject_clip_error": opts.inject_clip_error,
+              "cases": cases}  # fmt: skip
     record(result)
 
     def callbacks(kind, model):
@@ -545,20 +444,12 @@ def check_fp16(opts, sizes, device, record) -> dict:
     steps, batch, at = sizes["fp16_steps"], sizes["small_batch"], sizes["fp16_overflow_step"]
     optim = "adamw_torch"
     cases = []
-    result = {
-        "model": sizes["small_model"],
-        "optim": optim,
-        "steps": steps,
-        "overflow_step": at,
-        "max_grad_norm": MAX_GRAD_NORM,
-        "layerwise_clip": "exact",
-        "grad_scaler": "accelerator's torch.amp.GradScaler('cuda')"
-        if device != "cpu"
-        else "torch.amp.GradScaler('cpu') given to the accelerator (tests/test_fp16.py)",
-        "criterion": f"updates within {opts.update_rtol:g} of their norm per parameter (fp16 autocast)",
-        "update_rtol": opts.update_rtol,
-        "cases": cases,
-    }
+    scaler = "accelerator's torch.amp.GradScaler('cuda')" if device != "cpu" else (
+        "torch.amp.GradScaler('cpu') given to the accelerator (tests/test_fp16.py)")  # fmt: skip
+    result = {"model": sizes["small_model"], "optim": optim, "steps": steps, "overflow_step": at,
+              "max_grad_norm": MAX_GRAD_NORM, "layerwise_clip": "exact", "grad_scaler": scaler,
+              "criterion": f"updates within {opts.update_rtol:g} of their norm per parameter (fp16 autocast)",
+              "update_rtol": opts.update_rtol, "cases": cases}  # fmt: skip
     record(result)
     for ga in (1, 2):
         case = {"ga": ga}
@@ -655,17 +546,9 @@ def check_fp16_norm_pass(opts, sizes, device, record) -> dict:
     target = f"model.layers.{layers // 2}.self_attn.o_proj.weight"  # in the middle of backward
     # A scale that does not overflow by itself here, so that the only inf/nan is the injected one.
     scaler = dict(init_scale=2.0**8, growth_interval=1000)
-    result = {
-        "model": sizes["small_model"],
-        "optim": "adamw_torch_layerwise",
-        "steps": steps,
-        "ga": 1,
-        "max_grad_norm": MAX_GRAD_NORM,
-        "layerwise_clip": "exact",
-        "overflow_step": at,
-        "overflow_param": target,
-        "grad_scaler": scaler,
-    }
+    result = {"model": sizes["small_model"], "optim": "adamw_torch_layerwise", "steps": steps, "ga": 1,
+              "max_grad_norm": MAX_GRAD_NORM, "layerwise_clip": "exact", "overflow_step": at,
+              "overflow_param": target, "grad_scaler": scaler}  # fmt: skip
     record(result)
     with tempfile.TemporaryDirectory() as out:
         model = build_model(config)
@@ -701,18 +584,11 @@ def check_fp16_norm_pass(opts, sizes, device, record) -> dict:
         loss=jsonable(logged(trainer, "loss")),
         inner_steps_taken=trainer.layerwise_optimizer.steps_taken,
     )
-    result["passed"] = bool(
-        overflow.calls_in_step == 2  # the measuring and the stepping backward
-        and stepped  # some layers stepped before the overflow ...
-        and len(before) < len(names) - 1  # ... and some gradients came after it
-        and result["overflow_param_unchanged"]
-        and result["steps_taken_kept"]
-        and result["none_stepped_after_overflow"]
-        and result["scale_halved"]
-        and overflow.nonfinite_after_step == []
-        and result["nonfinite_params_at_end"] == []
-        and len(result["loss"]) == steps
-    )
+    # The measuring and the stepping backward; some layers stepped before the overflow, some gradients came after.
+    flags = ("overflow_param_unchanged", "steps_taken_kept", "none_stepped_after_overflow", "scale_halved")
+    result["passed"] = bool(overflow.calls_in_step == 2 and stepped and len(before) < len(names) - 1
+                            and all(result[k] for k in flags) and overflow.nonfinite_after_step == []
+                            and result["nonfinite_params_at_end"] == [] and len(result["loss"]) == steps)  # fmt: skip
     cleanup(device)
     return result
 
@@ -826,26 +702,16 @@ def fsdp_case(sizes: dict, device: str, report_path: str) -> None:
         dist.all_reduce(high, op=dist.ReduceOp.MAX)
         dist.all_reduce(low, op=dist.ReduceOp.MIN)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        results.append(
-            {
-                "case": name,
-                "ga": ga,
-                "max_grad_norm": args.max_grad_norm,
-                "distributed_type": str(trainer.accelerator.distributed_type),
-                "fsdp_version": getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", None),
-                "route": optimizer.route,
-                "wrapped_local_shard": bool(low[2]),
-                "hand_max_diff": float(high[0]),
-                "hand_bit_exact": bool(low[1]),
-                "stepped_params": int(total[5]),
-                "cuda_steps": int(total[3]),
-                "cuda_steps_off_default_stream": int(total[4]),
-                "eight_bit_states_rank0": sum(s.get("state1", torch.empty(0)).dtype == torch.uint8 for s in states),
-                "states_rank0": len(states),
-                "loss": jsonable(logged(trainer, "loss")),
-                "grad_norm": jsonable(logged(trainer, "grad_norm")),
-            }
-        )
+        eight_bit = sum(s.get("state1", torch.empty(0)).dtype == torch.uint8 for s in states)
+        results.append(dict(
+            case=name, ga=ga, max_grad_norm=args.max_grad_norm,
+            distributed_type=str(trainer.accelerator.distributed_type), route=optimizer.route,
+            fsdp_version=getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", None),
+            wrapped_local_shard=bool(low[2]), hand_max_diff=float(high[0]), hand_bit_exact=bool(low[1]),
+            stepped_params=int(total[5]), cuda_steps=int(total[3]), cuda_steps_off_default_stream=int(total[4]),
+            eight_bit_states_rank0=eight_bit, states_rank0=len(states), loss=jsonable(logged(trainer, "loss")),
+            grad_norm=jsonable(logged(trainer, "grad_norm")),
+        ))  # fmt: skip
         del trainer, optimizer, hand, states
         cleanup(device)
     if dist.get_rank() == 0:
@@ -896,16 +762,10 @@ def fsdp_launch(world: int, opts, sizes, device: str, visible: str | None) -> di
     out["seconds"] = round(time.perf_counter() - t0, 1)
     steps = sizes["fsdp_steps"]
     for case in out["cases"]:
-        case["passed"] = bool(
-            case["wrapped_local_shard"]
-            and case["hand_bit_exact"]
-            and case["hand_max_diff"] == 0.0
-            and case["route"] == "fsdp2"
-            and case["fsdp_version"] == 2
-            and case["eight_bit_states_rank0"] > 0
-            and len(case["loss"]) == steps
-            and all(isinstance(x, float) for x in case["loss"])
-        )
+        case["passed"] = bool(case["wrapped_local_shard"] and case["hand_bit_exact"] and case["hand_max_diff"] == 0.0
+                              and case["route"] == "fsdp2" and case["fsdp_version"] == 2
+                              and case["eight_bit_states_rank0"] > 0 and len(case["loss"]) == steps
+                              and all(isinstance(x, float) for x in case["loss"]))  # fmt: skip
     out["passed"] = out["world_size"] == world and all(c["passed"] for c in out["cases"])
     return out
 
@@ -913,17 +773,11 @@ def fsdp_launch(world: int, opts, sizes, device: str, visible: str | None) -> di
 def check_fsdp2(opts, sizes, device, record) -> dict:
     count, visible = visible_devices(device)
     runs = []
-    result = {
-        "optim": "adamw_8bit_layerwise",
-        "model": sizes["small_model"],
-        "steps": sizes["fsdp_steps"],
-        "config": "configs/accelerate/" + ("gpu_fsdp2.yaml" if device.startswith("cuda") else "cpu_fsdp2.yaml"),
-        "launch_overrides": "--mixed_precision no --fsdp_cpu_ram_efficient_loading false",
-        "criterion": "every rank's local shards bit-identical to the same bitsandbytes optimizer stepped by hand on "
-        "them with the same gradients",
-        "devices_visible": count,
-        "runs": runs,
-    }
+    result = {"optim": "adamw_8bit_layerwise", "model": sizes["small_model"], "steps": sizes["fsdp_steps"],
+              "config": f"configs/accelerate/{'gpu' if device.startswith('cuda') else 'cpu'}_fsdp2.yaml",
+              "launch_overrides": "--mixed_precision no --fsdp_cpu_ram_efficient_loading false",
+              "criterion": "every rank's local shards bit-identical to the same bitsandbytes optimizer stepped by "
+              "hand on them with the same gradients", "devices_visible": count, "runs": runs}  # fmt: skip
     record(result)
     for world in (1, 2):
         run = {"world_size": world}
@@ -994,22 +848,15 @@ def run_case(spec: dict, sizes: dict, device: str) -> dict:
     syncs = SyncCounter()
     timer = StepTimer(cuda)
     with tempfile.TemporaryDirectory() as out:
-        args = training_args(
-            out,
-            optim,
-            device,
-            learning_rate=1e-4,
-            max_steps=steps,
-            max_grad_norm=spec["max_grad_norm"],
-            per_device_train_batch_size=batch,
-            activation_checkpointing=True,
-            activation_checkpointing_kwargs={"use_reentrant": False},
-            # The estimator's layer-wise gradient term is the streamed one (measured, then stepped one by one): pin
-            # the norm pass that streams. 'auto' would hold every gradient where activations outweigh them (the
-            # tiny CPU dry run), which the estimator does not model; `layerwise-hf plan` does.
-            **({"layerwise_norm_pass": "retain"} if optim.endswith("_layerwise") else {}),
-            **({"layerwise_offload": spec["offload"]} if spec.get("offload") else {}),
-        )
+        # The estimator's layer-wise gradient term is the streamed one (measured, then stepped one by one): pin the
+        # norm pass that streams. 'auto' would hold every gradient where activations outweigh them (the tiny CPU dry
+        # run), which the estimator does not model; `layerwise-hf plan` does.
+        extra = {"layerwise_norm_pass": "retain"} if optim.endswith("_layerwise") else {}
+        extra |= {"layerwise_offload": spec["offload"]} if spec.get("offload") else {}
+        args = training_args(out, optim, device, learning_rate=1e-4, max_steps=steps,
+                             max_grad_norm=spec["max_grad_norm"], per_device_train_batch_size=batch,
+                             activation_checkpointing=True,
+                             activation_checkpointing_kwargs={"use_reentrant": False}, **extra)  # fmt: skip
         trainer = make_trainer(model, args, dataset, [timer], device=device)
         cleanup(device)
         if cuda:
@@ -1020,29 +867,19 @@ def run_case(spec: dict, sizes: dict, device: str) -> dict:
         if cuda:
             torch.cuda.synchronize()
         train_s = time.perf_counter() - t1
-    result = {
-        "optim": optim,
-        KEEP_DEVICE_SYNC_ENV: os.environ.get(KEEP_DEVICE_SYNC_ENV),
-        "param_dtypes": dtypes,
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-        "num_tensors": sum(1 for _ in model.parameters()),
-        "activation_checkpointing": bool(args.activation_checkpointing),
-        "max_grad_norm": args.max_grad_norm,
-        "build_seconds": round(build_s, 2),
-        "train_seconds": round(train_s, 2),
-        "step_seconds": [round(s, 5) for s in timer.seconds],
-        "bnb_device_syncs": syncs.calls,
-        "optimizer_state_bytes_measured": optimizer_state_bytes(trainer),
-        "grad_norm": jsonable(logged(trainer, "grad_norm")),
-        "loss": jsonable(logged(trainer, "loss")),
-    }
+    result = {"optim": optim, KEEP_DEVICE_SYNC_ENV: os.environ.get(KEEP_DEVICE_SYNC_ENV), "param_dtypes": dtypes,
+              "num_parameters": sum(p.numel() for p in model.parameters()),
+              "num_tensors": sum(1 for _ in model.parameters()),
+              "activation_checkpointing": bool(args.activation_checkpointing), "max_grad_norm": args.max_grad_norm,
+              "build_seconds": round(build_s, 2), "train_seconds": round(train_s, 2),
+              "step_seconds": [round(s, 5) for s in timer.seconds], "bnb_device_syncs": syncs.calls,
+              "optimizer_state_bytes_measured": optimizer_state_bytes(trainer),
+              "grad_norm": jsonable(logged(trainer, "grad_norm")),
+              "loss": jsonable(logged(trainer, "loss"))}  # fmt: skip
     if cuda:
-        result.update(
-            measured=True,
-            allocated_before_train_bytes=allocated_before,
-            peak_allocated_bytes=torch.cuda.max_memory_allocated(),
-            peak_reserved_bytes=torch.cuda.max_memory_reserved(),
-        )
+        result.update(measured=True, allocated_before_train_bytes=allocated_before,
+                      peak_allocated_bytes=torch.cuda.max_memory_allocated(),
+                      peak_reserved_bytes=torch.cuda.max_memory_reserved())  # fmt: skip
     else:
         result.update(measured=False, note="memory not measured on CPU (no CUDA allocator)")
     layerwise = trainer.layerwise_optimizer if isinstance(trainer, LayerwiseTrainer) else None
@@ -1183,20 +1020,17 @@ def compare_with_plan(cases: list[dict], planned: dict) -> None:
             case["measured_over_planned"] = round(case["peak_allocated_bytes"] / row["peak_bytes"], 4)
 
 
+def big_model(sizes: dict) -> dict:
+    """What the JSON says of the ~1B model's runs."""
+    return {"model": sizes["memory_model"], "dtype": "bfloat16", "seq": sizes["memory_seq"],
+            "batch": sizes["memory_batch"]}  # fmt: skip
+
+
 def check_memory(opts, sizes, device, record) -> dict:
     cases = []
-    result = {
-        "model": sizes["memory_model"],
-        "dtype": "bfloat16",
-        "seq": sizes["memory_seq"],
-        "batch": sizes["memory_batch"],
-        "steps": sizes["memory_steps"],
-        "max_grad_norm": MAX_GRAD_NORM,
-        "layerwise_clip": "exact",
-        "activation_checkpointing": "use_reentrant=False",
-        "isolation": "one subprocess per optimizer",
-        "cases": cases,
-    }
+    result = {**big_model(sizes), "steps": sizes["memory_steps"], "max_grad_norm": MAX_GRAD_NORM,
+              "layerwise_clip": "exact", "activation_checkpointing": "use_reentrant=False",
+              "isolation": "one subprocess per optimizer", "cases": cases}  # fmt: skip
     record(result)
     # The plan needs only the CPU: it runs in a thread while the GPU runs, and adds no time unless it is the slower.
     planned: dict = {}
@@ -1242,19 +1076,10 @@ def check_memory(opts, sizes, device, record) -> dict:
 def check_step_time(opts, sizes, device, record) -> dict:
     steps, warmup = sizes["step_time_steps"], sizes["step_time_warmup"]
     cases = []
-    result = {
-        "model": sizes["memory_model"],
-        "dtype": "bfloat16",
-        "seq": sizes["memory_seq"],
-        "batch": sizes["memory_batch"],
-        "steps": steps,
-        "warmup_steps_dropped": warmup,
-        "max_grad_norm": 0.0,
-        "note": "clipping off: one backward per step on both sides, so the times compare the steps themselves",
-        "activation_checkpointing": "use_reentrant=False",
-        "isolation": "one subprocess per run",
-        "cases": cases,
-    }
+    result = {**big_model(sizes), "steps": steps, "warmup_steps_dropped": warmup, "max_grad_norm": 0.0,
+              "note": "clipping off: one backward per step on both sides, so the times compare the steps themselves",
+              "activation_checkpointing": "use_reentrant=False", "isolation": "one subprocess per run",
+              "cases": cases}  # fmt: skip
     record(result)
     for label, optim, device_sync in STEP_TIME_RUNS:
         case = {"run": label, "optim": optim, KEEP_DEVICE_SYNC_ENV: device_sync}
@@ -1264,17 +1089,11 @@ def check_step_time(opts, sizes, device, record) -> dict:
                 {"optim": optim, "steps": steps, "max_grad_norm": 0.0}, opts, sizes["step_time_timeout"], device_sync
             )
             timed = out["step_seconds"][warmup:]
-            case.update(
-                median_step_ms=round(1000 * statistics.median(timed), 2),
-                min_step_ms=round(1000 * min(timed), 2),
-                max_step_ms=round(1000 * max(timed), 2),
-                step_ms=[round(1000 * s, 2) for s in out["step_seconds"]],
-                bnb_device_syncs=out["bnb_device_syncs"],
-                num_tensors=out["num_tensors"],
-                steps_run=len(out["step_seconds"]),
-                loss=out["loss"],
-                measured=out["measured"],
-            )
+            ms = lambda s: round(1000 * s, 2)  # noqa: E731
+            case.update(median_step_ms=ms(statistics.median(timed)), min_step_ms=ms(min(timed)),
+                        max_step_ms=ms(max(timed)), step_ms=[ms(s) for s in out["step_seconds"]],
+                        steps_run=len(out["step_seconds"]), **{k: out[k] for k in ("bnb_device_syncs", "num_tensors",
+                        "loss", "measured")})  # fmt: skip
             if out["measured"]:
                 case["peak_allocated_bytes"] = out["peak_allocated_bytes"]
         except Exception:
@@ -1284,14 +1103,11 @@ def check_step_time(opts, sizes, device, record) -> dict:
     std, lw, kept = (by[label] for label, _, _ in STEP_TIME_RUNS)
     if not any("error" in c for c in cases):
         expected = steps * std["num_tensors"]  # bitsandbytes syncs after every parameter of every step
-        result.update(
-            sync_removed_saves_ms=round(kept["median_step_ms"] - lw["median_step_ms"], 2),
-            sync_removed_saves_percent=round(100 * (1 - lw["median_step_ms"] / kept["median_step_ms"]), 1),
-            layerwise_vs_standard_ms=round(lw["median_step_ms"] - std["median_step_ms"], 2),
-            syncs_where_expected=std["bnb_device_syncs"] == expected
-            and kept["bnb_device_syncs"] == expected
-            and lw["bnb_device_syncs"] == 0,
-        )
+        result.update(sync_removed_saves_ms=round(kept["median_step_ms"] - lw["median_step_ms"], 2),
+                      sync_removed_saves_percent=round(100 * (1 - lw["median_step_ms"] / kept["median_step_ms"]), 1),
+                      layerwise_vs_standard_ms=round(lw["median_step_ms"] - std["median_step_ms"], 2),
+                      syncs_where_expected=std["bnb_device_syncs"] == expected == kept["bnb_device_syncs"]
+                      and lw["bnb_device_syncs"] == 0)  # fmt: skip
     result["measured"] = all(c.get("measured") for c in cases)
     if not result["measured"]:
         result["note_cpu"] = "on CPU bitsandbytes' sync does nothing: the times are not what a GPU shows"
@@ -1372,29 +1188,18 @@ def check_offload(opts, sizes, device, record) -> dict:
     cuda = device.startswith("cuda")
     steps, warmup = sizes["offload_steps"], sizes["offload_warmup"]
     cases, runs = [], []
-    result = {
-        "parity_model": sizes["small_model"],
-        "parity_steps": sizes["parity_steps"],
-        "max_grad_norm": MAX_GRAD_NORM,
-        "layerwise_clip": "exact",
-        "criterion": {
-            "gradients": "bit-exact weights and grad_norm against adamw_torch",
-            "optimizer": f"updates within {opts.offload_rtol:g} of their norm per parameter, grad_norm within it "
-            "(the host's AdamW kernel against CUDA's)"
-            if cuda
-            else "bit-exact (host and device are both the CPU)",
-        },
-        "cases": cases,
-        "model": sizes["memory_model"],
-        "dtype": "bfloat16",
-        "seq": sizes["memory_seq"],
-        "batch": sizes["memory_batch"],
-        "steps": steps,
-        "warmup_steps_dropped": warmup,
-        "activation_checkpointing": "use_reentrant=False",
-        "isolation": "one process for the four runs, emptied and peak statistics reset before each",
-        "runs": runs,
-    }
+    criterion = "bit-exact (host and device are both the CPU)"
+    if cuda:
+        criterion = (f"updates within {opts.offload_rtol:g} of their norm per parameter, grad_norm within it (the "
+                     "host's AdamW kernel against CUDA's)")  # fmt: skip
+    result = {"parity_model": sizes["small_model"], "parity_steps": sizes["parity_steps"],
+              "max_grad_norm": MAX_GRAD_NORM, "layerwise_clip": "exact",
+              "criterion": {"gradients": "bit-exact weights and grad_norm against adamw_torch",
+                            "optimizer": criterion},
+              "cases": cases, **big_model(sizes), "steps": steps, "warmup_steps_dropped": warmup,
+              "activation_checkpointing": "use_reentrant=False",
+              "isolation": "one process for the four runs, emptied and peak statistics reset before each",
+              "runs": runs}  # fmt: skip
     record(result)
     offload_parity(opts, sizes, device, cases, lambda _: record(result))
     specs = [{"label": label, "optim": optim, "offload": offload, "steps": steps, "max_grad_norm": MAX_GRAD_NORM}
@@ -1664,52 +1469,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="cuda (default) or cpu (default with --tiny)")
     parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "gpu_check.json"))
     parser.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated subset of {','.join(CHECKS)}")
-    parser.add_argument(
-        "--parity_optims", default=",".join(PARITY_OPTIMS), help=f"comma-separated subset of {','.join(PARITY_OPTIMS)}"
-    )
-    parser.add_argument(
-        "--update_rtol",
-        type=float,
-        default=1e-6,
-        help="where weights are not expected bit-identical (fp16): largest |update_lw - update_std| / |update_std| "
-        "per parameter, updates being w_after - w_before",
-    )
-    parser.add_argument(
-        "--parity_atol",
-        type=float,
-        default=1e-4,
-        help="the former criterion (largest parameter difference), reported as passed_former_atol, not judged",
-    )
-    parser.add_argument(
-        "--inject_clip_error",
-        type=float,
-        default=0.0,
-        help="fault injection for the parity check: scale every layer-wise step's gradient by 1 - this (a clip "
-        "coefficient off by this fraction); the check must then fail",
-    )
-    parser.add_argument(
-        "--time_limit", type=float, default=None, help="seconds: no subprocess runs past it (gpu_check.sh sets it)"
-    )
-    parser.add_argument(
-        "--offload_rtol",
-        type=float,
-        default=1e-4,
-        help="the offload check on CUDA: layerwise_offload='optimizer' steps AdamW on the host, whose kernel is not "
-        "CUDA's; its updates must be within this of the standard ones (per parameter, relative to their norm)",
-    )
+    parser.add_argument("--parity_optims", default=",".join(PARITY_OPTIMS),
+                        help=f"comma-separated subset of {','.join(PARITY_OPTIMS)}")  # fmt: skip
+    floats = {
+        "update_rtol": (1e-6, "where weights are not expected bit-identical (fp16): largest |update_lw - update_std| "
+                        "/ |update_std| per parameter, updates being w_after - w_before"),
+        "parity_atol": (1e-4, "the former criterion (largest parameter difference), reported as passed_former_atol, "
+                        "not judged"),
+        "inject_clip_error": (0.0, "fault injection for the parity check: scale every layer-wise step's gradient "
+                              "by 1 - this (a clip coefficient off by this fraction); the check must then fail"),
+        "time_limit": (None, "seconds: no subprocess runs past it (gpu_check.sh sets it)"),
+        "offload_rtol": (1e-4, "the offload check on CUDA: layerwise_offload='optimizer' steps AdamW on the host, "
+                         "whose kernel is not CUDA's; its updates must be within this of the standard ones (per "
+                         "parameter, relative to their norm)"),
+    }  # fmt: skip
+    for name, (default, what) in floats.items():
+        parser.add_argument(f"--{name}", type=float, default=default, help=what)
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # internal: one run of the ~1B model
     parser.add_argument("--cases", default=None, help=argparse.SUPPRESS)  # internal: several, in one process
     parser.add_argument("--fsdp_case", default=None, help=argparse.SUPPRESS)  # internal: one FSDP2 rank
     opts = parser.parse_args(argv)
     opts.device = opts.device or ("cpu" if opts.tiny else "cuda")
-    opts.checks = [c.strip() for c in opts.checks.split(",") if c.strip()]
-    unknown = set(opts.checks) - set(CHECKS)
-    if unknown:
-        parser.error(f"--checks: unknown {sorted(unknown)}; choose from {', '.join(CHECKS)}")
-    opts.parity_optims = [o.strip() for o in opts.parity_optims.split(",") if o.strip()]
-    unknown = set(opts.parity_optims) - set(PARITY_OPTIMS)
-    if unknown:
-        parser.error(f"--parity_optims: unknown {sorted(unknown)}; choose from {', '.join(PARITY_OPTIMS)}")
+    for name, valid in (("checks", CHECKS), ("parity_optims", PARITY_OPTIMS)):
+        setattr(opts, name, [c.strip() for c in getattr(opts, name).split(",") if c.strip()])
+        if set(getattr(opts, name)) - set(valid):
+            parser.error(f"--{name}: unknown {sorted(set(getattr(opts, name)) - set(valid))}; choose from "
+                         f"{', '.join(valid)}")  # fmt: skip
     if not 0.0 <= opts.inject_clip_error < 1.0:
         parser.error(f"--inject_clip_error: {opts.inject_clip_error} is not in [0, 1)")
     opts.deadline = None if opts.time_limit is None else time.monotonic() + opts.time_limit
