@@ -109,6 +109,28 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "buffers (GA and exact clipping without a second backward); optimizer: states and the step on the host. "
         "The table then shows the device peak and the host peak apart.",
     )
+    _add_offload_time_arguments(parser)
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cuda",
+        help="Whose optimizer defaults and collectives to simulate (cuda: foreach, NCCL; cpu: a loop, gloo).",
+    )
+    _add_rank_arguments(parser)
+    parser.add_argument(
+        "--max-batch-size",
+        action="store_true",
+        help="With --device-memory: the largest micro-batch that fits, per optimizer (bisection).",
+    )
+    parser.add_argument("--no-extrapolate", action="store_true", help="Simulate every decoder layer.")
+    parser.add_argument("--units", choices=("binary", "decimal"), default="binary", help="GiB or GB.")
+    parser.add_argument("--json", action="store_true", help="Print JSON (the schema is below).")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _add_offload_time_arguments(parser: argparse.ArgumentParser) -> None:
+    """The offload rows' host memory and what their step costs: the host step's rate, the link, the device."""
     parser.add_argument("--host-memory", default=None, help="e.g. 256GiB: say whether each offload row's host fits.")
     parser.add_argument(
         "--host-step-rate",
@@ -129,23 +151,6 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="Offload rows: the device's achieved TFLOP/s, for backward's time (rule: 4 x params x tokens FLOPs, 6 x "
         "with activation checkpointing) and whether the host step hides behind it. Without it that is not said.",
     )
-    parser.add_argument(
-        "--device",
-        choices=DEVICES,
-        default="cuda",
-        help="Whose optimizer defaults and collectives to simulate (cuda: foreach, NCCL; cpu: a loop, gloo).",
-    )
-    _add_rank_arguments(parser)
-    parser.add_argument(
-        "--max-batch-size",
-        action="store_true",
-        help="With --device-memory: the largest micro-batch that fits, per optimizer (bisection).",
-    )
-    parser.add_argument("--no-extrapolate", action="store_true", help="Simulate every decoder layer.")
-    parser.add_argument("--units", choices=("binary", "decimal"), default="binary", help="GiB or GB.")
-    parser.add_argument("--json", action="store_true", help="Print JSON (the schema is below).")
-    parser.set_defaults(func=run)
-    return parser
 
 
 def _add_rank_arguments(parser: argparse.ArgumentParser) -> None:

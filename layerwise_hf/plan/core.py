@@ -328,19 +328,17 @@ def plan(
         bf16, fp16 (`bool`): Trainer's autocast. torch_dtype (`str`): the weights' dtype.
         gradient_checkpointing (`bool`): activation checkpointing as Trainer enables it (non-reentrant).
         lora_r (`int`, *optional*), lora_targets (`tuple[str, ...]`, *optional*): LoRA adapters (peft) on a frozen
-            base; the targets default to peft's for the architecture (q_proj, v_proj on Llama; c_attn on GPT-2), and
-            targets that match no module are refused with the model's linear modules.
+            base; targets default to peft's for the architecture, and ones matching no module are refused.
         device_memory (`str` or `int`, *optional*): e.g. `"80GiB"`; each row then says whether its device peak fits.
         device (`str`, defaults to `"cuda"`): whose optimizer defaults to use (`foreach` on CUDA), and whose
             collectives several ranks run (NCCL; gloo on `"cpu"`, whose FSDP2 collectives allocate buffers).
-        extrapolate (`bool`, defaults to `True`): simulate 2-4 identical decoder layers and extend the exact line.
-        counterparts (`bool`, defaults to `True`): also run each optimizer's standard / layer-wise counterpart.
+        extrapolate (`bool`, defaults to `True`): simulate 2-4 identical decoder layers and extend the exact line;
+            counterparts (`bool`, defaults to `True`): also run each optimizer's standard / layer-wise counterpart.
         world_size (`int`, defaults to `1`), sharding (`str`, defaults to `"none"`), sync_each_batch (`bool`): one
             rank of `world_size` under `"ddp"` or `"fsdp2"`, with a fake process group (`layerwise_hf.plan.ranks`),
             figures per rank; Accelerate's `sync_each_batch` reduces every micro-batch (no unsharded FSDP2 sum).
-        offload (`str` or a list of them), host_memory (*optional*): `layerwise_offload` of the layer-wise rows
-            (several modes: a row each), simulated with the real offload code, device and host sides apart
-            (`layerwise_hf.plan.offload`); e.g. `"256GiB"`: whether each offload row's host peak fits.
+        offload (`str` or a list of them), host_memory (*optional*): `layerwise_offload` of the layer-wise rows (a
+            row each; `layerwise_hf.plan.offload`); e.g. `"256GiB"`: whether each offload row's host peak fits.
 
     Example:
 
