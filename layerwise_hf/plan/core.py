@@ -289,6 +289,12 @@ def check_causal_lm(config: Any, name: str) -> None:
         )
 
 
+def _memory_limits(device_memory: str | int | None, host_memory: str | int | None) -> tuple[int | None, int | None]:
+    # Each parsed with the flag that names it in an error.
+    device = parse_size(device_memory) if device_memory is not None else None
+    return device, parse_size(host_memory, "--host-memory") if host_memory is not None else None
+
+
 def plan(
     model: Any,
     optimizers: list[str] | tuple[str, ...] = ("adamw_torch",),
@@ -325,8 +331,8 @@ def plan(
         seq_len, micro_batch, grad_accum (`int`): tokens per sequence, sequences per forward, micro-batches per step.
         max_grad_norm (`float`, defaults to `1.0`), clip_mode (`str`, defaults to `"exact"`): Trainer's clipping and
             the layer-wise `layerwise_clip` mode (exact clipping runs the norm pass, whose graph stays alive).
-        bf16, fp16 (`bool`): Trainer's autocast. torch_dtype (`str`): the weights' dtype.
-        gradient_checkpointing (`bool`): activation checkpointing as Trainer enables it (non-reentrant).
+        bf16, fp16 (`bool`): Trainer's autocast. torch_dtype (`str`): the weights' dtype. gradient_checkpointing
+            (`bool`): activation checkpointing as Trainer enables it (non-reentrant).
         lora_r (`int`, *optional*), lora_targets (`tuple[str, ...]`, *optional*): LoRA adapters (peft) on a frozen
             base; targets default to peft's for the architecture, and ones matching no module are refused.
         device_memory (`str` or `int`, *optional*): e.g. `"80GiB"`; each row then says whether its device peak fits.
@@ -358,8 +364,7 @@ def plan(
                    gradient_checkpointing=gradient_checkpointing, lora_targets=lora_targets)  # fmt: skip
     setup = make_setup(optimizers=names, world_size=world_size, sharding=sharding, sync_each_batch=sync_each_batch,
                        **options)  # fmt: skip
-    memory = parse_size(device_memory) if device_memory is not None else None
-    host = parse_size(host_memory, "--host-memory") if host_memory is not None else None
+    memory, host = _memory_limits(device_memory, host_memory)
     config, name, source = _config_of(model)
     setup = setup.replace(lora_targets=lora_targets_of(config, lora_targets)) if setup.lora_r else setup
     jobs = [(n, m) for n in names for m in (modes if n.endswith(SUFFIX) else ("none",))]
