@@ -1,10 +1,10 @@
 """A fake CUDA for CPU tests, checked by torch's own CUDA sanitizer (CSAN, `torch.cuda._sanitizer`).
 
-`FakeCuda` patches `torch.cuda` (streams, events, devices, syncs), `Tensor.record_stream` / `is_cuda` / `is_pinned`
-and pinned allocation with recording stand-ins, and runs a `TorchDispatchMode` that reports every aten op to CSAN's
-`EventHandler`, the happens-before model of CUDA streams that `enable_cuda_sanitizer()` feeds from CUDA's trace
-callbacks on a GPU. CPU tensors stand in for device memory; tensors allocated with `pin_memory=True` (and what host
-threads compute from them) stand in for host memory.
+`FakeCuda` patches `torch.cuda` (streams, events, devices, syncs), `Tensor.record_stream` / `is_cuda` / `is_pinned` /
+`get_device` and pinned allocation with recording stand-ins, and runs a `TorchDispatchMode` that reports every aten op
+to CSAN's `EventHandler`, the happens-before model of CUDA streams that `enable_cuda_sanitizer()` feeds from CUDA's
+trace callbacks on a GPU. CPU tensors stand in for device memory; tensors allocated with `pin_memory=True` (and what
+host threads compute from them) stand in for host memory.
 
 The model, as CUDA has it:
 - each thread has a current device (0 until it sets one) and, per device, a current stream (the default stream until
@@ -478,6 +478,13 @@ class FakeCuda:
             )
         )
         patch(mock.patch.object(torch.Tensor, "is_pinned", lambda t, device=None: fake._storage_ptr(t) in fake.pinned))
+        # NOTE: CPU tensors carry no device index: a device tensor is on the asking thread's current device.
+        get_device = torch.Tensor.get_device
+        patch(
+            mock.patch.object(
+                torch.Tensor, "get_device", lambda t: fake.current_device() if t.is_cuda else get_device(t)
+            )
+        )
         patch(mock.patch.object(offload_module.HostWorker, "submit", self._submit(offload_module.HostWorker.submit)))
         result = concurrent.futures.Future.result
 

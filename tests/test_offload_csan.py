@@ -134,3 +134,31 @@ def test_no_thread_touches_a_device_other_than_its_ranks():
         torch.cuda.set_device(rank_device)
         offload_loop("optimizer", 1, 0.0, device=rank_device)
     assert fake.touched and all(devices == {1} for devices in fake.touched.values()), fake.touched
+
+
+@pytest.mark.parametrize("mode", ["gradients", "optimizer"])
+def test_optimizer_built_before_the_model_is_on_the_device_copies_on_the_side_stream(mode, caplog):
+    # examples/accelerate_loop.py builds the optimizer before accelerator.prepare moves the model to the GPU: the
+    # transfer must follow the gradients' device at the first copy, not the parameters' when the optimizer is built.
+    from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer
+    from layerwise_hf.optim.host_offload import offload_of
+
+    model = _mlp()
+    args = LayerwiseTrainingArguments("out", optim="adamw_torch_layerwise", learning_rate=1e-2, weight_decay=0.0)
+    optimizer = build_layerwise_optimizer(
+        model, args, factory=lambda lp, _: torch.optim.AdamW([lp.param], lr=1e-2), offload=mode, host_step="exact"
+    )
+    clip = 0.0 if mode == "optimizer" else 0.5  # "gradients" offloads only what waits for the step: clip exactly
+    optimizer.configure_clipping(clip, "exact")
+    reference = reference_run(1, clip)
+    with FakeCuda() as fake:
+        optimizer.attach()
+        for (x,) in _batches(1, 3):
+            model(x).pow(2).sum().backward()
+            optimizer.step()
+        end_training(optimizer)
+        side = {stream for _, stream in fake.launches} - {fake.default_stream().id}
+    used = optimizer.inner[0].runner.transfer if mode == "optimizer" else offload_of(optimizer).transfer
+    assert isinstance(used, transfer_module.CudaTransfer)
+    assert side, "no copy ran on CudaTransfer's side stream"
+    assert_params_equal(model, reference)

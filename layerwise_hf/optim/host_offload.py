@@ -54,8 +54,8 @@ def enable_offload(
     Args:
         optimizer (`LayerwiseOptimizer`): the optimizer to offload.
         mode (`str`, *optional*, defaults to `"gradients"`): `"gradients"` (`"none"` turns offload off).
-        transfer (`Transfer`, *optional*): the device's copies (`layerwise_hf.placement.transfer`); chosen for the
-            gradients' device by default.
+        transfer (`Transfer`, *optional*): the device's copies (`layerwise_hf.placement.transfer`); by default chosen
+            at the first copy for the gradient's device (so the model may move to the GPU after this call).
         max_in_flight (`int`, *optional*, defaults to `2`): copies to the host in flight at once.
         runner (`HostRunner`, *optional*): the host steps' transfer and worker (`mode="optimizer"`).
 
@@ -88,10 +88,16 @@ def enable_offload(
             "(LAYERWISE_HF_OFFLOAD_SIMULATE=1 says this is intended and silences this warning).",
             mode,
         )
+    worker, choose = None, None
     if runner is not None:
-        transfer = runner.transfer_for(optimizer.params[0]) if transfer is None else transfer
-    worker = None if runner is None else runner.worker
-    gate.offload = GradientOffload(transfer, max_in_flight, worker=worker, host_steps=runner is not None)
+        worker = runner.worker
+        if transfer is not None and runner.transfer is None:
+            runner.transfer = transfer
+        # NOTE: the transfer is chosen at the first copy, from the gradient's device, not from the parameters' now: a
+        # plain Accelerate loop builds the optimizer before accelerator.prepare moves the model to the GPU.
+        choose = runner.transfer_for
+    hosted = runner is not None
+    gate.offload = GradientOffload(transfer, max_in_flight, worker=worker, host_steps=hosted, choose=choose)
     # NOTE: a route may ask what is held before any hook of the next window runs (the data-parallel route merges a
     # host sum before reducing); a window GradScaler skipped must be forgotten by then.
     gate.offload.check_window = gate.close_skipped_window

@@ -42,7 +42,7 @@ import torch
 from ..bases.params import LayerwiseFactory, LayerwiseParam
 from .host_kernel import claim_thread_share, host_kernel_flags, host_threads_for
 from .offload import HostWorker, local_tensor
-from .transfer import Ticket, Transfer, make_transfer
+from .transfer import Ticket, Transfer, device_of, make_transfer
 
 
 class HostRunner:
@@ -51,8 +51,8 @@ class HostRunner:
     the next forward waits for.
 
     Args:
-        transfer (`Transfer`, *optional*): the device's copies; by default `make_transfer` for the first parameter's
-            device.
+        transfer (`Transfer`, *optional*): the device's copies; by default `make_transfer` for the device of the
+            first gradient or parameter copied (chosen then, not when the optimizer is built).
     """
 
     def __init__(self, transfer: Transfer | None = None):
@@ -103,8 +103,10 @@ class HostRunner:
         self._verdicts.clear()
 
     def transfer_for(self, tensor: torch.Tensor) -> Transfer:
+        """The transfer, chosen at the first copy for the device of `tensor` (a device-side tensor: every first call
+        copies a gradient or into a parameter)."""
         if self.transfer is None:
-            self.transfer = make_transfer(tensor.device)
+            self.transfer = make_transfer(device_of(tensor))
         return self.transfer
 
     def wait(self) -> None:

@@ -223,6 +223,29 @@ def offload_simulated() -> bool:
     return os.environ.get(SIMULATE_ENV, "").strip().lower() in ("1", "true", "yes", "thread")
 
 
+def device_of(tensor: torch.Tensor) -> torch.device:
+    """
+    The device whose `Transfer` copies `tensor`: its CUDA device if it is a CUDA tensor, else its own device. Offload
+    asks this of the first device-side tensor it copies (a gradient, or the parameter it is stepped into), not of the
+    parameters when the optimizer is built: a plain Accelerate loop builds it before `accelerator.prepare` moves the
+    model to the GPU.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.placement.transfer import device_of
+    >>> device_of(torch.ones(2))
+    device(type='cpu')
+    ```
+    """
+    # NOTE: is_cuda and get_device, not .device: the fake CUDA of the tests (tests/cuda_fake.py) answers them for the
+    # CPU tensors that stand in for device memory, so its runs choose CudaTransfer as a GPU does.
+    if tensor.is_cuda:
+        return torch.device("cuda", tensor.get_device())
+    return tensor.device
+
+
 def make_transfer(device: torch.device) -> Transfer:
     """
     The `Transfer` for parameters on `device`: `CudaTransfer` on CUDA, else (or with
