@@ -183,7 +183,7 @@ class FakeCuda:
         touched (`dict[str, set[int]]`): thread name -> devices it set (as `cudaSetDevice` would).
         pinned_bytes (`int`): bytes of the pinned allocations alive, as allocated (no rounding: see `pinned_blocks`).
         pinned_blocks (`list[int]`): each pinned allocation's requested bytes.
-        launches (`list[tuple[str, int]]`): (op, stream id) of every kernel launch.
+        launches (`list[tuple[str, int]]`): (op, stream id) of every kernel launch (`ordered_after` compares two).
     """
 
     active: FakeCuda | None = None
@@ -204,6 +204,7 @@ class FakeCuda:
         self.host_ptrs: set[int] = set()  # storages standing in for host memory
         self.storages: dict[int, tuple[StorageWeakRef, int, int, set[int]]] = {}  # ptr -> (ref, nbytes, stream, rs)
         self.launches: list[tuple[str, int]] = []
+        self.launch_states: list[tuple[int, dict[int, int]]] = []  # each launch's sequence number and what it follows
         self.main = threading.get_ident()
         self._patches = contextlib.ExitStack()
 
@@ -325,8 +326,15 @@ class FakeCuda:
             for tensor in seen:
                 self._track_storage(tensor, stream, new_host=host and id(tensor) not in input_ids, pinned=pin)
             if not host:
+                if is_factory:
+                    # NOTE: CSAN reads `empty` as a write of its output but `empty_like` / `new_*` as metadata only. An
+                    # allocation belongs to its stream's order either way (the caching allocator hands a block freed
+                    # on that stream to it at once): another stream must wait for it before writing there.
+                    handler.dataptrs_written |= handler.outputs
                 self.order_after_host(stream)
                 self.launches.append((str(func), stream))
+                state = dict(self.handler.syncs.current_sync_states[stream])
+                self.launch_states.append((self.handler.seq_num + 1, state))
             errors = self.handler._handle_kernel_launch(
                 stream,
                 handler.dataptrs_read - handler.dataptrs_written,
@@ -385,6 +393,11 @@ class FakeCuda:
         known = self.storages.get(self._storage_ptr(tensor))
         if known is not None:
             known[3].add(stream.id)
+
+    def ordered_after(self, later: int, earlier: int) -> bool:
+        """Whether launch `later` (an index into `launches`) is ordered after launch `earlier` in CSAN's model."""
+        seq, _ = self.launch_states[earlier]
+        return self.launch_states[later][1].get(self.launches[earlier][1], -1) >= seq
 
     @property
     def pinned_bytes(self) -> int:

@@ -43,8 +43,9 @@ def _batches(ga, steps):
     return [[torch.randn(5, 8) for _ in range(ga)] for _ in range(steps)]
 
 
-def offload_loop(mode, ga, clip, steps=3, device=DEVICE, model=None):
-    """Layer-wise AdamW with offload through `CudaTransfer` (run it under `FakeCuda`)."""
+def offload_loop(mode, ga, clip, steps=3, device=DEVICE, model=None, read_between=False):
+    """Layer-wise AdamW with offload through `CudaTransfer` (run it under `FakeCuda`). `read_between`: the compute
+    stream reads every parameter between each window's backward and `step()` (a user logging weight norms)."""
     model = model if model is not None else _mlp()
     sync = [True]
     params = [LayerwiseParam(n, p, weight_decay=0.0) for n, p in model.named_parameters()]
@@ -60,6 +61,8 @@ def offload_loop(mode, ga, clip, steps=3, device=DEVICE, model=None):
         for k, x in enumerate(window):
             sync[0] = k == ga - 1
             model(x).pow(2).sum().backward()
+        if read_between:
+            probes = [p.detach().sum() for p in model.parameters()]  # noqa: F841 - queued on the compute stream
         optimizer.step()
     end_training(optimizer)
     return model, optimizer
@@ -71,7 +74,7 @@ def offload_loop(mode, ga, clip, steps=3, device=DEVICE, model=None):
 def test_cuda_transfer_matches_standard_with_no_unordered_access(mode, ga, clip):
     reference = reference_run(ga, clip)
     with FakeCuda() as fake:
-        model, _ = offload_loop(mode, ga, clip)
+        model, _ = offload_loop(mode, ga, clip, read_between=ga > 1)
         if mode == "optimizer" or ga > 1 or clip:  # else every gradient steps in backward: nothing to offload
             assert any(stream != fake.default_stream().id for _, stream in fake.launches)  # the side stream ran
     assert_params_equal(model, reference)
@@ -89,21 +92,36 @@ def assert_csan_reports(run):
     assert "CSAN detected a possible data race" in "\n".join(getattr(error, "__notes__", []))
 
 
-def _without_side_stream_wait(monkeypatch):
-    init = transfer_module.CudaTransfer.__init__
+def _without_compute_wait(direction):
+    def remove(monkeypatch):
+        init = transfer_module.CudaTransfer.__init__
 
-    def no_wait(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        for stream in vars(self).values():
-            if isinstance(stream, torch.cuda.Stream):
-                stream.wait_stream = lambda other: None
+        def no_wait(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            getattr(self, direction).wait_stream = lambda other: None
 
-    monkeypatch.setattr(transfer_module.CudaTransfer, "__init__", no_wait)
+        monkeypatch.setattr(transfer_module.CudaTransfer, "__init__", no_wait)
+
+    return remove
+
+
+def _without_waits_for_earlier_copies(monkeypatch):
+    copy = transfer_module.CudaTransfer.copy
+    monkeypatch.setattr(
+        transfer_module.CudaTransfer,
+        "copy",
+        lambda self, dst, src, after=None: copy(self, dst, src, None if after is None else []),
+    )
 
 
 REMOVED_WAITS = {
-    # the side stream waits for the compute stream before copying what it produced (CudaTransfer.copy)
-    "copy_waits_for_compute": _without_side_stream_wait,
+    # the copy-out stream waits for the compute stream before copying what it produced (CudaTransfer.copy)
+    "copy_waits_for_compute": _without_compute_wait("to_host"),
+    # the copy-back stream waits for the compute stream before writing memory allocated there (GradientOffload)
+    "copy_back_waits_for_compute": _without_compute_wait("to_device"),
+    # the host worker's copy back waits for the copy out of its gradient, or a mark of the compute stream taken
+    # when step() handed the parameter over (not for the worker's own current stream)
+    "copy_back_waits_for_its_copy": _without_waits_for_earlier_copies,
     # the compute stream waits for a copy back before using it (Ticket.wait_device)
     "wait_device": lambda mp: mp.setattr(transfer_module._CudaTicket, "wait_device", lambda self: None),
     # the host waits for a copy to the host before reading the buffer (Ticket.wait_host)
@@ -116,6 +134,9 @@ REMOVED_WAITS = {
     [
         ("copy_waits_for_compute", "gradients", 4, 0.0),
         ("copy_waits_for_compute", "optimizer", 1, 0.0),
+        ("copy_back_waits_for_compute", "gradients", 1, 0.5),
+        ("copy_back_waits_for_compute", "gradients", 4, 0.0),
+        ("copy_back_waits_for_its_copy", "optimizer", 4, 0.0),
         ("wait_device", "gradients", 1, 0.5),
         ("wait_device", "optimizer", 1, 0.0),
         ("wait_host", "gradients", 4, 0.0),
@@ -124,8 +145,11 @@ REMOVED_WAITS = {
 )
 def test_each_removed_wait_is_reported_by_csan(monkeypatch, removed, mode, ga, clip):
     REMOVED_WAITS[removed](monkeypatch)
+    # A copy back that the host worker issues after waiting (on the host) for the copy out of its gradient is ordered
+    # by that wait as well; what only its own waits order is a read of the parameter between backward and step().
+    read_between = removed == "copy_back_waits_for_its_copy"
     with FakeCuda():
-        assert_csan_reports(lambda: offload_loop(mode, ga, clip))
+        assert_csan_reports(lambda: offload_loop(mode, ga, clip, read_between=read_between))
 
 
 def test_no_thread_touches_a_device_other_than_its_ranks():
@@ -162,3 +186,47 @@ def test_optimizer_built_before_the_model_is_on_the_device_copies_on_the_side_st
     assert isinstance(used, transfer_module.CudaTransfer)
     assert side, "no copy ran on CudaTransfer's side stream"
     assert_params_equal(model, reference)
+
+
+def test_copies_back_run_on_their_own_stream_and_do_not_wait_for_compute_queued_after_the_step(monkeypatch):
+    # The host worker's copy back once waited for the worker's current stream (the device's default stream, where
+    # the backward queued meanwhile runs) on the copies out's stream: it could start only after that backward.
+    import threading
+
+    from layerwise_hf.placement.host_step import HostStepOptimizer
+
+    go = threading.Event()
+    step_on_host = HostStepOptimizer._step_on_host
+
+    def held(self, *args):
+        go.wait(30)  # the host step is handed over; the compute stream goes on before it runs
+        return step_on_host(self, *args)
+
+    monkeypatch.setattr(HostStepOptimizer, "_step_on_host", held)
+    copy, streams = transfer_module.CudaTransfer.copy, {}
+
+    def recorded(self, dst, src, after=None):
+        n = len(FakeCuda.active.launches)
+        ticket = copy(self, dst, src) if after is None else copy(self, dst, src, after)
+        launched = [k for k in range(n, len(FakeCuda.active.launches)) if "copy_" in FakeCuda.active.launches[k][0]]
+        streams.setdefault("back" if dst.is_cuda else "out", []).extend(launched)
+        return ticket
+
+    monkeypatch.setattr(transfer_module.CudaTransfer, "copy", recorded)
+    with FakeCuda() as fake:
+        model = _mlp()
+        params = [LayerwiseParam(n, p, weight_decay=0.0) for n, p in model.named_parameters()]
+        factory, runner = host_step_factory(lambda lp, _: torch.optim.AdamW([lp.param], lr=1e-2), "optimizer")
+        optimizer = LayerwiseOptimizer(params, factory)
+        enable_offload(optimizer, "optimizer", runner=runner)
+        optimizer.attach()
+        model(torch.randn(5, 8)).pow(2).sum().backward()
+        later = len(fake.launches)
+        torch.ones(64).mul(2)  # compute queued after every host step was handed over
+        go.set()
+        optimizer.step()
+        end_training(optimizer)
+        out = {fake.launches[k][1] for k in streams["out"]}
+        back = {fake.launches[k][1] for k in streams["back"]}
+        assert out.isdisjoint(back) and fake.default_stream().id not in out | back, (out, back)
+        assert not [k for k in streams["back"] if fake.ordered_after(k, later)]

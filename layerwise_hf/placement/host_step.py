@@ -203,20 +203,26 @@ class HostStepOptimizer(torch.optim.Optimizer):
         if self.host_grad is None or self.host_grad.shape != grad.shape or self.host_grad.dtype != grad.dtype:
             self.host_grad = transfer.host_empty_like(grad)
         ticket = transfer.copy(self.host_grad, grad)
-        self.step_host(self.host_grad, [ticket], None)
+        # The copy back waits for this copy out: it was queued after backward's last use of the parameter.
+        self.step_host(self.host_grad, [ticket], None, after=ticket)
         return None
 
-    def step_host(self, grad: torch.Tensor, waits: list[Any], coef: torch.Tensor | None) -> None:
-        """Step from `grad`, a host tensor that is complete once `waits` are, scaled by `coef` (clipping) first."""
+    def step_host(
+        self, grad: torch.Tensor, waits: list[Any], coef: torch.Tensor | None, after: Ticket | None = None
+    ) -> None:
+        """Step from `grad`, a host tensor that is complete once `waits` are, scaled by `coef` (clipping) first. The
+        copy back into the device parameter waits for `after` (by default a mark of the compute stream now)."""
         if self.stale or self._written_since():
             self.refresh()
+        if after is None:
+            after = self.runner.transfer_for(local_tensor(self.param_groups[0]["params"][0])).mark()
         # The lr and the rest are read now: the scheduler changes them before the worker may run.
         hyper = {k: v for k, v in self.param_groups[0].items() if k != "params"}
         previous = self.last
-        self.last = self.runner.worker.submit(self._step_on_host, grad, [*waits], coef, hyper, previous)
+        self.last = self.runner.worker.submit(self._step_on_host, grad, [*waits], coef, hyper, previous, after)
         self.runner.add(self)
 
-    def _step_on_host(self, grad, waits, coef, hyper, previous) -> Ticket:
+    def _step_on_host(self, grad, waits, coef, hyper, previous, after) -> Ticket:
         # On the host worker.
         for w in waits:
             w.result() if isinstance(w, concurrent.futures.Future) else w.wait_host()
@@ -237,7 +243,7 @@ class HostStepOptimizer(torch.optim.Optimizer):
         # NOTE: the copy's copy_ counts one write to the parameter's version, when it is issued (CUDA) or when the
         # copy thread runs it (CPU stand-in): expected from the count now, not read after it.
         self.version = local._version + 1
-        return self.runner.transfer_for(self.host).copy(local, self.host)
+        return self.runner.transfer_for(self.host).copy(local, self.host, after=[after])
 
     def _written_since(self) -> bool:
         # Whether the device parameter was written since the last copy back: its host copy is then out of date.

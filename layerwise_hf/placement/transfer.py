@@ -5,7 +5,10 @@ back while the steps go on. Everything it needs from the device is here:
 
 - `Transfer.copy(dst, src)` starts `dst.copy_(src)` after the work queued so far on the calling (compute) stream and
   returns a `Ticket`; `src` and `dst` must not be touched until the ticket says the copy is done. Freeing `src` right
-  away is allowed: the transfer keeps it alive until the copy has run.
+  away is allowed: the transfer keeps it alive until the copy has run. `copy(dst, src, after=tickets)` starts it after
+  those tickets' copies (or marks) instead: how the host worker, whose own current stream is not the compute's, copies
+  a parameter back.
+- `Transfer.mark()` is a `Ticket` for the work queued so far on the calling thread's current stream.
 - `Ticket.wait_host()` blocks the calling thread until the copy is done (before the host reads or writes a buffer);
   `Ticket.wait_device()` makes the compute stream wait for it (before the device uses the copied tensor);
   `Ticket.done()` asks without waiting.
@@ -13,9 +16,9 @@ back while the steps go on. Everything it needs from the device is here:
 
 Two implementations:
 
-- `CudaTransfer`: one side stream for copies in both directions (so a copy back into a host buffer's reader is
-  ordered after the copy out of it), CUDA events, `non_blocking` copies from and to pinned memory, and
-  `record_stream` so the caching allocator does not hand out a freed source while the side stream still reads it.
+- `CudaTransfer`: a side stream per direction (a copy back does not queue behind the copies out of the backward going
+  on, nor they behind it), CUDA events, `non_blocking` copies from and to pinned memory, and `record_stream` so the
+  caching allocator does not hand out a freed source while a side stream still reads it.
 - `ThreadTransfer`: the CPU stand-in. A copy thread really runs the copies, in order, each after an injectable delay,
   and signals each with a `threading.Event`. A missing `wait_*` then reads a buffer before its copy has run and fails
   the CPU tests, instead of first showing up as wrong weights on a GPU. It is what a CPU-only machine runs (there the
@@ -31,6 +34,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -72,7 +76,11 @@ class Transfer:
 
     simulated = False
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Ticket] | None = None) -> Ticket:
+        raise NotImplementedError
+
+    def mark(self) -> Ticket:
+        """A ticket done once the calling thread's current stream has run what is queued on it now."""
         raise NotImplementedError
 
     def host_empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -111,37 +119,55 @@ class CudaTransfer(Transfer):
     def __init__(self, device: torch.device):
         device = torch.device(device)
         self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-        self.stream = torch.cuda.Stream(device=self.device)
+        self.to_host = torch.cuda.Stream(device=self.device)
+        self.to_device = torch.cuda.Stream(device=self.device)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+    def _own_device(self) -> None:
         if torch.cuda.current_device() != self.device.index:
             # NOTE: the current device is per thread, 0 in a thread that never set it (the host worker), and leaving
             # torch.cuda.stream sets it back: without this every rank's host worker opens a context on GPU 0.
             torch.cuda.set_device(self.device)
-        compute = torch.cuda.current_stream(self.device)
-        # NOTE: the side stream must not start before the compute stream has produced `src` (or finished reading a
-        # device `dst` it reuses): wait_stream orders it after everything queued on compute so far.
-        self.stream.wait_stream(compute)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Ticket] | None = None) -> Ticket:
+        self._own_device()
+        stream = self.to_device if dst.is_cuda else self.to_host
+        if after is None:
+            # NOTE: the side stream must not start before the compute stream has produced `src` (or finished with the
+            # memory of a device `dst`): wait_stream orders it after everything queued on compute so far.
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        else:
+            # NOTE: the host worker's current stream is the device's default stream, not the compute's: waiting for
+            # it would hold a copy back until whatever backward queued meanwhile has run. It waits for the events of
+            # what it depends on (the copy out of the gradient it stepped, or a mark on the compute stream).
+            for ticket in after:
+                stream.wait_event(ticket.event)
         # NOTE: grad mode is per thread and on in a fresh one: the host worker's copy back into a leaf parameter
         # would raise without no_grad (ThreadTransfer's copy thread has it too).
-        with torch.no_grad(), torch.cuda.stream(self.stream):
+        with torch.no_grad(), torch.cuda.stream(stream):
             # NOTE: non_blocking is asynchronous only between a device tensor and pinned host memory; the host must
             # not read or write the pinned side until the event has completed.
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(self.stream)
+            event.record(stream)
         for tensor in (src, dst):
             if tensor.is_cuda:
                 # NOTE: the caching allocator reuses a freed block as soon as its allocating stream is done with it;
                 # record_stream makes it wait for the side stream's use too, so `src` may be freed right away.
-                tensor.record_stream(self.stream)
+                tensor.record_stream(stream)
+        return _CudaTicket(event, self.device)
+
+    def mark(self) -> Ticket:
+        self._own_device()
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
         return _CudaTicket(event, self.device)
 
     def host_empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
         return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
 
     def close(self) -> None:
-        self.stream.synchronize()
+        self.to_host.synchronize()
+        self.to_device.synchronize()
 
 
 class _ThreadTicket(Ticket):
@@ -182,14 +208,20 @@ class ThreadTransfer(Transfer):
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # copies are started from the host worker too: one copy thread, one order
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Ticket] | None = None) -> Ticket:
         ticket = _ThreadTicket()
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="layerwise-offload-copy", daemon=True)
                 self._thread.start()
             # The queued item holds `src`: like record_stream, a freed source lives until its copy has run.
-            self._queue.put((dst, src, ticket))
+            self._queue.put((dst, src, ticket, list(after or ())))
+        return ticket
+
+    def mark(self) -> Ticket:
+        # On CPU the compute "stream" is the calling thread: what it queued has run.
+        ticket = _ThreadTicket()
+        ticket.event.set()
         return ticket
 
     def _run(self) -> None:
@@ -197,8 +229,10 @@ class ThreadTransfer(Transfer):
             item = self._queue.get()
             if item is None:
                 return
-            dst, src, ticket = item
+            dst, src, ticket, after = item
             try:
+                for earlier in after:
+                    earlier.wait_host()
                 if self.delay:
                     time.sleep(self.delay)
                 with torch.no_grad():
@@ -206,7 +240,7 @@ class ThreadTransfer(Transfer):
             except BaseException as err:  # surfaced to whoever waits on the ticket
                 ticket.error = err
             finally:
-                del dst, src, item
+                del dst, src, item, after
                 ticket.event.set()
 
     def close(self) -> None:

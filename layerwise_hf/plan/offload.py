@@ -36,7 +36,7 @@ from .tracker import GRADIENTS, OPTIMIZER_STATE, WEIGHTS, LiveBytes, _state_tens
 class _InlineTicket(Ticket):
     __slots__ = ("source",)
 
-    def __init__(self, source: torch.Tensor):
+    def __init__(self, source: torch.Tensor | None):
         self.source: torch.Tensor | None = source  # alive until the copy is waited for
 
     def done(self) -> bool:
@@ -77,12 +77,15 @@ class InlineTransfer(Transfer):
         self.tracker = tracker
         self.started: list[_InlineTicket] = []
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Ticket:
         with torch.no_grad():
             dst.copy_(src)
         ticket = _InlineTicket(src)
         self.started = [t for t in self.started if not t.done()] + [ticket]
         return ticket
+
+    def mark(self) -> Ticket:
+        return _InlineTicket(None)
 
     def finish(self) -> None:
         """Every copy started so far is done (its source released)."""
