@@ -6,6 +6,7 @@ to the one Trainer's clipping takes over all of them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -62,5 +63,21 @@ def total_norm(norms: Sequence[tuple[torch.device, torch.dtype, torch.Tensor]]) 
     stand_ins = [torch.empty(1, dtype=dtype, device=device) for device, dtype, _ in norms]
     grouped = _group_tensors_by_device_and_dtype([stand_ins], with_indices=True)
     flat = [norms[i][2] for _, (_, indices) in grouped.items() for i in indices]
-    first_device = norms[0][0]
-    return torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in flat]), 2.0)
+    return torch.linalg.vector_norm(_stack_on(flat, norms[0][0]), 2.0)
+
+
+def _stack_on(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    # One copy per device the tensors live on, not one per tensor: with host offload the norms of host sums are on
+    # the host and the others on the device, and a copy of each scalar would be one host-device transfer per
+    # parameter. Copies are exact, so the stacked values (and the norm) are those of stacking each moved alone.
+    positions: dict[torch.device, list[int]] = {}
+    for k, t in enumerate(tensors):
+        positions.setdefault(t.device, []).append(k)
+    if list(positions) == [torch.device(device)]:
+        return torch.stack(tensors)
+    moved: list[Any] = [None] * len(tensors)
+    for ks in positions.values():
+        together = torch.stack([tensors[k] for k in ks]).to(device)
+        for j, k in enumerate(ks):
+            moved[k] = together[j]
+    return torch.stack(moved)
