@@ -84,14 +84,16 @@ def test_a_checkpoint_of_0_1_names_the_wrapper_by_its_old_module_and_still_loads
     saved = optimizer.state_dict()
     classes = saved["layerwise_hf"]["optimizer_classes"]
     assert "layerwise_hf.placement.local_shard.LocalShardOptimizer" in classes
-    saved["layerwise_hf"]["optimizer_classes"] = [c.replace(".routes.local_shard.", ".local_shard.") for c in classes]
-    resumed = build_layerwise_optimizer(model, args, local_shards=True)
-    resumed.load_state_dict(saved)
-    assert all(
-        torch.equal(a, b)
-        for a, b in zip(resumed.state_dict()["state"][0].values(), saved["state"][0].values())
-        if isinstance(a, torch.Tensor)
-    )
+    # 0.1's path, and the path before the wrappers moved to `placement/` (`routes.local_shard`).
+    for old in (".local_shard.", ".routes.local_shard."):
+        saved["layerwise_hf"]["optimizer_classes"] = [c.replace(".placement.local_shard.", old) for c in classes]
+        resumed = build_layerwise_optimizer(model, args, local_shards=True)
+        resumed.load_state_dict(saved)
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(resumed.state_dict()["state"][0].values(), saved["state"][0].values())
+            if isinstance(a, torch.Tensor)
+        )
     # Another class is still refused.
     saved["layerwise_hf"]["optimizer_classes"] = ["torch.optim.adamw.AdamW"] * len(classes)
     with pytest.raises(ValueError, match="saved optimizer torch.optim.adamw.AdamW"):

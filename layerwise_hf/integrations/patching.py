@@ -46,7 +46,7 @@ from ..platform.compat import (
 __all__ = ["CLIP_MODES", "UnsupportedVersionError", "install", "is_installed", "uninstall"]
 
 # The parameters each method has in the supported versions: the mixin's overrides call them with these, and the
-# patches below wrap them. Those that differ between versions come from bases.compat.trainer_method_parameters().
+# patches below wrap them. Those that differ between versions come from platform.compat.trainer_method_parameters().
 _TRAINER_METHODS = {
     "__init__": ("self", "model", "args"),  # a prefix: the rest are passed through by keyword
     "log": ("self", "logs", "start_time"),
