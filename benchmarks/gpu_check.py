@@ -5,7 +5,10 @@ JSON and the exit status: benchmarks/README.md."""
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import copy
+import functools
 import gc
 import inspect
 import json
@@ -89,10 +92,9 @@ SIZES = {
 
 
 # Seconds each check is planned to take on one H200 (estimates from the work each does; none was run on a GPU yet),
-# 435 in all, inside gpu_check.sh's 445 s --time_limit and its 8 minutes with the preflight. The JSON and the progress
-# lines show each check's time next to its budget; subprocesses are cut at --time_limit whatever the budget. The
-# offload check came last, with 75 s: the earlier budgets were cut by 55 s to make room (a process of the ~1B model
-# is ~12 s of imports and CUDA start-up, ~3 s to build, steps of ~0.2 s), and --time_limit grew by 15 s.
+# 435 in all, inside gpu_check.sh's --time_limit and its 8 minutes with the preflight. A process of the ~1B model is
+# ~12 s of imports and CUDA start-up, ~3 s to build, steps of ~0.2 s; subprocesses are cut at --time_limit whatever
+# the budget.
 CHECK_BUDGET_S = {
     "parity": 55,  # 12 Trainer runs of 6 steps on the 13M Llama, CUDA and cuBLAS start-up included
     "fp16": 25,  # 4 runs
@@ -100,9 +102,7 @@ CHECK_BUDGET_S = {
     "fsdp2_8bit": 70,  # 1 accelerate launch (imports, NCCL, 2 runs); a second on 2 GPUs
     "memory": 85,  # 2 processes: imports, a 1.1B model built on the GPU, 3 steps; the plan (~15 s) runs beside them
     "step_time": 110,  # 3 processes, 10 steps each
-    # 6 Trainer runs of 6 steps on the 13M Llama (~25 s), then ONE process for the 4 runs of the ~1B model (~12 s
-    # start-up, 4 x ~3 s to build, 6 steps each: the host AdamW step of 1.1B bf16 parameters ~1-2 s a step)
-    "offload": 75,
+    "offload": 75,  # 6 small runs (~25 s), then ONE process for the 4 runs of the ~1B model (host AdamW ~1-2 s a step)
 }
 
 
@@ -114,7 +114,7 @@ def _terminate(signum, frame):
     raise Terminated(signal.Signals(signum).name)
 
 
-# ---- models, data, training ----
+# ---- models, data, training, comparison ----
 
 
 def llama_config(sizes: dict, seq: int, attn: str) -> LlamaConfig:
@@ -128,21 +128,13 @@ def build_model(config: LlamaConfig, seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-class TokenDataset(torch.utils.data.Dataset):
+def token_dataset(n: int, seq: int, vocab: int, seed: int = 1) -> list[dict]:
     """Next token = previous + 1 with 10% noise: a learnable pattern, so losses and gradients move."""
-
-    def __init__(self, n: int, seq: int, vocab: int, seed: int = 1):
-        g = torch.Generator().manual_seed(seed)
-        start = torch.randint(0, vocab, (n, 1), generator=g)
-        self.ids = (start + torch.arange(seq)) % vocab
-        noise = torch.rand(n, seq, generator=g) < 0.1
-        self.ids[noise] = torch.randint(0, vocab, (int(noise.sum()),), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+    g = torch.Generator().manual_seed(seed)
+    ids = (torch.randint(0, vocab, (n, 1), generator=g) + torch.arange(seq)) % vocab
+    noise = torch.rand(n, seq, generator=g) < 0.1
+    ids[noise] = torch.randint(0, vocab, (int(noise.sum()),), generator=g)
+    return [{"input_ids": row, "labels": row} for row in ids]
 
 
 def training_args(output_dir, optim: str, device: str, **overrides) -> LayerwiseTrainingArguments:
@@ -155,7 +147,7 @@ def training_args(output_dir, optim: str, device: str, **overrides) -> Layerwise
 
 
 def make_trainer(model, args, dataset, callbacks=(), device="cuda", scaler: dict | None = None):
-    """A Trainer (LayerwiseTrainer for a layer-wise optim); with fp16, `scaler` replaces the GradScaler's settings."""
+    """Trainer or LayerwiseTrainer, each callback's `trainer` set; with fp16, `scaler`: the GradScaler's settings."""
     cls = LayerwiseTrainer if args.is_layerwise else Trainer
     trainer = cls(model=model, args=args, train_dataset=dataset, callbacks=list(callbacks))
     trainer.remove_callback(PrinterCallback)  # every log line is in the JSON; keep the output to the table
@@ -169,19 +161,20 @@ def make_trainer(model, args, dataset, callbacks=(), device="cuda", scaler: dict
     return trainer
 
 
-def train_pair(optim, base_model, dataset, device, make_callbacks=None, **overrides) -> dict:
-    """`{"standard": (trainer, callbacks), "layerwise": (...)}`: `optim` and `optim_layerwise` trained from copies of
-    `base_model` with the same arguments (`make_callbacks(kind, model)` gives each run's callbacks)."""
-    runs = {}
-    for kind, name in (("standard", optim), ("layerwise", f"{optim}_layerwise")):
-        with tempfile.TemporaryDirectory() as out:
-            model = copy.deepcopy(base_model)
-            callbacks = list(make_callbacks(kind, model)) if make_callbacks else []
-            args = training_args(out, name, device, **overrides)
-            trainer = make_trainer(model, args, dataset, callbacks, device=device)
-            trainer.train()
-        runs[kind] = (trainer, callbacks)
-    return runs
+def train_one(optim, base_model, dataset, device, callbacks=(), **overrides):
+    """`optim` trained from a copy of `base_model` (LayerwiseTrainer for a layer-wise name)."""
+    with tempfile.TemporaryDirectory() as out:
+        args = training_args(out, optim, device, **overrides)
+        trainer = make_trainer(copy.deepcopy(base_model), args, dataset, callbacks, device=device)
+        trainer.train()
+    return trainer
+
+
+def small_setup(sizes: dict, steps_key: str, ga: int = 1):
+    """The small model's config, its random model, and a dataset of `sizes[steps_key]` steps at `ga`."""
+    config = llama_config(sizes["small_model"], sizes["small_seq"], attn="eager")
+    n = sizes["small_batch"] * ga * sizes[steps_key]
+    return config, build_model(config), token_dataset(n, sizes["small_seq"], config.vocab_size)
 
 
 def logged(trainer, key: str) -> list[float]:
@@ -195,24 +188,19 @@ def param_diff(a, b) -> tuple[float, bool]:
         raise ValueError("the two models have different parameters")
     worst, exact = 0.0, True
     for name in pa:
-        x, y = pa[name].detach().float(), pb[name].detach().float()
         exact = exact and torch.equal(pa[name], pb[name])
-        worst = max(worst, float((x - y).abs().max()))
+        worst = max(worst, float((pa[name].detach().float() - pb[name].detach().float()).abs().max()))
     return worst, exact
 
 
 def update_diff(before, standard, layerwise) -> dict:
-    """
-    How far the layer-wise parameter updates are from the standard ones: per parameter
-    |(w_lw - w0) - (w_std - w0)| / |w_std - w0| (L2 norms, float64), the largest of them and the whole model's.
-    A wrongly scaled clip moves SGD's updates by the scale's error and AdamW's by far less, but never by nothing.
-    """
+    """Per parameter |(w_lw - w0) - (w_std - w0)| / |w_std - w0| (L2 norms, float64): the largest, and the model's.
+    A wrongly scaled clip moves SGD's updates by the scale's error and AdamW's by far less, but never by nothing."""
     p0, ps, pl = (dict(m.named_parameters()) for m in (before, standard, layerwise))
     worst, worst_name, num_sq, den_sq = 0.0, None, 0.0, 0.0
     for name, w0 in p0.items():
         w0 = w0.detach().double().cpu()
-        d_std = ps[name].detach().double().cpu() - w0
-        d_lw = pl[name].detach().double().cpu() - w0
+        d_std, d_lw = (p[name].detach().double().cpu() - w0 for p in (ps, pl))
         num, den = float((d_lw - d_std).norm()), float(d_std.norm())
         rel = num / den if den > 0 else (0.0 if num == 0 else math.inf)
         num_sq, den_sq = num_sq + num**2, den_sq + den**2
@@ -222,23 +210,18 @@ def update_diff(before, standard, layerwise) -> dict:
     return {"update_max_rel_diff": worst, "update_worst_param": worst_name, "update_model_rel_diff": total}
 
 
-def list_diff(a: list[float], b: list[float]) -> float | None:
-    """Largest absolute difference of two logged lists (nan == nan, inf == inf); None when they cannot be paired."""
+def list_diff(a: list, b: list) -> float | None:
+    """Largest difference of two logged lists (nan == nan, "nan" read as nan); None if of unlike lengths."""
     if len(a) != len(b):
         return None
     worst = 0.0
-    for x, y in zip(a, b):
+    for x, y in zip(map(float, a), map(float, b)):
         if x == y or (math.isnan(x) and math.isnan(y)):
             continue
         if not (math.isfinite(x) and math.isfinite(y)):
             return math.inf
         worst = max(worst, abs(x - y))
     return worst
-
-
-def jsonable(values: list[float]) -> list:
-    """JSON has no nan/inf: write them as strings."""
-    return [v if math.isfinite(v) else str(v) for v in values]
 
 
 def finite(obj):
@@ -253,12 +236,8 @@ def finite(obj):
 
 
 def compare_runs(base_model, std, lw, steps: int, criterion: str, opts) -> dict:
-    """
-    Layer-wise vs standard after training from `base_model`. `criterion` "bit-exact": every weight and every logged
-    grad_norm identical; "update_rtol": updates within `--update_rtol` of their norm, per parameter, and grad_norm
-    within it too. `passed_former_atol` is the former check (largest weight difference <= `--parity_atol`), reported
-    for comparison only.
-    """
+    """Layer-wise vs standard trained from `base_model`: `criterion` "bit-exact" or "update_rtol" (updates and
+    grad_norm within `--update_rtol`); `passed_former_atol`: the former check (weights within `--parity_atol`)."""
     diff, exact = param_diff(std.model, lw.model)
     norms_std, norms_lw = logged(std, "grad_norm"), logged(lw, "grad_norm")
     norm_diff = list_diff(norms_std, norms_lw)
@@ -270,16 +249,12 @@ def compare_runs(base_model, std, lw, steps: int, criterion: str, opts) -> dict:
     out["passed"] = bool(complete and exact and norm_diff == 0.0) if criterion == "bit-exact" else bool(close)
     out["passed_former_atol"] = bool(complete and diff <= opts.parity_atol
                                      and norm_diff <= max(opts.parity_atol, 1e-6) * scale)  # fmt: skip
+    out["clipped_steps"] = sum(n > MAX_GRAD_NORM for n in norms_std if math.isfinite(n))
     return out
 
 
-def optimizer_state_bytes(trainer) -> int:
-    """Bytes of the tensors in the optimizer's state, each storage once (bitsandbytes shares its quantization maps)."""
-    return sum(state_bytes_by_device(trainer).values())
-
-
 def state_bytes_by_device(trainer) -> dict[str, int]:
-    """The optimizer state's bytes on each device type, each storage once (host offload keeps states on the CPU)."""
+    """The optimizer state's bytes per device type, each storage once (bitsandbytes shares its quantization maps)."""
     layerwise = trainer.layerwise_optimizer if isinstance(trainer, LayerwiseTrainer) else None
     opts = list(layerwise.inner) if layerwise is not None else [getattr(trainer.optimizer, "optimizer", None)]
     seen = {}
@@ -302,6 +277,21 @@ def cleanup(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+@contextlib.contextmanager
+def attempt(cases: list, case: dict, save, device: str | None = None, fail: bool = True):
+    """`case` appended to `cases`; an exception in the block becomes its `error` (`passed=False` with `fail`): a
+    failing case keeps the others' numbers. Then the device is emptied and `save()` writes the JSON."""
+    cases.append(case)
+    try:
+        yield case
+    except Exception:
+        case.update(error=traceback.format_exc(), **({"passed": False} if fail else {}))
+    finally:
+        if device is not None:
+            cleanup(device)
+        save()
+
+
 def time_left(opts) -> float:
     """Seconds left before `--time_limit` (inf without one)."""
     return math.inf if opts.deadline is None else opts.deadline - time.monotonic()
@@ -315,7 +305,7 @@ def run_subprocess(cmd, opts, timeout: float, env=None) -> subprocess.CompletedP
     return subprocess.run(cmd, capture_output=True, text=True, timeout=budget, cwd=ROOT, env=env)
 
 
-# ---- check 1: parity ----
+# ---- checks 1-3: parity, fp16 + GradScaler with an injected overflow, an overflow in the stepping backward only ----
 
 
 class WrongClip(TrainerCallback):
@@ -323,8 +313,7 @@ class WrongClip(TrainerCallback):
     clip was applied): a clip coefficient off by `1 - factor`. Fault injection for `--inject_clip_error`."""
 
     def __init__(self, factor: float):
-        self.factor = factor
-        self.trainer = None
+        self.factor, self.trainer = factor, None
 
     def on_train_begin(self, args, state, control, **kwargs):
         for inner in self.trainer.layerwise_optimizer.inner:
@@ -338,178 +327,129 @@ class WrongClip(TrainerCallback):
 
 
 def check_parity(opts, sizes, device, record) -> dict:
-    config = llama_config(sizes["small_model"], sizes["small_seq"], attn="eager")
-    base_model = build_model(config)
     steps, batch = sizes["parity_steps"], sizes["small_batch"]
-    cases = []
     result = {"model": sizes["small_model"], "seq": sizes["small_seq"], "batch": batch, "steps": steps,
               "dtype": "float32", "max_grad_norm": MAX_GRAD_NORM, "layerwise_clip": "exact", "attention": "eager",
               "criterion": "bit-exact weights and grad_norm (fp32, deterministic algorithms, eager attention, same "
               "kernels)", "former_atol": opts.parity_atol, "inject_clip_error": opts.inject_clip_error,
-              "cases": cases}  # fmt: skip
+              "cases": []}  # fmt: skip
     record(result)
-
-    def callbacks(kind, model):
-        if kind == "layerwise" and opts.inject_clip_error:
-            return [WrongClip(1.0 - opts.inject_clip_error)]
-        return []
-
     for optim in opts.parity_optims:
         for ga in (1, 2):
-            case = {"optim": optim, "ga": ga}
-            cases.append(case)
-            try:
+            with attempt(result["cases"], {"optim": optim, "ga": ga}, lambda: record(result), device) as case:
                 t0 = time.perf_counter()
-                dataset = TokenDataset(batch * ga * steps, sizes["small_seq"], config.vocab_size)
-                runs = train_pair(
-                    optim, base_model, dataset, device, callbacks, max_steps=steps, per_device_train_batch_size=batch,
-                    gradient_accumulation_steps=ga,
-                )  # fmt: skip
-                std, lw = runs["standard"][0], runs["layerwise"][0]
-                case.update(compare_runs(base_model, std, lw, steps, "bit-exact", opts))
-                norms_std = logged(std, "grad_norm")
-                case.update(
-                    grad_norm_standard=jsonable(norms_std),
-                    grad_norm_layerwise=jsonable(logged(lw, "grad_norm")),
-                    clipped_steps=sum(n > MAX_GRAD_NORM for n in norms_std if math.isfinite(n)),
-                    loss_standard=jsonable(logged(std, "loss")),
-                    seconds=round(time.perf_counter() - t0, 2),
-                )
-                del runs, std, lw
-            except Exception:
-                case.update(passed=False, error=traceback.format_exc())
-            finally:
-                cleanup(device)
-            record(result)
-    result["passed"] = all(c.get("passed") for c in cases)
+                _, base_model, dataset = small_setup(sizes, "parity_steps", ga)
+                common = dict(max_steps=steps, per_device_train_batch_size=batch, gradient_accumulation_steps=ga)
+                std = train_one(optim, base_model, dataset, device, **common)
+                wrong = [WrongClip(1.0 - opts.inject_clip_error)] if opts.inject_clip_error else []
+                lw = train_one(f"{optim}_layerwise", base_model, dataset, device, wrong, **common)
+                case.update(compare_runs(base_model, std, lw, steps, "bit-exact", opts),
+                            grad_norm_standard=finite(logged(std, "grad_norm")),
+                            grad_norm_layerwise=finite(logged(lw, "grad_norm")),
+                            loss_standard=finite(logged(std, "loss")),
+                            seconds=round(time.perf_counter() - t0, 2))  # fmt: skip
+    result["passed"] = all(c.get("passed") for c in result["cases"])
     return result
 
 
-# ---- check 2: fp16 + GradScaler with an injected overflow ----
+class StepWatch(TrainerCallback):
+    """`active` on step `at_step` (0-based); after it, what it changed and left non-finite; every step's scale."""
 
-
-class Overflow(TrainerCallback):
-    """
-    On optimizer step `at_step` (0-based, every micro-batch of it), the input embedding's output is multiplied by inf
-    (a forward hook), so the loss and every gradient are inf/nan. Records the parameters before and after that step,
-    and the scaler's scale after every step.
-    """
-
-    def __init__(self, model, at_step: int):
-        self.at_step, self.active = at_step, False
-        self.trainer = None
-        self.scales: list[float] = []
-        self.changed: list[str] | None = None
-        self.model = model
-        model.get_input_embeddings().register_forward_hook(self._hook)
-
-    def _hook(self, module, inputs, output):
-        return output * float("inf") if self.active else output
+    def __init__(self, at_step: int):
+        self.at_step, self.active, self.trainer, self.scales = at_step, False, None, []
+        self.changed = self.nonfinite_after_step = None
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.active = state.global_step == self.at_step
         if self.active:
-            self.before = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+            self.before = {n: p.detach().clone() for n, p in self.trainer.model.named_parameters()}
 
     def on_step_end(self, args, state, control, **kwargs):
         self.scales.append(float(self.trainer.accelerator.scaler.get_scale()))
         if self.active:
             self.active = False
-            self.changed = [n for n, p in self.model.named_parameters() if not torch.equal(p.detach(), self.before[n])]
-            del self.before
+            params = {n: p.detach() for n, p in self.trainer.model.named_parameters()}
+            self.changed = [n for n, p in params.items() if not torch.equal(p, self.before.pop(n))]
+            self.nonfinite_after_step = [n for n, p in params.items() if not torch.isfinite(p).all()]
+            self.step_ended()
+
+    def step_ended(self):
+        pass
+
+    def scale_halved(self) -> bool:
+        at, scales = self.at_step, self.scales
+        return len(scales) > at and scales[at] == scales[at - 1] / 2
 
 
-def fp16_run_summary(trainer, overflow, at: int) -> dict:
-    norms = logged(trainer, "grad_norm")
-    injected = norms[at] if len(norms) > at else math.nan
-    scales = overflow.scales
-    summary = {
-        "grad_norm": jsonable(norms),
-        "scales": scales,
-        "injected_grad_norm": str(injected) if not math.isfinite(injected) else injected,
-        "injected_step_nonfinite": not math.isfinite(injected),
-        "params_changed_on_injected_step": overflow.changed,
-        "scale_halved": len(scales) > at and scales[at] == scales[at - 1] / 2,
-        "skipped_steps": sum(not math.isfinite(n) for n in norms),
-    }
-    if isinstance(trainer, LayerwiseTrainer):
-        # Skipped steps never reach the per-layer optimizers.
-        summary["inner_steps_taken"] = trainer.layerwise_optimizer.steps_taken
-    return summary
+class Overflow(StepWatch):
+    """On step `at_step` the input embedding's output times inf (a forward hook): loss and gradients inf/nan."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        hook = lambda module, inputs, output: output * float("inf") if self.active else output  # noqa: E731
+        self.trainer.model.get_input_embeddings().register_forward_hook(hook)
+
+    def summary(self) -> dict:
+        norms = logged(self.trainer, "grad_norm")
+        injected = norms[self.at_step] if len(norms) > self.at_step else math.nan
+        out = {"grad_norm": finite(norms), "scales": self.scales, "injected_grad_norm": finite(injected),
+               "injected_step_nonfinite": not math.isfinite(injected), "params_changed_on_injected_step": self.changed,
+               "scale_halved": self.scale_halved(),
+               "skipped_steps": sum(not math.isfinite(n) for n in norms)}  # fmt: skip
+        if isinstance(self.trainer, LayerwiseTrainer):  # skipped steps never reach the per-layer optimizers
+            out["inner_steps_taken"] = self.trainer.layerwise_optimizer.steps_taken
+        return out
 
 
 def check_fp16(opts, sizes, device, record) -> dict:
-    config = llama_config(sizes["small_model"], sizes["small_seq"], attn="eager")
-    base_model = build_model(config)
-    steps, batch, at = sizes["fp16_steps"], sizes["small_batch"], sizes["fp16_overflow_step"]
-    optim = "adamw_torch"
-    cases = []
+    steps, batch, at, optim = sizes["fp16_steps"], sizes["small_batch"], sizes["fp16_overflow_step"], "adamw_torch"
     scaler = "accelerator's torch.amp.GradScaler('cuda')" if device != "cpu" else (
         "torch.amp.GradScaler('cpu') given to the accelerator (tests/test_fp16.py)")  # fmt: skip
     result = {"model": sizes["small_model"], "optim": optim, "steps": steps, "overflow_step": at,
               "max_grad_norm": MAX_GRAD_NORM, "layerwise_clip": "exact", "grad_scaler": scaler,
               "criterion": f"updates within {opts.update_rtol:g} of their norm per parameter (fp16 autocast)",
-              "update_rtol": opts.update_rtol, "cases": cases}  # fmt: skip
+              "update_rtol": opts.update_rtol, "cases": []}  # fmt: skip
     record(result)
     for ga in (1, 2):
-        case = {"ga": ga}
-        cases.append(case)
-        try:
+        with attempt(result["cases"], {"ga": ga}, lambda: record(result), device) as case:
             t0 = time.perf_counter()
-            dataset = TokenDataset(batch * ga * steps, sizes["small_seq"], config.vocab_size)
-            runs = train_pair(
-                optim, base_model, dataset, device, lambda kind, model: [Overflow(model, at)], fp16=True,
-                learning_rate=1e-3, max_steps=steps, per_device_train_batch_size=batch, gradient_accumulation_steps=ga,
-            )  # fmt: skip
-            per_kind = {kind: fp16_run_summary(trainer, cbs[0], at) for kind, (trainer, cbs) in runs.items()}
-            std_trainer, lw_trainer = runs["standard"][0], runs["layerwise"][0]
-            case.update(per_kind)
-            case.update(compare_runs(base_model, std_trainer, lw_trainer, steps, "update_rtol", opts))
-            case["scales_equal"] = runs["standard"][1][0].scales == runs["layerwise"][1][0].scales
+            _, base_model, dataset = small_setup(sizes, "fp16_steps", ga)
+            watch = {"standard": Overflow(at), "layerwise": Overflow(at)}
+            for kind, name in (("standard", optim), ("layerwise", f"{optim}_layerwise")):
+                train_one(name, base_model, dataset, device, [watch[kind]], fp16=True, learning_rate=1e-3,
+                          max_steps=steps, per_device_train_batch_size=batch,
+                          gradient_accumulation_steps=ga)  # fmt: skip
+            case.update({kind: w.summary() for kind, w in watch.items()})
+            std, lw = watch["standard"].trainer, watch["layerwise"].trainer
+            case.update(compare_runs(base_model, std, lw, steps, "update_rtol", opts))
+            case["scales_equal"] = watch["standard"].scales == watch["layerwise"].scales
             case["seconds"] = round(time.perf_counter() - t0, 2)
-            skipped_ok = all(
+            case["overflow_step_skipped"] = all(
                 k["injected_step_nonfinite"] and k["params_changed_on_injected_step"] == [] and k["scale_halved"]
-                for k in per_kind.values()
+                for k in (case["standard"], case["layerwise"])
             )
-            case["overflow_step_skipped"] = skipped_ok
-            case["passed"] = bool(skipped_ok and case["scales_equal"] and case["passed"])
-            del runs, std_trainer, lw_trainer
-        except Exception:
-            case.update(passed=False, error=traceback.format_exc())
-        finally:
-            cleanup(device)
-        record(result)
-    result["passed"] = all(c.get("passed") for c in cases)
+            case["passed"] = bool(case["overflow_step_skipped"] and case["scales_equal"] and case["passed"])
+    result["passed"] = all(c.get("passed") for c in result["cases"])
     return result
 
 
-# ---- check 3: fp16, an overflow in the stepping backward only ----
+class SecondPassOverflow(StepWatch):
+    """On step `at_step`, `target`'s gradient times inf the second time it is computed (the stepping backward after
+    fp16's measuring one); records the order of the gradients and the layers that stepped (step post-hooks)."""
 
-
-class SecondPassOverflow(TrainerCallback):
-    """
-    On optimizer step `at_step`, the gradient of `target` is multiplied by inf (nan where it was 0) the second time it
-    is computed in that step: in the stepping backward after fp16's measuring one. Records the order in which every
-    gradient was computed, the layers that stepped (torch's step post-hooks on each inner optimizer), the parameters
-    that changed across the step, and the scale after every step.
-    """
-
-    def __init__(self, model, at_step: int, target: str):
-        self.model, self.at_step, self.target = model, at_step, target
-        self.trainer = None
-        self.active, self.calls, self.order, self.stepped = False, 0, [], []
-        self.scales: list[float] = []
-        self.calls_in_step = self.changed = self.computed_before = self.nonfinite_after_step = None
+    def __init__(self, at_step: int, target: str):
+        super().__init__(at_step)
+        self.target, self.calls, self.order, self.stepped = target, 0, [], []
+        self.calls_in_step = self.computed_before = None
         self.stepped_in_step: list[str] = []
-        named = dict(model.named_parameters())
-        for name, param in named.items():
-            param.register_hook(lambda grad, name=name: self.order.append(name) if self.active else None)
-        named[target].register_hook(self._second_call_overflows)
 
     def on_train_begin(self, args, state, control, **kwargs):
         optimizer = self.trainer.layerwise_optimizer
         for name, inner in zip(optimizer.names, optimizer.inner):
             inner.register_step_post_hook(lambda *_, name=name: self.stepped.append(name) if self.active else None)
+        for name, param in self.trainer.model.named_parameters():
+            param.register_hook(lambda grad, name=name: self.order.append(name) if self.active else None)
+            if name == self.target:
+                param.register_hook(self._second_call_overflows)
 
     def _second_call_overflows(self, grad):
         if not self.active:
@@ -518,72 +458,50 @@ class SecondPassOverflow(TrainerCallback):
         return grad * float("inf") if self.calls == 2 else grad
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.active = state.global_step == self.at_step
+        super().on_step_begin(args, state, control, **kwargs)
         self.calls, self.order, self.stepped = 0, [], []
-        if self.active:
-            self.before = {n: p.detach().clone() for n, p in self.model.named_parameters()}
 
-    def on_step_end(self, args, state, control, **kwargs):
-        self.scales.append(float(self.trainer.accelerator.scaler.get_scale()))
-        if not self.active:
-            return
-        self.active = False
+    def step_ended(self):
         self.calls_in_step, self.stepped_in_step = self.calls, list(self.stepped)
-        params = dict(self.model.named_parameters())
-        self.changed = [n for n, p in params.items() if not torch.equal(p.detach(), self.before[n])]
-        self.nonfinite_after_step = [n for n, p in params.items() if not torch.isfinite(p.detach()).all()]
         # Each gradient is computed once per backward: the second half of the order is the stepping backward.
         stepping = self.order[len(self.order) // 2 :]
         if self.target in stepping:
             self.computed_before = stepping[: stepping.index(self.target)]
-        del self.before
 
 
 def check_fp16_norm_pass(opts, sizes, device, record) -> dict:
-    config = llama_config(sizes["small_model"], sizes["small_seq"], attn="eager")
-    steps, batch, at = sizes["fp16_steps"], sizes["small_batch"], sizes["fp16_overflow_step"]
-    layers = config.num_hidden_layers
-    target = f"model.layers.{layers // 2}.self_attn.o_proj.weight"  # in the middle of backward
+    config, model, dataset = small_setup(sizes, "fp16_steps")
+    steps, at = sizes["fp16_steps"], sizes["fp16_overflow_step"]
+    target = f"model.layers.{config.num_hidden_layers // 2}.self_attn.o_proj.weight"  # in the middle of backward
     # A scale that does not overflow by itself here, so that the only inf/nan is the injected one.
     scaler = dict(init_scale=2.0**8, growth_interval=1000)
     result = {"model": sizes["small_model"], "optim": "adamw_torch_layerwise", "steps": steps, "ga": 1,
               "max_grad_norm": MAX_GRAD_NORM, "layerwise_clip": "exact", "overflow_step": at,
               "overflow_param": target, "grad_scaler": scaler}  # fmt: skip
     record(result)
+    overflow = SecondPassOverflow(at, target)
     with tempfile.TemporaryDirectory() as out:
-        model = build_model(config)
-        overflow = SecondPassOverflow(model, at, target)
-        dataset = TokenDataset(batch * steps, sizes["small_seq"], config.vocab_size)
-        args = training_args(
-            out, "adamw_torch_layerwise", device, fp16=True, learning_rate=1e-3, max_steps=steps,
-            per_device_train_batch_size=batch,
-        )  # fmt: skip
+        args = training_args(out, "adamw_torch_layerwise", device, fp16=True, learning_rate=1e-3, max_steps=steps,
+                             per_device_train_batch_size=sizes["small_batch"])  # fmt: skip
         trainer = make_trainer(model, args, dataset, [overflow], device=device, scaler=scaler)
         trainer.train()
     names = [n for n, _ in model.named_parameters()]
-    scales, before = overflow.scales, overflow.computed_before or []
-    changed, stepped = overflow.changed or [], overflow.stepped_in_step
+    before, changed, stepped = overflow.computed_before or [], overflow.changed or [], overflow.stepped_in_step
     lrs = logged(trainer, "learning_rate")
     result.update(
-        hook_calls_on_overflow_step=overflow.calls_in_step,
-        params=len(names),
-        computed_before_overflow=before,
+        hook_calls_on_overflow_step=overflow.calls_in_step, params=len(names), computed_before_overflow=before,
         stepped_on_overflow_step=stepped,
         # A step the route held for later (a large lm_head first in backward) comes after the overflow: not taken.
-        computed_before_not_stepped=[n for n in before if n not in stepped],
-        params_changed_on_overflow_step=changed,
+        computed_before_not_stepped=[n for n in before if n not in stepped], params_changed_on_overflow_step=changed,
         overflow_param_unchanged=target not in changed and target not in stepped,
-        steps_taken_kept=set(changed) == set(stepped),
-        none_stepped_after_overflow=set(stepped) <= set(before),
-        scales=scales,
-        scale_halved=len(scales) > at and scales[at] == scales[at - 1] / 2,
+        steps_taken_kept=set(changed) == set(stepped), none_stepped_after_overflow=set(stepped) <= set(before),
+        scales=overflow.scales, scale_halved=overflow.scale_halved(),
         lr_held_on_skipped_step=len(lrs) > at + 1 and lrs[at + 1] == lrs[at],
         nonfinite_params_after_overflow_step=overflow.nonfinite_after_step,
         nonfinite_params_at_end=[n for n, p in model.named_parameters() if not torch.isfinite(p.detach()).all()],
-        grad_norm=jsonable(logged(trainer, "grad_norm")),
-        loss=jsonable(logged(trainer, "loss")),
+        grad_norm=finite(logged(trainer, "grad_norm")), loss=finite(logged(trainer, "loss")),
         inner_steps_taken=trainer.layerwise_optimizer.steps_taken,
-    )
+    )  # fmt: skip
     # The measuring and the stepping backward; some layers stepped before the overflow, some gradients came after.
     flags = ("overflow_param_unchanged", "steps_taken_kept", "none_stepped_after_overflow", "scale_halved")
     result["passed"] = bool(overflow.calls_in_step == 2 and stepped and len(before) < len(names) - 1
@@ -601,8 +519,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def rebuild_by_hand(base, param):
-    """The optimizer `base` is, built anew over `param` from its settings (bitsandbytes keeps some in `args`), with a
-    private override manager as the layer-wise factory gives it (tests/distributed/fsdp2_8bit.py does the same)."""
+    """`base`'s optimizer anew over `param` (bitsandbytes keeps settings in `args`), as tests/distributed does."""
     from layerwise_hf.bases.params import isolate_bnb_overrides
 
     accepted = inspect.signature(type(base).__init__).parameters
@@ -613,35 +530,29 @@ def rebuild_by_hand(base, param):
 
 
 class HandRun(TrainerCallback):
-    """Builds each wrapped optimizer anew before its first step, over a copy of the starting local shard, records
-    every step's local gradient and hyperparameters (as the step sees them, on the stream the hook runs on), and
-    replays them by hand after training."""
+    """Each wrapped optimizer built anew over a copy of its first local shard; every step's local gradient and settings
+    recorded (on the stream the hook runs on) and replayed by hand after training."""
 
     def __init__(self):
-        self.trainer = None
-        self.records: dict[str, dict] = {}
-        self.cuda_steps = self.off_default_stream = 0
+        self.trainer, self.records, self.cuda_steps, self.off_default_stream = None, {}, 0, 0
 
     def on_train_begin(self, args, state, control, **kwargs):
         optimizer = self.trainer.layerwise_optimizer
         for name, inner in zip(optimizer.names, optimizer.inner):
-            inner.register_step_pre_hook(self._pre(name))
+            inner.register_step_pre_hook(lambda inner, *_, name=name: self._pre(name, inner))
 
-    def _pre(self, name):
-        def hook(inner, args, kwargs):
-            param = inner.param_groups[0]["params"][0]
-            if param.grad is None:
-                return
-            if name not in self.records:
-                start = torch.nn.Parameter(_local(param).detach().clone())
-                self.records[name] = {"by_hand": rebuild_by_hand(inner.base, start), "inner": inner, "steps": []}
-            group = {k: v for k, v in inner.param_groups[0].items() if k not in ("params", "name")}
-            self.records[name]["steps"].append((_local(param.grad).detach().clone(), group))
-            if param.device.type == "cuda":
-                self.cuda_steps += 1
-                self.off_default_stream += torch.cuda.current_stream() != torch.cuda.default_stream()
-
-        return hook
+    def _pre(self, name, inner):
+        param = inner.param_groups[0]["params"][0]
+        if param.grad is None:
+            return
+        if name not in self.records:
+            start = torch.nn.Parameter(_local(param).detach().clone())
+            self.records[name] = {"by_hand": rebuild_by_hand(inner.base, start), "inner": inner, "steps": []}
+        group = {k: v for k, v in inner.param_groups[0].items() if k not in ("params", "name")}
+        self.records[name]["steps"].append((_local(param.grad).detach().clone(), group))
+        if param.device.type == "cuda":
+            self.cuda_steps += 1
+            self.off_default_stream += torch.cuda.current_stream() != torch.cuda.default_stream()
 
     def replay(self) -> tuple[float, bool]:
         worst, exact = 0.0, True
@@ -663,8 +574,7 @@ FSDP_CASES = (("ga1 exact clip", {}), ("ga2 no clip", {"gradient_accumulation_st
 
 
 def fsdp_case(sizes: dict, device: str, report_path: str) -> None:
-    """One `accelerate launch`ed process (a rank): the FSDP_CASES, each rank's shards against the by-hand replay,
-    reduced over the ranks; rank 0 writes the report."""
+    """One rank: the FSDP_CASES, its shards against the replay by hand, reduced over the ranks; rank 0 writes them."""
     import torch.distributed as dist
 
     from layerwise_hf.placement.local_shard import LocalShardOptimizer
@@ -676,11 +586,10 @@ def fsdp_case(sizes: dict, device: str, report_path: str) -> None:
         ga = overrides.get("gradient_accumulation_steps", 1)
         with tempfile.TemporaryDirectory() as out:
             # TrainingArguments set up the process group (accelerate's PartialState, CPU or not).
-            args = training_args(
-                out, "adamw_8bit_layerwise", device, max_steps=steps, per_device_train_batch_size=batch, **overrides
-            )
+            args = training_args(out, "adamw_8bit_layerwise", device, max_steps=steps,
+                                 per_device_train_batch_size=batch, **overrides)  # fmt: skip
             world = args.world_size
-            dataset = TokenDataset(batch * ga * steps * world, sizes["small_seq"], config.vocab_size)
+            dataset = token_dataset(batch * ga * steps * world, sizes["small_seq"], config.vocab_size)
             hand = HandRun()
             trainer = make_trainer(build_model(config), args, dataset, [hand], device=device)
             trainer.train()
@@ -693,15 +602,11 @@ def fsdp_case(sizes: dict, device: str, report_path: str) -> None:
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         # Over the ranks: the largest difference, whether all are exact and wrapped, the hook's streams.
-        flags = torch.tensor(
-            [worst, float(exact), float(wrapped), hand.cuda_steps, hand.off_default_stream, len(hand.records)],
-            dtype=torch.float64,
-            device=trainer.accelerator.device,  # nccl reduces CUDA tensors only, each rank's on its own GPU
-        )
-        high, low, total = flags.clone(), flags.clone(), flags.clone()
-        dist.all_reduce(high, op=dist.ReduceOp.MAX)
-        dist.all_reduce(low, op=dist.ReduceOp.MIN)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        flags = [worst, float(exact), float(wrapped), hand.cuda_steps, hand.off_default_stream, len(hand.records)]
+        # nccl reduces CUDA tensors only, each rank's on its own GPU
+        high, low, total = (torch.tensor(flags, dtype=torch.float64, device=trainer.accelerator.device) for _ in "abc")
+        for tensor, op in ((high, dist.ReduceOp.MAX), (low, dist.ReduceOp.MIN), (total, dist.ReduceOp.SUM)):
+            dist.all_reduce(tensor, op=op)
         eight_bit = sum(s.get("state1", torch.empty(0)).dtype == torch.uint8 for s in states)
         results.append(dict(
             case=name, ga=ga, max_grad_norm=args.max_grad_norm,
@@ -709,31 +614,30 @@ def fsdp_case(sizes: dict, device: str, report_path: str) -> None:
             fsdp_version=getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", None),
             wrapped_local_shard=bool(low[2]), hand_max_diff=float(high[0]), hand_bit_exact=bool(low[1]),
             stepped_params=int(total[5]), cuda_steps=int(total[3]), cuda_steps_off_default_stream=int(total[4]),
-            eight_bit_states_rank0=eight_bit, states_rank0=len(states), loss=jsonable(logged(trainer, "loss")),
-            grad_norm=jsonable(logged(trainer, "grad_norm")),
+            eight_bit_states_rank0=eight_bit, states_rank0=len(states), loss=finite(logged(trainer, "loss")),
+            grad_norm=finite(logged(trainer, "grad_norm")),
         ))  # fmt: skip
         del trainer, optimizer, hand, states
         cleanup(device)
     if dist.get_rank() == 0:
         env = {k: os.environ.get(k) for k in ("ACCELERATE_USE_FSDP", "FSDP_VERSION", KEEP_DEVICE_SYNC_ENV)}
         Path(report_path).write_text(json.dumps(finite({"world_size": world, "env": env, "cases": results})))
+    # Every rank leaves together, without C++ static destructors (gloo was seen to abort at teardown otherwise).
     dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def visible_devices(device: str) -> tuple[int, str | None]:
-    """How many ranks the FSDP2 launches can have, and the CUDA_VISIBLE_DEVICES to give them (None: as inherited,
-    "all": unset). gpu_check.sh narrows its own process to one GPU and passes what it saw before in GPU_CHECK_*."""
+    """The FSDP2 launches' rank count and CUDA_VISIBLE_DEVICES (None: inherited, "all": unset), from GPU_CHECK_*: what
+    gpu_check.sh saw before narrowing this process to one GPU."""
     if not device.startswith("cuda"):
         return 2, None  # gloo ranks on CPU
     visible = os.environ.get("GPU_CHECK_CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
     count = os.environ.get("GPU_CHECK_DEVICE_COUNT")
     return (int(count) if count else torch.cuda.device_count()), visible
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fsdp_launch(world: int, opts, sizes, device: str, visible: str | None) -> dict:
@@ -747,24 +651,26 @@ def fsdp_launch(world: int, opts, sizes, device: str, visible: str | None) -> di
         env.pop("CUDA_VISIBLE_DEVICES", None)
     elif visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as d:
         report = Path(d) / "fsdp.json"
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
         # fp32 (the config's bf16 autocast is not what is checked), and every rank builds the model from its config.
-        cmd += ["--num_processes", str(world), "--main_process_port", str(free_port()), "--mixed_precision", "no"]
-        cmd += ["--fsdp_cpu_ram_efficient_loading", "false", str(Path(__file__).resolve())]
-        cmd += ["--fsdp_case", str(report), "--device", device] + (["--tiny"] if opts.tiny else [])
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
+               str(world), "--main_process_port", str(port), "--mixed_precision", "no",
+               "--fsdp_cpu_ram_efficient_loading", "false", str(Path(__file__).resolve()), "--fsdp_case", str(report),
+               "--device", device] + (["--tiny"] if opts.tiny else [])  # fmt: skip
         t0 = time.perf_counter()
         proc = run_subprocess(cmd, opts, sizes["fsdp_timeout"], env=env)
         if proc.returncode != 0 or not report.exists():
             raise RuntimeError(f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
         out = json.loads(report.read_text())
     out["seconds"] = round(time.perf_counter() - t0, 1)
-    steps = sizes["fsdp_steps"]
     for case in out["cases"]:
         case["passed"] = bool(case["wrapped_local_shard"] and case["hand_bit_exact"] and case["hand_max_diff"] == 0.0
                               and case["route"] == "fsdp2" and case["fsdp_version"] == 2
-                              and case["eight_bit_states_rank0"] > 0 and len(case["loss"]) == steps
+                              and case["eight_bit_states_rank0"] > 0 and len(case["loss"]) == sizes["fsdp_steps"]
                               and all(isinstance(x, float) for x in case["loss"]))  # fmt: skip
     out["passed"] = out["world_size"] == world and all(c["passed"] for c in out["cases"])
     return out
@@ -772,31 +678,24 @@ def fsdp_launch(world: int, opts, sizes, device: str, visible: str | None) -> di
 
 def check_fsdp2(opts, sizes, device, record) -> dict:
     count, visible = visible_devices(device)
-    runs = []
     result = {"optim": "adamw_8bit_layerwise", "model": sizes["small_model"], "steps": sizes["fsdp_steps"],
               "config": f"configs/accelerate/{'gpu' if device.startswith('cuda') else 'cpu'}_fsdp2.yaml",
               "launch_overrides": "--mixed_precision no --fsdp_cpu_ram_efficient_loading false",
               "criterion": "every rank's local shards bit-identical to the same bitsandbytes optimizer stepped by "
-              "hand on them with the same gradients", "devices_visible": count, "runs": runs}  # fmt: skip
+              "hand on them with the same gradients", "devices_visible": count, "runs": []}  # fmt: skip
     record(result)
     for world in (1, 2):
-        run = {"world_size": world}
-        runs.append(run)
-        if world > count:
-            run.update(skipped=True, reason=f"{world} ranks need {world} GPUs; {count} visible")
-            record(result)
-            continue
-        try:
-            run.update(fsdp_launch(world, opts, sizes, device, visible))
-        except Exception:
-            run.update(passed=False, error=traceback.format_exc())
-        record(result)
-    ran = [r for r in runs if not r.get("skipped")]
+        with attempt(result["runs"], {"world_size": world}, lambda: record(result)) as run:
+            if world > count:
+                run.update(skipped=True, reason=f"{world} ranks need {world} GPUs; {count} visible")
+            else:
+                run.update(fsdp_launch(world, opts, sizes, device, visible))
+    ran = [r for r in result["runs"] if not r.get("skipped")]
     result["passed"] = bool(ran) and all(r.get("passed") for r in ran)
     return result
 
 
-# ---- checks 5 and 6: a ~1B model in a fresh process per run: memory, step time ----
+# ---- checks 5-7: a ~1B model in fresh processes: memory, step time, host offload ----
 
 
 class StepTimer(TrainerCallback):
@@ -822,7 +721,7 @@ class SyncCounter:
     def __init__(self):
         import bitsandbytes.optim.optimizer as bnb_optimizer
 
-        self.module, self.original, self.calls = bnb_optimizer, bnb_optimizer.sync_gpu, 0
+        self.original, self.calls = bnb_optimizer.sync_gpu, 0
         bnb_optimizer.sync_gpu = self
 
     def __call__(self, tensor):
@@ -831,10 +730,8 @@ class SyncCounter:
 
 
 def run_case(spec: dict, sizes: dict, device: str) -> dict:
-    """One training run of the ~1B model (tiny under --tiny); what `--case` prints as JSON. `spec`: optim, steps,
-    max_grad_norm, and whether to add the estimator's terms (`memory`)."""
-    optim, steps = spec["optim"], spec["steps"]
-    seq, batch = sizes["memory_seq"], sizes["memory_batch"]
+    """One run of the ~1B model (tiny under --tiny); `spec`: optim, steps, max_grad_norm, offload, memory."""
+    optim, steps, seq, batch = spec["optim"], spec["steps"], sizes["memory_seq"], sizes["memory_batch"]
     config = llama_config(sizes["memory_model"], seq, attn="sdpa")
     t0 = time.perf_counter()
     torch.manual_seed(0)
@@ -842,11 +739,7 @@ def run_case(spec: dict, sizes: dict, device: str) -> dict:
         model = LlamaForCausalLM(config)
     model.to(torch.bfloat16)
     build_s = time.perf_counter() - t0
-    dtypes = sorted({str(p.dtype) for p in model.parameters()})
-    dataset = TokenDataset(batch * steps, seq, config.vocab_size)
-    cuda = device.startswith("cuda")
-    syncs = SyncCounter()
-    timer = StepTimer(cuda)
+    cuda, syncs, timer = device.startswith("cuda"), SyncCounter(), StepTimer(device.startswith("cuda"))
     with tempfile.TemporaryDirectory() as out:
         # The estimator's layer-wise gradient term is the streamed one (measured, then stepped one by one): pin the
         # norm pass that streams. 'auto' would hold every gradient where activations outweigh them (the tiny CPU dry
@@ -857,7 +750,7 @@ def run_case(spec: dict, sizes: dict, device: str) -> dict:
                              max_grad_norm=spec["max_grad_norm"], per_device_train_batch_size=batch,
                              activation_checkpointing=True,
                              activation_checkpointing_kwargs={"use_reentrant": False}, **extra)  # fmt: skip
-        trainer = make_trainer(model, args, dataset, [timer], device=device)
+        trainer = make_trainer(model, args, token_dataset(batch * steps, seq, config.vocab_size), [timer], device)
         cleanup(device)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -867,53 +760,36 @@ def run_case(spec: dict, sizes: dict, device: str) -> dict:
         if cuda:
             torch.cuda.synchronize()
         train_s = time.perf_counter() - t1
-    result = {"optim": optim, KEEP_DEVICE_SYNC_ENV: os.environ.get(KEEP_DEVICE_SYNC_ENV), "param_dtypes": dtypes,
+    result = {"optim": optim, KEEP_DEVICE_SYNC_ENV: os.environ.get(KEEP_DEVICE_SYNC_ENV),
+              "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
               "num_parameters": sum(p.numel() for p in model.parameters()),
               "num_tensors": sum(1 for _ in model.parameters()),
               "activation_checkpointing": bool(args.activation_checkpointing), "max_grad_norm": args.max_grad_norm,
               "build_seconds": round(build_s, 2), "train_seconds": round(train_s, 2),
               "step_seconds": [round(s, 5) for s in timer.seconds], "bnb_device_syncs": syncs.calls,
-              "optimizer_state_bytes_measured": optimizer_state_bytes(trainer),
-              "grad_norm": jsonable(logged(trainer, "grad_norm")),
-              "loss": jsonable(logged(trainer, "loss"))}  # fmt: skip
+              "optimizer_state_bytes_measured": sum(state_bytes_by_device(trainer).values()),
+              "grad_norm": finite(logged(trainer, "grad_norm")), "loss": finite(logged(trainer, "loss"))}  # fmt: skip
     if cuda:
         result.update(measured=True, allocated_before_train_bytes=allocated_before,
                       peak_allocated_bytes=torch.cuda.max_memory_allocated(),
                       peak_reserved_bytes=torch.cuda.max_memory_reserved())  # fmt: skip
     else:
         result.update(measured=False, note="memory not measured on CPU (no CUDA allocator)")
-    layerwise = trainer.layerwise_optimizer if isinstance(trainer, LayerwiseTrainer) else None
-    if layerwise is not None:
-        result["layerwise_peak_grad_bytes"] = int(layerwise.peak_grad_bytes)
+    if isinstance(trainer, LayerwiseTrainer):
+        result["layerwise_peak_grad_bytes"] = int(trainer.layerwise_optimizer.peak_grad_bytes)
     if spec.get("offload"):
         result.update(offload_summary(trainer, spec["offload"]))
     if spec.get("memory"):
         est = estimate(config, optimizer=optim, dtype="bfloat16")
-        result["estimate"] = {
-            k: getattr(est, k)
-            for k in ("weight_bytes", "gradient_bytes", "optimizer_state_bytes", "total_bytes", "all_gradient_bytes")
-        }
+        keys = ("weight_bytes", "gradient_bytes", "optimizer_state_bytes", "total_bytes", "all_gradient_bytes")
+        result["estimate"] = {k: getattr(est, k) for k in keys}
     return result
 
 
-def launch_case(spec: dict, opts, timeout: float, device_sync: str | None = None) -> dict:
-    """`run_case(spec)` in a fresh process (its own CUDA context and peak statistics)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--case", json.dumps(spec), "--device", opts.device]
-    if opts.tiny:
-        cmd.append("--tiny")
-    env = {k: v for k, v in os.environ.items() if k != KEEP_DEVICE_SYNC_ENV}
-    if device_sync is not None:
-        env[KEEP_DEVICE_SYNC_ENV] = device_sync
-    proc = run_subprocess(cmd, opts, timeout, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CASE_JSON ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1].split(" ", 1)[1])
-
-
 def run_cases(specs: list[dict], sizes: dict, device: str) -> None:
-    """`run_case` of each spec in turn in this process, each printed as a `CASE_JSON` line (an error as one too);
-    the device is emptied between them, and `run_case` resets the peak statistics before each `train()`."""
+    """`run_case` of each spec in turn, each printed as a `CASE_JSON` line (an error too); emptied between."""
+    if any(spec.get("offload") for spec in specs):
+        simulate_offload_on_cpu(device)
     for spec in specs:
         try:
             out = run_case(spec, sizes, device)
@@ -923,14 +799,14 @@ def run_cases(specs: list[dict], sizes: dict, device: str) -> None:
         print("CASE_JSON " + json.dumps({"label": spec.get("label"), **out}), flush=True)
 
 
-def launch_cases(specs: list[dict], opts, timeout: float) -> list[dict]:
-    """`run_cases(specs)` in one fresh process: one start-up for all; a run it did not reach reads as an error."""
+def launch_cases(specs: list[dict], opts, timeout: float, device_sync: str | None = None) -> list[dict]:
+    """`run_cases(specs)` in a fresh process (its own CUDA context), KEEP_DEVICE_SYNC_ENV=`device_sync`; a run it did
+    not reach reads as an error."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--cases", json.dumps(specs), "--device", opts.device]
-    if opts.tiny:
-        cmd.append("--tiny")
     env = {k: v for k, v in os.environ.items() if k != KEEP_DEVICE_SYNC_ENV}
+    env |= {KEEP_DEVICE_SYNC_ENV: device_sync} if device_sync is not None else {}
     try:
-        proc = run_subprocess(cmd, opts, timeout, env=env)
+        proc = run_subprocess(cmd + (["--tiny"] if opts.tiny else []), opts, timeout, env=env)
         stdout, stderr, why = proc.stdout, proc.stderr, f"exit {proc.returncode}"
     except subprocess.TimeoutExpired as e:
         decode = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
@@ -939,6 +815,15 @@ def launch_cases(specs: list[dict], opts, timeout: float) -> list[dict]:
     missing = [{"label": spec.get("label"), "optim": spec["optim"], "error": f"not reached ({why})\n{stderr[-3000:]}"}
                for spec in specs[len(done):]]  # fmt: skip
     return done + missing
+
+
+def launch_case(spec: dict, opts, timeout: float, device_sync: str | None = None) -> dict:
+    """`run_case(spec)` in a fresh process; raises with its error."""
+    out = launch_cases([spec], opts, timeout, device_sync)[0]
+    if "error" in out:
+        raise RuntimeError(out["error"])
+    out.pop("label")
+    return out
 
 
 def offload_summary(trainer, mode: str) -> dict:
@@ -954,153 +839,105 @@ def offload_summary(trainer, mode: str) -> dict:
         out["device_gradient_copies_peak_bytes"] = offload.peak_device_bytes
         out["transfer"] = type(offload.transfer).__name__ if offload.transfer is not None else None
     if layerwise is not None and mode == "optimizer":
-        out["host_stepped_tensors"] = sum(isinstance(inner, HostStepOptimizer) for inner in layerwise.inner)
-        out["host_parameter_copy_bytes"] = sum(
-            inner.host.numel() * inner.host.element_size()
-            for inner in layerwise.inner
-            if isinstance(inner, HostStepOptimizer)
-        )
+        hosted = [inner for inner in layerwise.inner if isinstance(inner, HostStepOptimizer)]
+        out["host_stepped_tensors"] = len(hosted)
+        out["host_parameter_copy_bytes"] = sum(inner.host.numel() * inner.host.element_size() for inner in hosted)
     return out
 
 
 def plan_memory(sizes: dict, device: str) -> dict:
-    """`layerwise-hf plan` of the memory check's two runs: the same config, micro-batch, sequence, bfloat16 weights,
-    clipping and activation checkpointing, with CUDA's optimizer defaults (`foreach`) when the runs are on CUDA."""
-    from layerwise_hf.plan import plan  # here only: the --case and FSDP2 processes do not need it
+    """`layerwise-hf plan` of the memory check's two runs, on their device (CUDA's optimizer defaults on CUDA)."""
+    from layerwise_hf.plan import plan  # here only: the --cases and FSDP2 processes do not need it
 
     t0 = time.perf_counter()
-    config = llama_config(sizes["memory_model"], sizes["memory_seq"], attn="sdpa")
-    planned = plan(
-        config,
-        [MEMORY_OPTIMS[0]],  # and its layer-wise counterpart
-        seq_len=sizes["memory_seq"],
-        micro_batch=sizes["memory_batch"],
-        grad_accum=1,
-        max_grad_norm=MAX_GRAD_NORM,
-        clip_mode="exact",
-        torch_dtype="bfloat16",
-        gradient_checkpointing=True,
-        device="cuda" if device.startswith("cuda") else "cpu",
-    )
-    rows = {
-        r.optimizer: dict(peak_bytes=r.peak_bytes, categories=r.categories, when=r.when,
-                          optimizer_state_from_rule=r.optimizer_state_from_rule)
-        for r in planned.rows
-    }  # fmt: skip
+    planned = plan(llama_config(sizes["memory_model"], sizes["memory_seq"], attn="sdpa"), [MEMORY_OPTIMS[0]],
+                   seq_len=sizes["memory_seq"], micro_batch=sizes["memory_batch"], grad_accum=1,
+                   max_grad_norm=MAX_GRAD_NORM, clip_mode="exact", torch_dtype="bfloat16", gradient_checkpointing=True,
+                   device="cuda" if device.startswith("cuda") else "cpu")  # fmt: skip  # and its layer-wise form
+    rows = {r.optimizer: dict(peak_bytes=r.peak_bytes, categories=r.categories, when=r.when,
+                              optimizer_state_from_rule=r.optimizer_state_from_rule)
+            for r in planned.rows}  # fmt: skip
     assert set(rows) == set(MEMORY_OPTIMS), sorted(rows)
-    return {
-        "seconds": round(time.perf_counter() - t0, 1),
-        "device": planned.setup.device,
-        "extrapolated_layers": planned.extrapolated,
-        "rows": rows,
-        # What the plan cannot follow in these runs, so that a ratio away from 1 can be read.
-        "note": "plan: one steady-state step, layer-wise norm pass chosen as 'auto' (the run pins 'retain'); "
-        "bitsandbytes state from the estimator's rules, its step temporaries not counted; measured: "
-        "max_memory_allocated over all steps of train(), the first included; the CUDA context is in neither",
-    }
+    return {"seconds": round(time.perf_counter() - t0, 1), "device": planned.setup.device,
+            "extrapolated_layers": planned.extrapolated, "rows": rows,
+            # What the plan cannot follow in these runs, so that a ratio away from 1 can be read.
+            "note": "plan: one steady-state step, layer-wise norm pass chosen as 'auto' (the run pins 'retain'); "
+            "bitsandbytes state from the estimator's rules, its step temporaries not counted; measured: "
+            "max_memory_allocated over all steps of train(), the first included; the CUDA context is in neither",
+            }  # fmt: skip
 
 
 def in_background(out: dict, function, *args) -> None:
-    """`out["result"] = function(*args)`, or `out["error"]` (a daemon thread's target: a plan that overruns the time
-    limit does not hold the process's exit)."""
+    """`out["result"] = function(*args)` or `out["error"]`: a daemon thread's target, that cannot hold the exit."""
     try:
         out["result"] = function(*args)
     except Exception:
         out["error"] = traceback.format_exc()
 
 
-def compare_with_plan(cases: list[dict], planned: dict) -> None:
-    """Each case's planned peak, and on CUDA the measured peak over it."""
-    for case in cases:
-        row = planned.get("rows", {}).get(case["optim"])
-        if row is None:
-            continue
-        case["planned_peak_bytes"] = row["peak_bytes"]
-        if case.get("measured"):
-            case["measured_over_planned"] = round(case["peak_allocated_bytes"] / row["peak_bytes"], 4)
-
-
 def big_model(sizes: dict) -> dict:
     """What the JSON says of the ~1B model's runs."""
     return {"model": sizes["memory_model"], "dtype": "bfloat16", "seq": sizes["memory_seq"],
-            "batch": sizes["memory_batch"]}  # fmt: skip
+            "batch": sizes["memory_batch"], "activation_checkpointing": "use_reentrant=False"}  # fmt: skip
 
 
 def check_memory(opts, sizes, device, record) -> dict:
-    cases = []
     result = {**big_model(sizes), "steps": sizes["memory_steps"], "max_grad_norm": MAX_GRAD_NORM,
-              "layerwise_clip": "exact", "activation_checkpointing": "use_reentrant=False",
-              "isolation": "one subprocess per optimizer", "cases": cases}  # fmt: skip
+              "layerwise_clip": "exact", "isolation": "one subprocess per optimizer", "cases": []}  # fmt: skip
+    cases = result["cases"]
     record(result)
     # The plan needs only the CPU: it runs in a thread while the GPU runs, and adds no time unless it is the slower.
     planned: dict = {}
     planning = threading.Thread(target=in_background, args=(planned, plan_memory, sizes, device), daemon=True)
     planning.start()
     for optim in MEMORY_OPTIMS:
-        case = {"optim": optim}
-        cases.append(case)
-        spec = {"optim": optim, "steps": sizes["memory_steps"], "max_grad_norm": MAX_GRAD_NORM, "memory": True}
-        try:
+        with attempt(cases, {"optim": optim}, lambda: record(result), fail=False) as case:
+            spec = {"optim": optim, "steps": sizes["memory_steps"], "max_grad_norm": MAX_GRAD_NORM, "memory": True}
             case.update(launch_case(spec, opts, sizes["memory_timeout"]))
-        except Exception:
-            case.update(error=traceback.format_exc())
-        record(result)
     planning.join(timeout=max(1.0, min(sizes["memory_timeout"], time_left(opts))))
     result["plan"] = planned.get("result") or {"error": planned.get("error", "the plan did not finish in time")}
-    compare_with_plan(cases, result["plan"])
+    for case in cases:  # each case's planned peak, and on CUDA the measured peak over it
+        row = result["plan"].get("rows", {}).get(case["optim"])
+        if row is not None:
+            case["planned_peak_bytes"] = row["peak_bytes"]
+            if case.get("measured"):
+                case["measured_over_planned"] = round(case["peak_allocated_bytes"] / row["peak_bytes"], 4)
     record(result)
-    by = {c["optim"]: c for c in cases}
-    std, lw = by.get("adamw_8bit", {}), by.get("adamw_8bit_layerwise", {})
+    std, lw = ({c["optim"]: c for c in cases}.get(optim, {}) for optim in MEMORY_OPTIMS)
     if std.get("grad_norm") and lw.get("grad_norm"):
         # Not a pass criterion (bf16 weights, 8-bit state), but the two runs should log the same norms.
-        result["grad_norm_max_abs_diff"] = list_diff(
-            [float(x) for x in std["grad_norm"]], [float(x) for x in lw["grad_norm"]]
-        )
+        result["grad_norm_max_abs_diff"] = list_diff(std["grad_norm"], lw["grad_norm"])
     if any("error" in c for c in cases):
         result["passed"] = False
     elif std.get("measured") and lw.get("measured"):
         saved = std["peak_allocated_bytes"] - lw["peak_allocated_bytes"]
-        predicted = std["estimate"]["total_bytes"] - lw["estimate"]["total_bytes"]
-        result.update(
-            peak_allocated_saved_bytes=saved,
-            peak_reserved_saved_bytes=std["peak_reserved_bytes"] - lw["peak_reserved_bytes"],
-            estimate_saved_bytes=predicted,
-            passed=saved > 0,
-        )
-    else:
-        # CPU: both runs completed and the estimator answered; nothing measured, nothing to compare.
+        result.update(peak_allocated_saved_bytes=saved,
+                      peak_reserved_saved_bytes=std["peak_reserved_bytes"] - lw["peak_reserved_bytes"],
+                      estimate_saved_bytes=std["estimate"]["total_bytes"] - lw["estimate"]["total_bytes"],
+                      passed=saved > 0)  # fmt: skip
+    else:  # CPU: both runs completed and the estimator answered; nothing measured, nothing to compare
         result.update(measured=False, passed=True, note="memory not measured on CPU")
     return result
 
 
 def check_step_time(opts, sizes, device, record) -> dict:
     steps, warmup = sizes["step_time_steps"], sizes["step_time_warmup"]
-    cases = []
     result = {**big_model(sizes), "steps": steps, "warmup_steps_dropped": warmup, "max_grad_norm": 0.0,
               "note": "clipping off: one backward per step on both sides, so the times compare the steps themselves",
-              "activation_checkpointing": "use_reentrant=False", "isolation": "one subprocess per run",
-              "cases": cases}  # fmt: skip
+              "isolation": "one subprocess per run", "cases": []}  # fmt: skip
+    cases, ms = result["cases"], lambda s: round(1000 * s, 2)
     record(result)
     for label, optim, device_sync in STEP_TIME_RUNS:
         case = {"run": label, "optim": optim, KEEP_DEVICE_SYNC_ENV: device_sync}
-        cases.append(case)
-        try:
-            out = launch_case(
-                {"optim": optim, "steps": steps, "max_grad_norm": 0.0}, opts, sizes["step_time_timeout"], device_sync
-            )
+        with attempt(cases, case, lambda: record(result), fail=False):
+            spec = {"optim": optim, "steps": steps, "max_grad_norm": 0.0}
+            out = launch_case(spec, opts, sizes["step_time_timeout"], device_sync)
             timed = out["step_seconds"][warmup:]
-            ms = lambda s: round(1000 * s, 2)  # noqa: E731
             case.update(median_step_ms=ms(statistics.median(timed)), min_step_ms=ms(min(timed)),
                         max_step_ms=ms(max(timed)), step_ms=[ms(s) for s in out["step_seconds"]],
                         steps_run=len(out["step_seconds"]), **{k: out[k] for k in ("bnb_device_syncs", "num_tensors",
-                        "loss", "measured")})  # fmt: skip
-            if out["measured"]:
-                case["peak_allocated_bytes"] = out["peak_allocated_bytes"]
-        except Exception:
-            case.update(error=traceback.format_exc())
-        record(result)
-    by = {c["run"]: c for c in cases}
-    std, lw, kept = (by[label] for label, _, _ in STEP_TIME_RUNS)
+                        "loss", "measured") + ("peak_allocated_bytes",) * out["measured"]})  # fmt: skip
+    std, lw, kept = cases
     if not any("error" in c for c in cases):
         expected = steps * std["num_tensors"]  # bitsandbytes syncs after every parameter of every step
         result.update(sync_removed_saves_ms=round(kept["median_step_ms"] - lw["median_step_ms"], 2),
@@ -1115,12 +952,8 @@ def check_step_time(opts, sizes, device, record) -> dict:
     return result
 
 
-# ---- check 7: host offload ----
-
-
 def simulate_offload_on_cpu(device: str) -> None:
-    """On CPU the device and the host are the same memory: the offload code's CPU stand-in (a copy thread with a
-    delay on every copy, host buffers of their own) runs the path a GPU takes, and this says that is intended."""
+    """On CPU, the offload code's stand-in (a copy thread, a delay on every copy) runs the path a GPU takes."""
     if device == "cpu":
         from layerwise_hf.placement.transfer import DELAY_ENV, SIMULATE_ENV
 
@@ -1128,66 +961,36 @@ def simulate_offload_on_cpu(device: str) -> None:
         os.environ.setdefault(DELAY_ENV, "0.001")
 
 
-def train_one(optim, base_model, dataset, device, **overrides):
-    """`optim` trained from a copy of `base_model` (LayerwiseTrainer for a layer-wise name)."""
-    with tempfile.TemporaryDirectory() as out:
-        trainer = make_trainer(copy.deepcopy(base_model), training_args(out, optim, device, **overrides), dataset,
-                               device=device)  # fmt: skip
-        trainer.train()
-    return trainer
-
-
 def offload_parity(opts, sizes, device, cases: list, record) -> None:
     """adamw_torch through Trainer against adamw_torch_layerwise with each offload mode, GA 1 and 2, exact clipping."""
-    config = llama_config(sizes["small_model"], sizes["small_seq"], attn="eager")
-    base_model = build_model(config)
     steps, batch = sizes["parity_steps"], sizes["small_batch"]
     # The host's AdamW is not CUDA's kernel: on a GPU, 'optimizer' is compared by its updates, not bit for bit.
     host_opts = argparse.Namespace(**{**vars(opts), "update_rtol": opts.offload_rtol})
     for ga in (1, 2):
-        dataset = TokenDataset(batch * ga * steps, sizes["small_seq"], config.vocab_size)
+        _, base_model, dataset = small_setup(sizes, "parity_steps", ga)
         common = dict(max_steps=steps, per_device_train_batch_size=batch, gradient_accumulation_steps=ga)
-        try:
-            std = train_one("adamw_torch", base_model, dataset, device, **common)
-        except Exception:
-            cases.extend(
-                {"mode": m, "ga": ga, "passed": False, "error": traceback.format_exc()} for m in OFFLOAD_MODES
-            )
-            record({})
-            continue
+        std = None
         for mode in OFFLOAD_MODES:
-            case = {"mode": mode, "ga": ga}
-            cases.append(case)
-            try:
+            with attempt(cases, {"mode": mode, "ga": ga}, lambda: record({}), device) as case:
                 t0 = time.perf_counter()
+                std = std if std is not None else train_one("adamw_torch", base_model, dataset, device, **common)
                 lw = train_one("adamw_torch_layerwise", base_model, dataset, device, layerwise_offload=mode, **common)
                 exact = mode == "gradients" or not device.startswith("cuda")
                 case.update(compare_runs(base_model, std, lw, steps, "bit-exact" if exact else "update_rtol",
                                          opts if exact else host_opts))  # fmt: skip
-                case.update(offload_summary(lw, mode), clipped_steps=sum(
-                    n > MAX_GRAD_NORM for n in logged(std, "grad_norm") if math.isfinite(n)
-                ), seconds=round(time.perf_counter() - t0, 2))  # fmt: skip
+                case.update(offload_summary(lw, mode), seconds=round(time.perf_counter() - t0, 2))
                 # The gradients waited on the host (exact clipping needs every one before a step), and with
                 # 'optimizer' no state is left on the device.
                 on_host = case["host_gradient_buffer_bytes"] > 0
                 hosted = case.get("host_stepped_tensors") == len(lw.layerwise_optimizer.inner)
                 on_cpu = not device.startswith("cuda") or set(case["state_bytes_by_device"]) <= {"cpu"}
-                states_off_device = mode == "gradients" or (hosted and on_cpu)
-                case["passed"] = bool(case["passed"] and on_host and states_off_device)
-                del lw
-            except Exception:
-                case.update(passed=False, error=traceback.format_exc())
-            finally:
-                cleanup(device)
-            record({})
-        del std
+                case["passed"] = bool(case["passed"] and on_host and (mode == "gradients" or (hosted and on_cpu)))
 
 
 def check_offload(opts, sizes, device, record) -> dict:
     simulate_offload_on_cpu(device)
     cuda = device.startswith("cuda")
     steps, warmup = sizes["offload_steps"], sizes["offload_warmup"]
-    cases, runs = [], []
     criterion = "bit-exact (host and device are both the CPU)"
     if cuda:
         criterion = (f"updates within {opts.offload_rtol:g} of their norm per parameter, grad_norm within it (the "
@@ -1196,14 +999,14 @@ def check_offload(opts, sizes, device, record) -> dict:
               "max_grad_norm": MAX_GRAD_NORM, "layerwise_clip": "exact",
               "criterion": {"gradients": "bit-exact weights and grad_norm against adamw_torch",
                             "optimizer": criterion},
-              "cases": cases, **big_model(sizes), "steps": steps, "warmup_steps_dropped": warmup,
-              "activation_checkpointing": "use_reentrant=False",
+              "cases": [], **big_model(sizes), "steps": steps, "warmup_steps_dropped": warmup,
               "isolation": "one process for the four runs, emptied and peak statistics reset before each",
-              "runs": runs}  # fmt: skip
+              "runs": []}  # fmt: skip
     record(result)
-    offload_parity(opts, sizes, device, cases, lambda _: record(result))
+    offload_parity(opts, sizes, device, result["cases"], lambda _: record(result))
     specs = [{"label": label, "optim": optim, "offload": offload, "steps": steps, "max_grad_norm": MAX_GRAD_NORM}
              for label, optim, offload in OFFLOAD_RUNS]  # fmt: skip
+    runs = result["runs"]
     for out in launch_cases(specs, opts, sizes["offload_timeout"]):
         run = {"run": out.pop("label"), **out}
         if "error" not in run:
@@ -1211,16 +1014,12 @@ def check_offload(opts, sizes, device, record) -> dict:
             run.update(median_step_ms=round(1000 * statistics.median(timed), 2), steps_run=len(run["step_seconds"]))
         runs.append(run)
     record(result)
-    by = {r["run"]: r for r in runs}
-    std, none = by[OFFLOAD_RUNS[0][0]], by[OFFLOAD_RUNS[1][0]]
-    grads, host = by[OFFLOAD_RUNS[2][0]], by[OFFLOAD_RUNS[3][0]]
+    std, none, grads, host = runs
     finished = all("error" not in r and r["steps_run"] == steps for r in runs)
     if finished:
         for r in runs:
             r["vs_standard"] = round(r["median_step_ms"] / std["median_step_ms"], 3)
-            r["grad_norm_max_abs_diff_vs_standard"] = list_diff(
-                [float(x) for x in std["grad_norm"]], [float(x) for x in r["grad_norm"]]
-            )
+            r["grad_norm_max_abs_diff_vs_standard"] = list_diff(std["grad_norm"], r["grad_norm"])
     result["measured"] = finished and all(r.get("measured") for r in runs)
     if result["measured"]:
         for r in (grads, host):
@@ -1229,7 +1028,7 @@ def check_offload(opts, sizes, device, record) -> dict:
     # Every tensor stepped on the host; on CUDA every state on the CPU (on CPU the device is the CPU too).
     states_ok = finished and host.get("host_stepped_tensors") == host["num_tensors"]
     states_ok = states_ok and (not cuda or set(host["state_bytes_by_device"]) <= {"cpu"})
-    result["passed"] = bool(all(c.get("passed") for c in cases) and finished and memory_ok and states_ok)
+    result["passed"] = bool(all(c.get("passed") for c in result["cases"]) and finished and memory_ok and states_ok)
     if not result["measured"]:
         result["note"] = "memory not measured on CPU; the times are the CPU stand-in's, not what a GPU shows"
     return result
@@ -1242,52 +1041,43 @@ def environment(device: str) -> dict:
     import accelerate
     import transformers
 
-    env = {
-        "device": device,
-        "device_name": torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "torch_build": "CUDA" if torch.version.cuda else "CPU",
-        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "transformers": transformers.__version__,
-        "accelerate": accelerate.__version__,
-        "python": platform.python_version(),
-        "python_executable": sys.executable,
-        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        # What gpu_check.sh saw before narrowing this process to one GPU (the FSDP2 launches get it back).
-        "gpu_check_sh": {k: os.environ.get(k) for k in ("GPU_CHECK_DEVICE_COUNT", "GPU_CHECK_CUDA_VISIBLE_DEVICES")},
-        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-    }
+    cuda = device.startswith("cuda")
+    env = {"device": device, "device_name": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
+           "torch": torch.__version__, "cuda": torch.version.cuda,
+           "torch_build": "CUDA" if torch.version.cuda else "CPU",
+           "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+           "transformers": transformers.__version__, "accelerate": accelerate.__version__,
+           "python": platform.python_version(), "python_executable": sys.executable,
+           "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+           "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+           # What gpu_check.sh saw before narrowing this process to one GPU (the FSDP2 launches get it back).
+           "gpu_check_sh": {k: os.environ.get(k) for k in ("GPU_CHECK_DEVICE_COUNT",
+                                                            "GPU_CHECK_CUDA_VISIBLE_DEVICES")},
+           "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}  # fmt: skip
     try:
         import bitsandbytes
 
         env["bitsandbytes"] = bitsandbytes.__version__
     except Exception as e:
         env["bitsandbytes"] = f"not importable: {e}"
-    try:
-        env["git_commit"] = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except Exception:
-        env["git_commit"] = None
-    if device.startswith("cuda"):
+    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    env["git_commit"] = git.stdout.strip() or None
+    if cuda:
         env["gpu_total_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
         env["devices_visible_to_fsdp2"] = visible_devices(device)[0]
     return env
 
 
-def mib(b) -> str:
-    return "-" if b is None else f"{b / MIB:.1f}"
-
-
-def fmt(x) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        return f"{x:.3g}"
-    return str(x)
+def show(key: str, value) -> str:
+    """A value in the table: bytes in MiB, lists of names as their count, floats to 4 digits."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {show(key, v)}" for k, v in sorted(value.items())) + "}"
+    if isinstance(value, list) and value and isinstance(value[0], str):
+        return str(len(value))
+    if "_bytes" in key and isinstance(value, (int, float)):
+        return f"{value / MIB:.1f}MiB"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def status_of(check: dict) -> str:
@@ -1298,155 +1088,63 @@ def status_of(check: dict) -> str:
     return "PASS" if check["passed"] else "FAIL"
 
 
-def case_status(c: dict) -> str:
-    if c.get("skipped"):
-        return "SKIP"
-    return "ERROR" if "error" in c else ("PASS" if c.get("passed") else "FAIL")
+COMPARED = ("criterion", "exact", "max_abs_param_diff", "update_max_rel_diff", "grad_norm_max_abs_diff",
+            "passed_former_atol")  # fmt: skip
+# The table: (check, where its rows are (None: the check is the row), a row's name, the keys its detail shows
+# (a.b: b of a), whether a row is judged on its own (PASS / FAIL) or only the check is ("-")). FSDP2's runs hold cases.
+TABLE = (
+    ("parity", "cases", "parity {optim} GA{ga}", (*COMPARED, "clipped_steps"), True),
+    ("fp16", "cases", "fp16 adamw_torch GA{ga}", ("overflow_step_skipped", "scales_equal", *COMPARED), True),
+    ("fp16_norm_pass", None, "fp16 overflow in 2nd backward", ("overflow_param", "overflow_param_unchanged",
+     "params_changed_on_overflow_step", "stepped_on_overflow_step", "computed_before_overflow", "scale_halved",
+     "nonfinite_params_at_end"), True),
+    ("fsdp2_8bit", "runs", "fsdp2 adamw_8bit x{world_size} {case}", ("reason", "hand_max_diff", "hand_bit_exact",
+     "route", "eight_bit_states_rank0", "states_rank0", "cuda_steps_off_default_stream", "cuda_steps"), True),
+    ("memory", "cases", "memory {optim}", ("peak_allocated_bytes", "peak_reserved_bytes", "planned_peak_bytes",
+     "measured_over_planned", "estimate.weight_bytes", "estimate.gradient_bytes", "estimate.optimizer_state_bytes",
+     "optimizer_state_bytes_measured"), False),
+    ("step_time", "cases", "step time {run}", ("median_step_ms", "min_step_ms", "max_step_ms", "bnb_device_syncs",
+     "steps_run"), False),
+    ("offload", "cases", "offload parity {mode} GA{ga}", (*COMPARED, "state_bytes_by_device",
+     "host_gradient_buffer_bytes"), True),
+    ("offload", "runs", "offload {run}", ("median_step_ms", "vs_standard", "peak_allocated_bytes",
+     "peak_allocated_saved_vs_no_offload_bytes", "state_bytes_by_device"), False),
+)  # fmt: skip
+# What the summary line of a check adds to its status.
+SUMMARY = {"memory": ("peak_allocated_saved_bytes", "peak_reserved_saved_bytes", "estimate_saved_bytes"),
+           "step_time": ("sync_removed_saves_ms", "sync_removed_saves_percent", "layerwise_vs_standard_ms"),
+           }  # fmt: skip
 
 
-def comparison(c: dict) -> str:
-    return (
-        f"{c.get('criterion')}: exact={c.get('exact')} max|dparam|={fmt(c.get('max_abs_param_diff'))} "
-        f"max update rel={fmt(c.get('update_max_rel_diff'))} max|dgrad_norm|={fmt(c.get('grad_norm_max_abs_diff'))} "
-        f"(former atol check: {'pass' if c.get('passed_former_atol') else 'fail'})"
-    )
+def details(c: dict, keys) -> str:
+    values = {k: functools.reduce(lambda d, part: d.get(part, {}), k.split("."), c) for k in keys}
+    return " ".join(f"{k.split('.')[-1]}={show(k, v)}" for k, v in values.items() if v not in (None, {}, ""))
 
 
 def table_rows(checks: dict) -> list[tuple[str, str, str]]:
     rows = []
-    for c in checks.get("parity", {}).get("cases", []):
-        rows.append(
-            (f"parity {c['optim']} GA{c['ga']}", case_status(c), f"{comparison(c)} clipped={c.get('clipped_steps')}")
-        )
-    for c in checks.get("fp16", {}).get("cases", []):
-        lw = c.get("layerwise", {})
-        detail = f"overflow skipped={c.get('overflow_step_skipped')} scales={lw.get('scales')} {comparison(c)}"
-        rows.append((f"fp16 adamw_torch GA{c['ga']}", case_status(c), detail))
-    np_check = checks.get("fp16_norm_pass", {})
-    if "params" in np_check:
-        before = np_check.get("computed_before_overflow") or []
-        rows.append(
-            (
-                "fp16 overflow in 2nd backward",
-                case_status(np_check),
-                f"{np_check['overflow_param']}: {len(np_check['params_changed_on_overflow_step'])}/"
-                f"{np_check['params']} changed, {len(np_check['stepped_on_overflow_step'])} stepped (computed before "
-                f"it: {len(before)}), it unchanged="
-                f"{np_check['overflow_param_unchanged']}, scale halved={np_check['scale_halved']}, nan/inf params="
-                f"{len(np_check['nonfinite_params_at_end'])}",
-            )
-        )
-    for r in checks.get("fsdp2_8bit", {}).get("runs", []):
-        name = f"fsdp2 adamw_8bit {r['world_size']} rank{'s' if r['world_size'] > 1 else ''}"
-        if r.get("skipped") or "error" in r:
-            rows.append((name, case_status(r), r.get("reason", "")))
-        for c in r.get("cases", []):
-            rows.append(
-                (
-                    f"{name} {c['case']}",
-                    case_status(c),
-                    f"by hand: max|d|={fmt(c['hand_max_diff'])} exact={c['hand_bit_exact']}; route={c['route']}, "
-                    f"8-bit states {c['eight_bit_states_rank0']}/{c['states_rank0']}, steps off the default stream "
-                    f"{c['cuda_steps_off_default_stream']}/{c['cuda_steps']}",
-                )
-            )
-    for c in checks.get("memory", {}).get("cases", []):
-        est = c.get("estimate", {})
-        est_s = (
-            f"est weights/grads/state {mib(est.get('weight_bytes'))}/{mib(est.get('gradient_bytes'))}/"
-            f"{mib(est.get('optimizer_state_bytes'))} MiB; state held {mib(c.get('optimizer_state_bytes_measured'))}"
-        )
-        if "error" in c:
-            rows.append((f"memory {c['optim']}", "ERROR", ""))
-        elif c.get("measured"):
-            peaks = f"peak alloc {mib(c['peak_allocated_bytes'])} MiB, reserved {mib(c['peak_reserved_bytes'])} MiB; "
-            rows.append((f"memory {c['optim']}", "-", peaks + plan_s(c) + est_s))
-        else:
-            rows.append((f"memory {c['optim']}", "-", "not measured on CPU; " + plan_s(c) + est_s))
-    for c in checks.get("step_time", {}).get("cases", []):
-        if "error" in c:
-            rows.append((f"step time {c['run']}", "ERROR", ""))
-            continue
-        rows.append(
-            (
-                f"step time {c['run']}",
-                "-",
-                f"median {c['median_step_ms']} ms (min {c['min_step_ms']}, max {c['max_step_ms']}), "
-                f"bitsandbytes device syncs {c['bnb_device_syncs']} in {c['steps_run']} steps",
-            )
-        )
-    offload = checks.get("offload", {})
-    for c in offload.get("cases", []):
-        where = f"states on {sorted(c.get('state_bytes_by_device', {})) or '-'}, host gradient buffers " + mib(
-            c.get("host_gradient_buffer_bytes")
-        )  # fmt: skip
-        rows.append((f"offload parity {c['mode']} GA{c['ga']}", case_status(c), f"{comparison(c)}; {where} MiB"))
-    for r in offload.get("runs", []):
-        if "error" in r:
-            rows.append((f"offload {r['run']}", "ERROR", ""))
-            continue
-        peak = f"peak alloc {mib(r['peak_allocated_bytes'])} MiB; " if r.get("measured") else "memory not measured; "
-        by_device = r.get("state_bytes_by_device") or {"all": r.get("optimizer_state_bytes_measured")}
-        state = ", ".join(f"{k} {mib(v)}" for k, v in sorted(by_device.items()))
-        rows.append(
-            (
-                f"offload {r['run']}",
-                "-",
-                f"{peak}median step {r['median_step_ms']} ms ({r.get('vs_standard', '-')}x standard); "
-                f"state MiB: {state or '-'}",
-            )
-        )
+    for name, where, row, keys, judged in TABLE:
+        check = checks.get(name, {})
+        for item in check.get(where, []) if where else [check] if "params" in check else []:
+            for c in [{**item, **case} for case in item.get("cases", [])] or [item]:
+                status = "SKIP" if c.get("skipped") else "PASS" if c.get("passed") else "FAIL" if judged else "-"
+                rows.append((row.format_map(collections.defaultdict(str, c)).strip(),
+                             "ERROR" if "error" in c else status,
+                             "" if "error" in c else details(c, keys)))  # fmt: skip
     return rows
 
 
-def plan_s(c: dict) -> str:
-    if "planned_peak_bytes" not in c:
-        return ""
-    ratio = f" (measured / planned {c['measured_over_planned']:.3f})" if "measured_over_planned" in c else ""
-    return f"plan {mib(c['planned_peak_bytes'])} MiB{ratio}; "
-
-
 def summary_line(name: str, check: dict) -> str:
-    line = f"  => {name}: {status_of(check)}"
-    if name == "memory" and "peak_allocated_saved_bytes" in check:
-        line += (
-            f" (layer-wise saves {mib(check['peak_allocated_saved_bytes'])} MiB peak allocated, "
-            f"{mib(check['peak_reserved_saved_bytes'])} MiB reserved; "
-            f"estimator: {mib(check['estimate_saved_bytes'])} MiB)"
-        )
-    if name == "memory":
-        ratios = [f"{c['optim']} {c['measured_over_planned']:.3f}" for c in check.get("cases", [])
-                  if "measured_over_planned" in c]  # fmt: skip
-        line += f" (max_memory_allocated / plan: {', '.join(ratios)})" if ratios else ""
-        line += " (plan failed: see the JSON)" if "error" in check.get("plan", {}) else ""
-    if name == "step_time" and "sync_removed_saves_ms" in check:
-        line += (
-            f" (removing bitsandbytes' per-parameter sync saves {check['sync_removed_saves_ms']} ms/step, "
-            f"{check['sync_removed_saves_percent']}%; layer-wise - standard {check['layerwise_vs_standard_ms']} ms)"
-        )
-        line += f" [{check['note_cpu']}]" if "note_cpu" in check else ""
-    if name == "offload" and check.get("runs"):
-        by = {r["run"]: r for r in check["runs"]}
-        parts = []
-        for label, _, mode in OFFLOAD_RUNS[2:]:
-            r = by.get(label, {})
-            saved = r.get("peak_allocated_saved_vs_no_offload_bytes")
-            saved_s = f", saves {mib(saved)} MiB peak" if saved is not None else ""
-            parts.append(f"{mode}: {r.get('vs_standard', '-')}x standard step time{saved_s}")
-        line += f" ({'; '.join(parts)})"
-    if name == "fsdp2_8bit":
-        skipped = [r["reason"] for r in check.get("runs", []) if r.get("skipped")]
-        line += f" (skipped: {'; '.join(skipped)})" if skipped else ""
-    return line
+    skipped = "; ".join(r["reason"] for r in check.get("runs", []) if r.get("skipped"))
+    extra = details({**check, "skipped": skipped, "plan_error": check.get("plan", {}).get("error") and "see the JSON"},
+                    (*SUMMARY.get(name, ()), "note_cpu", "skipped", "plan_error"))  # fmt: skip
+    return f"  => {name}: {status_of(check)}" + (f" ({extra})" if extra else "")
 
 
 def print_table(report: dict) -> None:
-    env = report["environment"]
-    print(
-        f"\nGPU check on {env.get('device_name')} (torch {env.get('torch')}, {env.get('torch_build')} build, "
-        f"CUDA {env.get('cuda')})"
-    )
-    checks = report["checks"]
+    env, checks = report["environment"], report["checks"]
+    print(f"\nGPU check on {env.get('device_name')} (torch {env.get('torch')}, {env.get('torch_build')} build, "
+          f"CUDA {env.get('cuda')})")  # fmt: skip
     rows = table_rows(checks)
     width = max((len(r[0]) for r in rows), default=10)
     for name, res, detail in rows:
@@ -1485,8 +1183,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     }  # fmt: skip
     for name, (default, what) in floats.items():
         parser.add_argument(f"--{name}", type=float, default=default, help=what)
-    parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # internal: one run of the ~1B model
-    parser.add_argument("--cases", default=None, help=argparse.SUPPRESS)  # internal: several, in one process
+    parser.add_argument("--cases", default=None, help=argparse.SUPPRESS)  # internal: ~1B runs in one process
     parser.add_argument("--fsdp_case", default=None, help=argparse.SUPPRESS)  # internal: one FSDP2 rank
     opts = parser.parse_args(argv)
     opts.device = opts.device or ("cpu" if opts.tiny else "cuda")
@@ -1501,28 +1198,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return opts
 
 
-def finish_ranks() -> None:
-    """Every rank leaves together, without C++ static destructors (gloo was seen to abort at teardown otherwise)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def run_checks(opts, sizes, report, write) -> int:
-    functions = {
-        "parity": check_parity,
-        "fp16": check_fp16,
-        "fp16_norm_pass": check_fp16_norm_pass,
-        "fsdp2_8bit": check_fsdp2,
-        "memory": check_memory,
-        "step_time": check_step_time,
-        "offload": check_offload,
-    }
+    functions = {"parity": check_parity, "fp16": check_fp16, "fp16_norm_pass": check_fp16_norm_pass,
+                 "fsdp2_8bit": check_fsdp2, "memory": check_memory, "step_time": check_step_time,
+                 "offload": check_offload}  # fmt: skip
     rc = 0
     for name in opts.checks:
         check = report["checks"][name] = {}
@@ -1544,9 +1223,7 @@ def run_checks(opts, sizes, report, write) -> int:
             rc = 124
         except Exception:
             check.update(passed=False, error=traceback.format_exc())
-        check["seconds"] = round(time.perf_counter() - t1, 1)
-        check["budget_s"] = budget
-        check["status"] = status_of(check)
+        check.update(seconds=round(time.perf_counter() - t1, 1), budget_s=budget, status=status_of(check))
         write()
         print(f"gpu_check: {name} {check['status']} in {check['seconds']} s (budget {budget} s)", flush=True)
         if rc:
@@ -1561,22 +1238,15 @@ def main(argv=None) -> int:
     sizes = SIZES["tiny" if opts.tiny else "full"]
     if opts.device.startswith("cuda") and not torch.cuda.is_available():
         build = f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU build"
-        print(
-            f"gpu_check: torch.cuda.is_available() is False (torch {torch.__version__}, {build}, at "
-            f"{sys.executable}); run on a CUDA machine, or use --tiny for the CPU dry run",
-            file=sys.stderr,
-        )
+        print(f"gpu_check: torch.cuda.is_available() is False (torch {torch.__version__}, {build}, at "
+              f"{sys.executable}); run on a CUDA machine, or use --tiny for the CPU dry run",
+              file=sys.stderr)  # fmt: skip
         return 2
-    if opts.case:
-        print("CASE_JSON " + json.dumps(run_case(json.loads(opts.case), sizes, opts.device)), flush=True)
-        return 0
     if opts.cases:
-        simulate_offload_on_cpu(opts.device)
         run_cases(json.loads(opts.cases), sizes, opts.device)
         return 0
     if opts.fsdp_case:
         fsdp_case(sizes, opts.device, opts.fsdp_case)
-        finish_ranks()
 
     torch.use_deterministic_algorithms(True, warn_only=True)
     signal.signal(signal.SIGTERM, _terminate)
@@ -1584,15 +1254,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     output = Path(opts.output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    report = {
-        "script": "benchmarks/gpu_check.py",
-        "tiny": opts.tiny,
-        "argv": sys.argv[1:] if argv is None else list(argv),
-        "environment": environment(opts.device),
-        "sizes": sizes,
-        "checks": {},
-        "passed": None,
-    }
+    report = {"script": "benchmarks/gpu_check.py", "tiny": opts.tiny,
+              "argv": sys.argv[1:] if argv is None else list(argv), "environment": environment(opts.device),
+              "sizes": sizes, "checks": {}, "passed": None}  # fmt: skip
 
     def write():
         report["seconds"] = round(time.perf_counter() - t0, 1)
