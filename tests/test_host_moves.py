@@ -9,7 +9,7 @@ Without a GPU the devices are told apart with the meta device, and copies are co
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from layerwise_hf.optim.gate import GradientGate
+from layerwise_hf.optim.host_offload import HostCoefficient
 from layerwise_hf.platform.norms import total_norm
 
 
@@ -55,10 +55,10 @@ def test_a_host_step_moves_the_windows_clip_coefficient_to_the_host_once():
             DeviceScalar.moves += 1
             return torch.tensor(0.5, device=device)
 
-    gate = GradientGate(["w"], [torch.nn.Parameter(torch.ones(1))], [], sync=lambda: True)
+    on_host = HostCoefficient()  # what GradientGate.step_on_host moves the coefficient with
     coef = DeviceScalar()
-    host = [gate._on_host(coef, torch.device("cpu")) for _ in range(50)]  # 50 parameters stepped on the host
+    host = [on_host(coef, torch.device("cpu")) for _ in range(50)]  # 50 parameters stepped on the host
     assert DeviceScalar.moves == 1 and all(h is host[0] for h in host)
     next_window = DeviceScalar()
-    gate._on_host(next_window, torch.device("cpu"))
+    on_host(next_window, torch.device("cpu"))
     assert DeviceScalar.moves == 2  # a new step's coefficient is moved again

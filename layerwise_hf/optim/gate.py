@@ -22,6 +22,7 @@ from ..platform.streams import step_in_backward
 from ..routes.sink import BackwardEnd
 from .clipping import ClipMode, make_clipper
 from .grad_scaler import GradScalerBridge
+from .host_offload import HostCoefficient
 from .memory import GradMeter
 from .window import Action, StepWindow
 
@@ -76,7 +77,7 @@ class GradientGate:
         self.last_grad_norm: torch.Tensor | None = None
         self.applied_lr: dict[str, float] = {}  # per optimizer class, the lr of its latest step
         self.offload: GradientOffload | None = None  # layerwise_offload="gradients": gradients wait on the host
-        self._host_coef: tuple[torch.Tensor, torch.Tensor] | None = None  # a clip coefficient and its host copy
+        self.host_coef = HostCoefficient()  # the window's clip coefficient on the host, moved once a step
 
     # ---- one gradient ----
 
@@ -181,21 +182,11 @@ class GradientGate:
         coef = self.clipper.coef(window, None if norm is None else norm[2], self.last_grad_norm)
         buffer = self.offload.host[i]
         if coef is not None:
-            coef = self._on_host(coef, buffer.device)
+            coef = self.host_coef(coef, buffer.device)
         inner.step_host(buffer, [], coef)
         self.applied_lr[type(unwrap_host_step(inner)).__name__] = inner.param_groups[0]["lr"]
         window.stepped[i] = True
         self.offload.filled[i] = False
-
-    def _on_host(self, coef: torch.Tensor, device: torch.device) -> torch.Tensor:
-        # Exact clipping gives every parameter the window's one coefficient: moved to the host once per step, not
-        # once per parameter (each move is a device-to-host copy that waits for the device).
-        cached = self._host_coef
-        if cached is None or cached[0] is not coef or cached[1].device != device:
-            # Under FSDP2 the coefficient is a replicated DTensor; the host buffer is a plain local shard.
-            whole = coef.full_tensor() if hasattr(coef, "full_tensor") else coef
-            cached = self._host_coef = (coef, whole.to(device))
-        return cached[1]
 
     def merge_waiting(self, i: int) -> None:
         """Add parameter `i`'s host sum of this window (offload) into its `.grad`, before a route's reduction."""

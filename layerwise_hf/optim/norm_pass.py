@@ -26,9 +26,9 @@ not rerun (`rerun_repeats`): it holds the gradients, as the standard optimizer d
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -173,10 +173,26 @@ def saved_activation_bytes(loss: torch.Tensor, exclude: Any = ()) -> int:
     return sum(n for ptr, n in storages.items() if ptr not in skip)
 
 
-# Per optimizer, the way its last measured step chose (`forward_again` reads it before the next forward).
-_CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# Per optimizer, why a rerun would repeat a side effect of its model's forward; `auto` then holds instead.
-_REPEATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+@dataclasses.dataclass
+class NormPassChoice:
+    """
+    What `layerwise_norm_pass="auto"` decided for one optimizer, kept on it (`LayerwiseOptimizer.norm_pass_choice`).
+
+    Attributes:
+        way (`NormPass`, *optional*): the way its last measured step chose (`forward_again` reads it before the next
+            forward).
+        repeats (`str`, *optional*): why a rerun would repeat a side effect of its model's forward; `auto` then holds.
+    """
+
+    way: NormPass | None = None
+    repeats: str | None = None
+
+
+def _choice(optimizer: LayerwiseOptimizer) -> NormPassChoice:
+    choice = getattr(optimizer, "norm_pass_choice", None)
+    if choice is None:  # an optimizer built before this attribute existed (unpickled, or a stand-in in a test)
+        choice = optimizer.norm_pass_choice = NormPassChoice()
+    return choice
 
 
 def _choose(optimizer: LayerwiseOptimizer, loss: torch.Tensor) -> NormPass:
@@ -184,10 +200,10 @@ def _choose(optimizer: LayerwiseOptimizer, loss: torch.Tensor) -> NormPass:
     activations = saved_activation_bytes(loss, params)
     sizes = [p.numel() * p.element_size() for p in params] or [0]
     chosen = choose_norm_pass(activations, sum(sizes), max(sizes))
-    if chosen is NormPass.RERUN and optimizer in _REPEATS:
+    if chosen is NormPass.RERUN and _choice(optimizer).repeats:
         # A second forward would repeat what `run_with_norm_pass` cannot put back (`rerun_repeats`).
         chosen = NormPass.HOLD
-    if _CHOSEN.get(optimizer) is not chosen:
+    if _choice(optimizer).way is not chosen:
         logger.info(
             "Exact clipping / fp16 check without gradient accumulation: the graph saves %.1f MiB of activations, "
             "the gradients take %.1f MiB (largest %.1f MiB): measuring by '%s' (%s).",
@@ -202,7 +218,7 @@ def _choose(optimizer: LayerwiseOptimizer, loss: torch.Tensor) -> NormPass:
                 NormPass.HOLD: "one backward holding every gradient, as a standard optimizer",
             }[chosen],
         )
-    _CHOSEN[optimizer] = chosen
+    _choice(optimizer).way = chosen
     return chosen
 
 
@@ -219,7 +235,7 @@ def last_norm_pass(optimizer: LayerwiseOptimizer) -> NormPass | None:
     <NormPass.HOLD: 'hold'>
     ```
     """
-    return _CHOSEN.get(optimizer)
+    return _choice(optimizer).way
 
 
 def forward_again(optimizer: LayerwiseOptimizer) -> bool:
@@ -367,11 +383,11 @@ def run_with_norm_pass(
         return forward_backward()
     route = optimizer.gradient_route
     collective = route is not None and getattr(route, "collective_per_forward", False)
-    if model is not None and not collective and _CHOSEN.get(optimizer) is NormPass.RERUN:
+    if model is not None and not collective and _choice(optimizer).way is NormPass.RERUN:
         repeats = rerun_repeats(model)
         if repeats:
-            _REPEATS[optimizer] = repeats
-            _CHOSEN[optimizer] = NormPass.HOLD
+            _choice(optimizer).repeats = repeats
+            _choice(optimizer).way = NormPass.HOLD
             logger.info(
                 "Exact clipping / fp16 check: a second forward would repeat what the model's %s keep, which cannot "
                 "be put back; measuring by 'hold' (one forward, every gradient held for step()) instead of 'rerun'.",

@@ -117,6 +117,7 @@ class LayerwiseOptimizer(MemoryReport, torch.optim.Optimizer):
         self._extra_backward = False
         self._route: GradientRoute | None = None  # the last route connected (kept after detach: `route` names it)
         self.backward_end = BackwardEnd()  # the one owner of the end of each backward (routes, hold, fp16 flags)
+        self.norm_pass_choice = norm_pass.NormPassChoice()  # what layerwise_norm_pass="auto" decided
         self.gate = GradientGate(
             self.names, self._params, self.inner, self.sync_gradients, track_grad_norm, self.backward_end
         )
