@@ -19,7 +19,8 @@ The model, as CUDA has it:
 - a storage that died is forgotten by CSAN when its memory is reused; if another stream used it and `record_stream`
   did not name that stream, the reuse is reported as a write on the allocating stream (the caching allocator hands a
   freed block to the next allocation on its stream at once);
-- pinned allocations are counted (`pinned_bytes`) as the caching host allocator would allocate them.
+- pinned allocations are counted (`pinned_bytes`) as the caching host allocator would allocate them (rounded up to a
+  power of two), memory pinned by `cudaHostRegister` (`torch.cuda.cudart()`) to the byte.
 
 A missing wait raises CSAN's own `CUDASanitizerErrors` holding its `UnsynchronizedAccessError`s.
 
@@ -181,7 +182,8 @@ class FakeCuda:
     Attributes:
         handler: CSAN's `EventHandler`.
         touched (`dict[str, set[int]]`): thread name -> devices it set (as `cudaSetDevice` would).
-        pinned_bytes (`int`): bytes of the pinned allocations alive, as allocated (no rounding: see `pinned_blocks`).
+        pinned_bytes (`int`): pinned host bytes alive, as the host holds them: a `pin_memory=True` allocation rounded
+            up to a power of two (torch's caching host allocator), memory pinned by `cudaHostRegister` to the byte.
         pinned_blocks (`list[int]`): each pinned allocation's requested bytes.
         launches (`list[tuple[str, int]]`): (op, stream id) of every kernel launch (`ordered_after` compares two).
     """
@@ -369,7 +371,8 @@ class FakeCuda:
             if new_host:
                 self.host_ptrs.add(ptr)
             if pinned:
-                self.pinned[ptr] = storage.nbytes()
+                # NOTE: the caching host allocator rounds each pinned block up to a power of two (and keeps it).
+                self.pinned[ptr] = _power_of_two(storage.nbytes())
                 self.pinned_blocks.append(storage.nbytes())
 
     def _free(self, ptr: int, known: tuple, stream: int) -> None:
@@ -388,6 +391,14 @@ class FakeCuda:
                 raise _report(errors)
         for k in keys:
             self.handler._handle_memory_deallocation(k)
+
+    def host_register(self, ptr: int, nbytes: int, flags: int = 0) -> int:
+        """`cudaHostRegister`: plain host memory pinned as is, to the byte."""
+        with self.lock:
+            self.host_ptrs.add(ptr)
+            self.pinned[ptr] = nbytes
+            self.pinned_blocks.append(nbytes)
+        return 0
 
     def record_stream(self, tensor: torch.Tensor, stream: FakeStream) -> None:
         known = self.storages.get(self._storage_ptr(tensor))
@@ -482,6 +493,8 @@ class FakeCuda:
             "default_stream": fake.default_stream,
             "stream": fake.stream,
             "synchronize": fake.synchronize,
+            "cudart": lambda: _FakeCudart(fake),
+            "check_error": lambda res: None,
         }.items():
             patch(mock.patch.object(cuda, name, value))
         patch(mock.patch.object(torch.Tensor, "record_stream", lambda t, s: fake.record_stream(t, s), create=True))
@@ -519,6 +532,16 @@ class FakeCuda:
             self._patches.close()
         finally:
             FakeCuda.active = None
+
+
+def _power_of_two(nbytes: int) -> int:
+    return 1 << max(nbytes - 1, 0).bit_length()
+
+
+class _FakeCudart:
+    def __init__(self, fake: FakeCuda) -> None:
+        self.cudaHostRegister = fake.host_register
+        self.cudaHostUnregister = lambda ptr: 0
 
 
 def _report(errors: list) -> csan.CUDASanitizerErrors:

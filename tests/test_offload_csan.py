@@ -230,3 +230,24 @@ def test_copies_back_run_on_their_own_stream_and_do_not_wait_for_compute_queued_
         back = {fake.launches[k][1] for k in streams["back"]}
         assert out.isdisjoint(back) and fake.default_stream().id not in out | back, (out, back)
         assert not [k for k in streams["back"] if fake.ordered_after(k, later)]
+
+
+@pytest.mark.parametrize("ga", [1, 4])
+@pytest.mark.parametrize("mode", ["gradients", "optimizer"])
+def test_pinned_bytes_are_what_the_plan_counts(mode, ga):
+    # torch's caching host allocator rounds each pinned block up to a power of two and keeps it: the buffers are views
+    # into one registered block per dtype, so what is pinned is what the plan and host_bytes() count.
+    from layerwise_hf.estimate.offload import pinned_bytes
+    from layerwise_hf.optim.host_offload import offload_of
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 24), torch.nn.Tanh(), torch.nn.Linear(24, 12), torch.nn.Linear(12, 4)
+    )
+    sizes = [p.numel() * p.element_size() for p in model.parameters()]
+    with FakeCuda() as fake:
+        _, optimizer = offload_loop(mode, ga, 0.5, steps=2, model=model)
+        pinned = fake.pinned_bytes
+    offload = offload_of(optimizer)
+    copies = sum(inner.host.numel() * inner.host.element_size() for inner in optimizer.inner if mode == "optimizer")
+    assert pinned == pinned_bytes(mode, sizes) == offload.host_bytes() + copies, (pinned, pinned_bytes(mode, sizes))

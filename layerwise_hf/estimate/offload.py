@@ -50,6 +50,26 @@ def apply_offload(
     return grads, state, host // (opts.world_size if opts.sharding == "fsdp2" else 1)  # each rank: its own shards
 
 
+def pinned_bytes(offload: str, sizes: list[int]) -> int:
+    """
+    The pinned host bytes of `offload` on CUDA, `sizes` from `gradient_sizes`: one block per dtype holds every
+    gradient buffer (`HostArena`); with `"optimizer"` another holds the host parameter copies, and the gradients land
+    in the one or the other of `host_grad` (stepped in backward) and the waiting buffers (the first is only made when
+    a gradient steps at once). The optimizer states are not pinned.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.estimate.offload import pinned_bytes
+    >>> pinned_bytes("optimizer", [400, 100, 300])
+    1600
+    ```
+    """
+    if offload == "none":
+        return 0
+    return sum(sizes) * (1 if offload == "gradients" else 2)
+
+
 def offload_terms(offload: str, sizes: list[int], state: int, notes: list[str]) -> tuple[int, int, int]:
     """
     `(device gradient bytes, device optimizer-state bytes, host bytes)` of one unsharded replica with `offload`

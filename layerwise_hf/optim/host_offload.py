@@ -133,9 +133,9 @@ def enable_offload(
         return [local_tensor(p) for p in gate.params]
 
     # Host buffers are views into one pinned block per dtype, sized for every parameter: pinned bytes equal the plan.
-    pass
+    gate.offload.reserve = reserve
     if runner is not None:
-        pass
+        runner.reserve = reserve
     # NOTE: a route may ask what is held before any hook of the next window runs (the data-parallel route merges a
     # host sum before reducing); a window GradScaler skipped must be forgotten by then.
     gate.offload.check_window = gate.close_skipped_window

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,7 +42,7 @@ import torch
 from ..bases.params import LayerwiseFactory, LayerwiseParam
 from .host_kernel import claim_thread_share, host_kernel_flags, host_threads_for
 from .offload import HostWorker, local_tensor
-from .transfer import Ticket, Transfer, device_of, make_transfer
+from .transfer import HostArena, Ticket, Transfer, device_of, make_transfer
 
 
 class HostRunner:
@@ -58,6 +58,10 @@ class HostRunner:
     def __init__(self, transfer: Transfer | None = None):
         self.transfer = transfer
         self.worker = HostWorker()
+        # The device-side tensors the host steps are for (`enable_offload`: the parameters' local shards), asked at the
+        # first host buffer: the host copies, and the host gradients, are then views into one pinned block per dtype.
+        self.reserve: Callable[[], Sequence[torch.Tensor]] | None = None
+        self.arenas: dict[str, HostArena] = {}
         self.pending: dict[int, HostStepOptimizer] = {}  # id -> optimizers whose copy back the next forward awaits
         # id(module) -> (module, whether it holds a pending parameter), decided since `pending` last grew.
         self._verdicts: dict[int, tuple[torch.nn.Module, bool]] = {}
@@ -108,6 +112,16 @@ class HostRunner:
         if self.transfer is None:
             self.transfer = make_transfer(device_of(tensor))
         return self.transfer
+
+    def host_buffer(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A host buffer like `tensor` from the arena of `kind` (`"copies"`: host parameter copies; `"grads"`: the
+        host gradients of steps in backward), or allocated on its own without `reserve`."""
+        transfer = self.transfer_for(tensor)
+        if self.reserve is None:
+            return transfer.host_empty_like(tensor)
+        if kind not in self.arenas:
+            self.arenas[kind] = HostArena(transfer, self.reserve())
+        return self.arenas[kind].empty_like(tensor)
 
     def wait(self) -> None:
         """Make the device wait for every host step started and its copy back (before parameters are read)."""
@@ -201,7 +215,7 @@ class HostStepOptimizer(torch.optim.Optimizer):
         transfer = self.runner.transfer_for(grad)
         self.wait_host()  # the previous step still reads host_grad
         if self.host_grad is None or self.host_grad.shape != grad.shape or self.host_grad.dtype != grad.dtype:
-            self.host_grad = transfer.host_empty_like(grad)
+            self.host_grad = self.runner.host_buffer("grads", grad)
         ticket = transfer.copy(self.host_grad, grad)
         # The copy back waits for this copy out: it was queued after backward's last use of the parameter.
         self.step_host(self.host_grad, [ticket], None, after=ticket)
@@ -271,7 +285,7 @@ class HostStepOptimizer(torch.optim.Optimizer):
         if self.host.shape != local.shape:
             # The first refresh (the host copy is taken at the first step), or FSDP2's prepare replaced the parameter
             # by its sharded DTensor: the host copy is of the local shard.
-            self.host.data = transfer.host_empty_like(local)
+            self.host.data = self.runner.host_buffer("copies", local)
         transfer.copy(self.host, local).wait_host()
         self.version = local._version
         self.stale = False

@@ -35,7 +35,7 @@ import torch
 
 from ..platform.dtensor import local_tensor as local_tensor
 from ..platform.norms import grad_norm_kernel
-from .transfer import Ticket, Transfer, device_of, make_transfer
+from .transfer import HostArena, Ticket, Transfer, device_of, make_transfer
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +143,10 @@ class GradientOffload:
         self.worker = worker or HostWorker()
         self.host_steps = host_steps  # layerwise_offload="optimizer": step() steps from the host buffers
         self.host: dict[int, torch.Tensor] = {}  # persistent host buffers, one per parameter that was offloaded
+        # The device-side tensors whose buffers `host` may hold (`enable_offload`: the parameters' local shards), asked
+        # at the first buffer: the buffers are then views into one pinned block per dtype (`HostArena`).
+        self.reserve: Callable[[], Sequence[torch.Tensor]] | None = None
+        self.arena: HostArena | None = None
         self.filled: dict[int, bool] = {}  # whether this window's buffer holds a gradient (else it is stale)
         self.accumulated: set[int] = set()  # buffers holding a sum of micro-batches: norm taken on the host
         self.waits: dict[int, list[Ticket | concurrent.futures.Future]] = {}  # what must finish before reading i
@@ -185,7 +189,11 @@ class GradientOffload:
         self._make_room()
         buffer = self.host.get(i)
         if buffer is None:
-            buffer = self.host[i] = transfer.host_empty_like(grad)
+            if self.arena is None and self.reserve is not None:
+                self.arena = HostArena(transfer, self.reserve())
+            buffer = self.host[i] = (
+                transfer.host_empty_like(grad) if self.arena is None else self.arena.empty_like(grad)
+            )
         waits = self.waits.setdefault(i, [])
         if not self.filled.get(i, False):
             ticket = transfer.copy(buffer, grad)

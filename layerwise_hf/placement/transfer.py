@@ -12,7 +12,9 @@ back while the steps go on. Everything it needs from the device is here:
 - `Ticket.wait_host()` blocks the calling thread until the copy is done (before the host reads or writes a buffer);
   `Ticket.wait_device()` makes the compute stream wait for it (before the device uses the copied tensor);
   `Ticket.done()` asks without waiting.
-- `Transfer.host_empty_like(t)` allocates a host buffer (pinned where the device supports it).
+- `Transfer.host_empty_like(t)` allocates a host buffer (pinned where the device supports it); `HostArena` carves the
+  buffers of a known set of tensors out of one host block per dtype (`Transfer.host_block`), so that what is pinned
+  is what they hold: torch's caching host allocator rounds each pinned block up to a power of two and keeps it.
 
 Two implementations:
 
@@ -34,6 +36,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -86,8 +89,54 @@ class Transfer:
     def host_empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
         return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
 
+    def host_block(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat host tensor of `numel` elements for a `HostArena` (pinned, to the byte, where the device has it)."""
+        return torch.empty(numel, dtype=dtype, device="cpu")
+
     def close(self) -> None:
         """Wait for every copy started and release what runs them."""
+
+
+class HostArena:
+    """
+    Host buffers for the tensors named when it is made, as views into one `Transfer.host_block` per dtype, handed out
+    in the order they are asked for; a buffer that does not fit (a tensor not named) is allocated on its own.
+
+    Args:
+        transfer (`Transfer`): allocates the blocks.
+        tensors (`Sequence[torch.Tensor]`): the device-side tensors the buffers are for (their sizes and dtypes).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.placement.transfer import HostArena, ThreadTransfer
+    >>> arena = HostArena(ThreadTransfer(), [torch.ones(2, 3), torch.ones(4)])
+    >>> a = arena.empty_like(torch.ones(2, 3)); b = arena.empty_like(torch.ones(4))
+    >>> a.shape, a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr(), arena.nbytes
+    (torch.Size([2, 3]), True, 40)
+    ```
+    """
+
+    def __init__(self, transfer: Transfer, tensors: Sequence[torch.Tensor]):
+        self.transfer = transfer
+        sizes: dict[torch.dtype, int] = {}
+        for tensor in tensors:
+            sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + tensor.numel()
+        self.blocks = {dtype: transfer.host_block(numel, dtype) for dtype, numel in sizes.items() if numel}
+        self.used = dict.fromkeys(self.blocks, 0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the blocks."""
+        return sum(block.numel() * block.element_size() for block in self.blocks.values())
+
+    def empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        block, start, numel = self.blocks.get(tensor.dtype), self.used.get(tensor.dtype, 0), tensor.numel()
+        if block is None or start + numel > block.numel():
+            return self.transfer.host_empty_like(tensor)
+        self.used[tensor.dtype] = start + numel
+        return block[start : start + numel].view(tensor.shape)
 
 
 class _CudaTicket(Ticket):
@@ -164,6 +213,18 @@ class CudaTransfer(Transfer):
 
     def host_empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
         return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+
+    def host_block(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        block = torch.empty(numel, dtype=dtype, device="cpu")
+        nbytes = block.numel() * block.element_size()
+        if nbytes:
+            # NOTE: pin_memory=True goes through torch's caching host allocator, which rounds the block up to a power
+            # of two (up to 2x) and keeps it; registering plain memory pins exactly its bytes, unregistered when the
+            # block is freed (its views keep it alive).
+            cudart = torch.cuda.cudart()
+            torch.cuda.check_error(cudart.cudaHostRegister(block.data_ptr(), nbytes, 0))
+            weakref.finalize(block.untyped_storage(), cudart.cudaHostUnregister, block.data_ptr())
+        return block
 
     def close(self) -> None:
         self.to_host.synchronize()

@@ -100,6 +100,9 @@ class InlineTransfer(Transfer):
         self.tracker.track(buffer.untyped_storage(), GRADIENTS)
         return buffer
 
+    def host_block(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.host_empty_like(torch.empty(numel, dtype=dtype, device="meta"))
+
 
 class InlineWorker:
     """The simulation's `HostWorker`: runs each task when submitted, on the tracker's host side."""
