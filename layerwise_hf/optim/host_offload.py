@@ -50,6 +50,15 @@ class HostCoefficient:
         return cached[1]
 
 
+def _warn_without_cuda(mode: str) -> None:
+    logger.warning(
+        "layerwise_offload=%r on a machine without CUDA: the device and the host are the same memory, so offload "
+        "saves none. It runs the same path as on a GPU, with a copy thread for the side stream "
+        "(LAYERWISE_HF_OFFLOAD_SIMULATE=1 says this is intended and silences this warning).",
+        mode,
+    )
+
+
 def enable_offload(
     optimizer: LayerwiseOptimizer,
     mode: str = "gradients",
@@ -76,9 +85,8 @@ def enable_offload(
     forward (`wait_for_host_steps` for reading the weights otherwise). Gradients that wait for the step (GA, exact
     clipping) wait in host buffers as with `"gradients"` and are stepped from there.
 
-    On a machine without CUDA the device and the host are the same memory: offload saves nothing there. It still runs
-    the same path with a copy thread standing in for the side stream (`layerwise_hf.placement.transfer.ThreadTransfer`)
-    and warns once, unless `LAYERWISE_HF_OFFLOAD_SIMULATE=1` says that is what is wanted (tests).
+    Without CUDA offload saves nothing (one memory); it runs the same path with a copy thread for the side stream
+    (`layerwise_hf.placement.transfer.ThreadTransfer`) and warns, unless `LAYERWISE_HF_OFFLOAD_SIMULATE=1`.
 
     Args:
         optimizer (`LayerwiseOptimizer`): the optimizer to offload.
@@ -111,21 +119,13 @@ def enable_offload(
             "host): pass offload='optimizer' to build_layerwise_optimizer, or set args.layerwise_offload."
         )
     if not torch.cuda.is_available() and not offload_simulated() and transfer is None:
-        logger.warning(
-            "layerwise_offload=%r on a machine without CUDA: the device and the host are the same memory, so offload "
-            "saves none. It runs the same path as on a GPU, with a copy thread for the side stream "
-            "(LAYERWISE_HF_OFFLOAD_SIMULATE=1 says this is intended and silences this warning).",
-            mode,
-        )
-    worker, choose = None, None
-    if runner is not None:
-        worker = runner.worker
-        if transfer is not None and runner.transfer is None:
-            runner.transfer = transfer
-        # NOTE: the transfer is chosen at the first copy, from the gradient's device, not from the parameters' now: a
-        # plain Accelerate loop builds the optimizer before accelerator.prepare moves the model to the GPU.
-        choose = runner.transfer_for
+        _warn_without_cuda(mode)
+    if runner is not None and transfer is not None and runner.transfer is None:
+        runner.transfer = transfer
+    # NOTE: the transfer is chosen at the first copy, from the gradient's device, not from the parameters' now: a
+    # plain Accelerate loop builds the optimizer before accelerator.prepare moves the model to the GPU.
     hosted = runner is not None
+    worker, choose = (runner.worker, runner.transfer_for) if hosted else (None, None)
     gate.offload = GradientOffload(transfer, max_in_flight, worker=worker, host_steps=hosted, choose=choose)
 
     def reserve() -> list[torch.Tensor]:
