@@ -141,6 +141,11 @@ def test_install_is_idempotent_and_uninstall_restores_every_method(tmp_path):
         trainer.create_optimizer()
     assert str(err.value).startswith("Trainer cannot instantiate unsupported optimizer: adamw_torch_layerwise")
     assert "(or after uninstall())" in str(err.value) and "layerwise_hf.LayerwiseTrainer" in str(err.value)
+    # transformers' own galore_*_layerwise names are stock Trainer's after uninstall(): their errors stay its own.
+    galore = TrainingArguments(output_dir=str(tmp_path), optim="galore_adamw_layerwise", report_to="none")
+    with pytest.raises(ValueError) as err:
+        Trainer.get_optimizer_cls_and_kwargs(galore, tiny_llama())
+    assert "layerwise_hf" not in str(err.value) and "optim_target_modules" in str(err.value)
     # Installing again replaces the originals, not the checks; uninstalling again leaves one check each.
     layerwise_hf.install()
     assert all(

@@ -243,7 +243,7 @@ def _hint(original, read_name, fix: str):
         try:
             return original(*args, **kwargs)
         except ValueError as err:
-            if _STATE["installed"] or not _serves(read_name(*args, **kwargs)):
+            if _STATE["installed"] or not _stock_refuses(read_name(*args, **kwargs)):
                 raise
             raise ValueError(f"{err} {fix}") from None
 
@@ -423,6 +423,15 @@ def _serves(name) -> bool:
         return _layerwise_base(name) is not None
     except ValueError:
         return False
+
+
+def _stock_refuses(name) -> bool:
+    # A layer-wise name stock Trainer does not know itself: transformers' own galore_*_layerwise names are served by
+    # stock Trainer after uninstall(), and their errors (a missing optim_target_modules) are transformers' alone.
+    from transformers.training_args import OptimizerNames
+
+    name = getattr(name, "value", name)
+    return _serves(name) and name not in {n.value for n in OptimizerNames}
 
 
 def _trainer_new(cls, *args, **kwargs):
