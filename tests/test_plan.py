@@ -269,13 +269,28 @@ def _config_dir(tmp_path, values: dict) -> str:
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_moe_plans_at_every_dtype_its_kernels_take(model, dtype, tmp_path, capsys):
     # The meta kernel of grouped_mm takes bfloat16 only; the CPU kernel and CUDA's fallback take all three.
-    assert main(["plan", _config_dir(tmp_path, model), "--seq-len", "16", "--torch-dtype", dtype, "--json"]) == 0
+    code = main(["plan", _config_dir(tmp_path, model), "--seq-len", "16", "--torch-dtype", dtype, "--json"])
+    if not _experts_run_grouped_mm(model):
+        # Older transformers route tokens to experts with a loop over `nonzero`, whose output shape depends on the
+        # data: fake tensors cannot run it, and the planner says so (exit 2, no traceback).
+        err = capsys.readouterr().err
+        assert code == 2 and "DynamicOutputShapeException" in err and "Traceback" not in err, err
+        return
+    assert code == 0
     rows = json.loads(capsys.readouterr().out)["optimizers"]
     assert {r["optimizer"] for r in rows} == {"adamw_torch", "adamw_torch_layerwise"}
 
 
+def _experts_run_grouped_mm(values: dict) -> bool:
+    # transformers 5 gives MoE configs an experts implementation (grouped_mm by default, set when the model is
+    # built); 4.x has no such setting, only a per-expert loop.
+    return hasattr(AutoConfig.for_model(**values), "_experts_implementation")
+
+
 def test_moe_plan_matches_the_real_float32_run():
     # What the real run executes on CPU in float32: grouped_mm's CPU kernel, the experts' outputs in float32.
+    if not _experts_run_grouped_mm(MIXTRAL):
+        pytest.skip("this transformers runs experts in a data-dependent loop; the planner refuses it (tested above)")
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**MIXTRAL))
     assert model.config._experts_implementation == "grouped_mm"
     row = plan(MIXTRAL, ["adamw_torch"], seq_len=32, device="cpu", counterparts=False).rows[0]
@@ -323,7 +338,14 @@ def test_lora_targets_that_match_nothing_are_refused(model, targets, tmp_path, m
 
 def test_a_config_transformers_refuses_is_an_error_naming_it(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(plan_core, "simulate", lambda *a, **k: pytest.fail("simulated despite bad input"))
-    path = _config_dir(tmp_path, dict(LLAMA, hidden_size=30, num_attention_heads=4))
+    bad = dict(LLAMA, hidden_size=30, num_attention_heads=4)
+    try:
+        AutoConfig.for_model(**bad)
+    except Exception:  # noqa: BLE001 - transformers 5 raises huggingface_hub's validation error, 4.x nothing
+        pass
+    else:
+        pytest.skip("this transformers does not check the heads against the hidden size when a config is made")
+    path = _config_dir(tmp_path, bad)
     assert main(["plan", path]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"layerwise-hf plan: error: {path}: transformers refuses this config: "), err
