@@ -964,7 +964,8 @@ def simulate_offload_on_cpu(device: str) -> None:
 def offload_parity(opts, sizes, device, cases: list, record) -> None:
     """adamw_torch through Trainer against adamw_torch_layerwise with each offload mode, GA 1 and 2, exact clipping."""
     steps, batch = sizes["parity_steps"], sizes["small_batch"]
-    # The host's AdamW is not CUDA's kernel: on a GPU, 'optimizer' is compared by its updates, not bit for bit.
+    # The host's AdamW is not CUDA's kernel, nor the host's norm of a GA sum CUDA's: on a GPU, 'optimizer' and
+    # 'gradients' at GA 2 are compared by their updates, not bit for bit.
     host_opts = argparse.Namespace(**{**vars(opts), "update_rtol": opts.offload_rtol})
     for ga in (1, 2):
         _, base_model, dataset = small_setup(sizes, "parity_steps", ga)
@@ -975,7 +976,9 @@ def offload_parity(opts, sizes, device, cases: list, record) -> None:
                 t0 = time.perf_counter()
                 std = std if std is not None else train_one("adamw_torch", base_model, dataset, device, **common)
                 lw = train_one("adamw_torch_layerwise", base_model, dataset, device, layerwise_offload=mode, **common)
-                exact = mode == "gradients" or not device.startswith("cuda")
+                # At GA > 1 the norm of a window's host sum is the CPU's kernel, not CUDA's _foreach_norm: the clip
+                # coefficient, and so the weights, differ in the last bits there (docs/offload.md).
+                exact = (mode == "gradients" and ga == 1) or not device.startswith("cuda")
                 case.update(compare_runs(base_model, std, lw, steps, "bit-exact" if exact else "update_rtol",
                                          opts if exact else host_opts))  # fmt: skip
                 case.update(offload_summary(lw, mode), seconds=round(time.perf_counter() - t0, 2))
@@ -997,7 +1000,8 @@ def check_offload(opts, sizes, device, record) -> dict:
                      "host's AdamW kernel against CUDA's)")  # fmt: skip
     result = {"parity_model": sizes["small_model"], "parity_steps": sizes["parity_steps"],
               "max_grad_norm": MAX_GRAD_NORM, "layerwise_clip": "exact",
-              "criterion": {"gradients": "bit-exact weights and grad_norm against adamw_torch",
+              "criterion": {"gradients": "bit-exact weights and grad_norm against adamw_torch"
+                            + (" at GA 1; at GA 2 as 'optimizer' (the host's norm of a GA sum)" if cuda else ""),
                             "optimizer": criterion},
               "cases": [], **big_model(sizes), "steps": steps, "warmup_steps_dropped": warmup,
               "isolation": "one process for the four runs, emptied and peak statistics reset before each",
