@@ -497,6 +497,10 @@ class FakeCuda:
             "check_error": lambda res: None,
         }.items():
             patch(mock.patch.object(cuda, name, value))
+        # NOTE: a CUDA build of torch on a machine without a GPU (CI's newest combination) would take the fake CUDA
+        # for the accelerator and ask the real driver for its current stream (Optimizer.step's graph-capture check);
+        # the CPU build answers no accelerator, as here.
+        patch(mock.patch.object(torch.accelerator, "current_accelerator", lambda check_available=False: None))
         patch(mock.patch.object(torch.Tensor, "record_stream", lambda t, s: fake.record_stream(t, s), create=True))
         patch(
             mock.patch.object(
