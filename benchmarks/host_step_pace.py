@@ -21,22 +21,14 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from layerwise_hf.plan.offload_time import median_seconds  # noqa: E402 - after the checkout is on the path
+
 BASES = (
     "adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop", "adamw_bnb_8bit", "adamw_8bit",
     "paged_adamw_32bit", "paged_adamw_8bit", "lion_32bit", "lion_8bit", "ademamix", "ademamix_8bit",
     "adamw_torch_8bit", "adamw_torch_4bit", "galore_adamw", "galore_adamw_8bit", "galore_adafactor",
     "apollo_adamw", "muon",
 )  # fmt: skip
-
-
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up: lazy state, kernels, caches
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _layer(hidden: int):
@@ -81,7 +73,7 @@ def step_time(base: str, model, repeats: int) -> float:
     inner = optimizer.inner[index]
     weight.grad = torch.randn_like(weight) * 1e-3
     try:
-        return _median_time(inner.step, repeats)
+        return median_seconds(inner.step, repeats)
     finally:
         weight.grad = None
 
@@ -134,16 +126,6 @@ FLOOR_BASES = (
 )  # fmt: skip
 DOCS = ROOT / "docs" / "offload.md"
 MARKER = "host-step-floor"
-
-
-def _median(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _once(fn) -> float:
@@ -219,7 +201,7 @@ def task_overhead(repeats: int = 200) -> dict:
     small = torch.nn.Parameter(torch.randn(4096))
     small.grad = torch.randn(4096)
     optimizer = torch.optim.AdamW([small], fused=True)
-    step = _median(optimizer.step, repeats)
+    step = median_seconds(optimizer.step, repeats)
     return {"task_us": task * 1e6, "small_step_us": step * 1e6}
 
 

@@ -182,7 +182,8 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _median(fn, repeats: int) -> float:
+def median_seconds(fn, repeats: int) -> float:
+    """The median wall time of `fn()` over `repeats` calls after one warm-up call (lazy state, kernels, caches)."""
     fn()
     times = []
     for _ in range(repeats):
@@ -258,7 +259,7 @@ def calibrate(
             inner = _build_inner(optimizer, weight)
             inner.param_groups[0].update(host_kernel_flags(inner, torch.device("cuda"), "fast"))
             step = (lambda inner=inner: worker.submit(inner.step).result()) if numel == 1 else inner.step
-            costs.append(_median(step, repeats if numel > 1 else 50))
+            costs.append(median_seconds(step, repeats if numel > 1 else 50))
     finally:
         worker.close()
         torch.set_num_threads(previous)
