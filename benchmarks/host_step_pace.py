@@ -294,6 +294,62 @@ def write_docs(table: str) -> None:
     DOCS.write_text(pattern.sub(lambda m: f"<!-- {MARKER}:start -->\n{table}\n", text))
 
 
+def plan_check(opts) -> dict:
+    """The plan's host-step seconds (`layerwise_hf.plan.offload_time`: elements x the calibrated rate, plus a cost per
+    tensor) against the real host step of three tiny Llamas with `layerwise_offload="optimizer"`, fused AdamW."""
+    import os
+    import tempfile
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer
+    from layerwise_hf.placement import host_kernel
+    from layerwise_hf.placement.offloading import wait_for_host_steps
+    from layerwise_hf.plan.offload_time import calibrate
+
+    os.environ.setdefault("LAYERWISE_HF_OFFLOAD_SIMULATE", "1")
+    host_kernel.device_is_accelerator = lambda device: True  # the fast kernel, as for a model on a GPU
+    rate = calibrate("adamw_torch")
+    torch.set_num_threads(host_kernel.host_threads())
+    rows = []
+    for hidden in (256, 512, 768):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=4)  # fmt: skip
+        model = LlamaForCausalLM(config)
+        with tempfile.TemporaryDirectory() as out:
+            args = LayerwiseTrainingArguments(out, optim="adamw_torch_layerwise", layerwise_offload="optimizer",
+                                              report_to="none", use_cpu=True)  # fmt: skip
+            optimizer = build_layerwise_optimizer(model, args)
+        optimizer.attach()
+        ids = torch.randint(0, 1024, (1, 16))
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        wait_for_host_steps(optimizer)  # states exist, the fused kernel is set on each host base
+
+        def host_step(optimizer=optimizer):
+            for inner in optimizer.inner:
+                inner.host.grad = inner.host_grad
+                inner.base.step()
+                inner.host.grad = None
+
+        real = median_seconds(host_step, opts.repeats)
+        elements = sum(p.numel() for p in model.parameters())
+        planned = elements * rate.ns_per_element * 1e-9 + len(optimizer.inner) * rate.us_per_tensor * 1e-6
+        rows.append({"hidden": hidden, "elements": elements, "planned_s": planned, "real_s": real,
+                     "planned_over_real": planned / real})  # fmt: skip
+        optimizer.detach()
+        print(
+            f"hidden {hidden}: {elements} elements, planned {planned * 1e3:.2f} ms, real {real * 1e3:.2f} ms, "
+            f"planned / real {planned / real:.2f} (goal within 20%)"
+        )
+    result = {"rate_ns_per_element": rate.ns_per_element, "us_per_tensor": rate.us_per_tensor, "rows": rows}
+    path = Path(opts.output_dir) / "host_step_plan_check.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+    return result
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=2048)
@@ -304,7 +360,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--pace", action="store_true", help="host step vs a layer's backward (host_step_pace.json)")
     parser.add_argument("--no-docs", action="store_true", help="leave docs/offload.md as it is")
     parser.add_argument("--output_dir", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--plan-check", action="store_true", help="the plan's host seconds against a real host step")
     opts = parser.parse_args(argv)
+    if opts.plan_check:
+        return plan_check(opts)
     if opts.pace:
         opts.bases = opts.bases or list(BASES)
         return pace_main(opts)
