@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..placement.host_step import HostRunner, HostStepOptimizer
-from ..placement.offload import GradientOffload, local_tensor, parse_offload
+from ..placement.offload import GradientOffload, parse_offload
 from ..placement.offloading import check_host_step_base
 from ..placement.transfer import Transfer, offload_simulated
+from ..platform.dtensor import local_tensor
 
 if TYPE_CHECKING:
     from .optimizer import LayerwiseOptimizer

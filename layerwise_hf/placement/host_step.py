@@ -40,8 +40,9 @@ from typing import Any
 import torch
 
 from ..bases.params import LayerwiseFactory, LayerwiseParam
+from ..platform.dtensor import local_tensor
 from .host_kernel import claim_thread_share, host_kernel_flags, host_threads_for
-from .offload import HostWorker, local_tensor
+from .offload import HostWorker
 from .transfer import HostArena, Ticket, Transfer, device_of, make_transfer
 
 

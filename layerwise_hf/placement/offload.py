@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..platform.dtensor import local_tensor as local_tensor
+from ..platform.dtensor import local_tensor
 from ..platform.norms import grad_norm_kernel
 from .transfer import HostArena, Ticket, Transfer, device_of, make_transfer
 

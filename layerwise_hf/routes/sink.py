@@ -107,10 +107,6 @@ class BackwardEnd:
         stages[stage] = work
         return True
 
-    def queued(self, stage: str) -> bool:
-        """Whether `stage` waits for the end of some backward."""
-        return any(stage in stages for stages in self._pending.values())
-
     def _run(self, task: int) -> None:
         stages = self._pending.get(task, {})
         try:
