@@ -27,7 +27,6 @@ def _same_environment_for_every_test():
 # case in the full suite only; a set names the cases that stay in the fast tier.
 FULL_SUITE_ONLY = {
     # Launched processes (2 gloo ranks, a subprocess of the CLI or of a script): 15-45 s each on 2 cores.
-    "tests/test_distributed.py::test_data_parallel_matches_standard_ddp_and_resumes": None,
     "tests/test_distributed.py::test_data_parallel_gradient_memory_is_bounded_by_what_is_in_flight": None,
     "tests/test_cli.py::test_cli_lora_fsdp2_and_presets": None,
     "tests/test_plan_ranks.py::test_matches_a_real_two_rank_run": None,

@@ -7,9 +7,6 @@ from layerwise_hf.placement import transfer
 from layerwise_hf.platform.compat import fsdp2_trainer_reduces_each_micro_batch
 
 SIMULATED = {transfer.SIMULATE_ENV: "1", transfer.DELAY_ENV: "0.001"}
-# NOTE: the script's quick cases are a subset of the full ones, and both would run in the full suite only (launched
-# ranks): the full set alone.
-QUICK = [pytest.param("full", id="full", marks=pytest.mark.slow)]
 ROUTES = {"ddp": "data_parallel", "fsdp2": "fsdp2"}
 
 
@@ -33,17 +30,17 @@ def assert_exact(report: dict, route: str, sharded: bool):
         assert (case["host_steps"] == "HostStepOptimizer") == case["case"].startswith("optimizer"), case
 
 
+# NOTE: the script's quick cases are a subset of its full ones, and both would run in the full suite only (launched
+# ranks): the full set alone.
 @pytest.mark.slow
-@pytest.mark.parametrize("size", QUICK)
-def test_offload_under_the_ddp_config_matches_standard_ddp(tmp_path, size):
-    report = launch_on("ddp", "offload_trainer.py", tmp_path, script_args=["ddp", size])
+def test_offload_under_the_ddp_config_matches_standard_ddp(tmp_path):
+    report = launch_on("ddp", "offload_trainer.py", tmp_path, script_args=["ddp", "full"])
     assert_exact(report, "data_parallel", sharded=False)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("size", QUICK)
-def test_offload_under_fsdp2_matches_standard_fsdp2(tmp_path, size):
-    report = launch_on("fsdp2", "offload_trainer.py", tmp_path, script_args=["fsdp2", size])
+def test_offload_under_fsdp2_matches_standard_fsdp2(tmp_path):
+    report = launch_on("fsdp2", "offload_trainer.py", tmp_path, script_args=["fsdp2", "full"])
     assert_exact(report, "fsdp2", sharded=True)
     for case in report["results"]:
         # Before training: at GA > 1 FSDP2 accumulates the window unsharded, where offload saves nothing; said once.
