@@ -63,6 +63,24 @@ def test_an_accelerator_model_steps_on_the_host_with_the_fused_kernel(accelerato
         assert not inner.param_groups[0].get("fused") and not inner.state_dict()["param_groups"][0].get("fused")
 
 
+def test_the_kernel_follows_where_the_model_is_at_the_first_step_not_where_it_was_built(monkeypatch):
+    # A plain Accelerate loop builds the optimizer before accelerator.prepare moves the model to the GPU: built while
+    # the parameters count as host memory, stepped once they count as an accelerator's.
+    model = tiny_llama(hidden=32)
+    args = training_args("/tmp/unused", "adamw_torch_layerwise", layerwise_offload="optimizer", learning_rate=1e-3)
+    optimizer = build_layerwise_optimizer(model, args)
+    monkeypatch.setattr(host_kernel, "device_is_accelerator", lambda device: True)
+    monkeypatch.setenv("LAYERWISE_HF_HOST_THREADS", str(torch.get_num_threads()))
+    optimizer.attach()
+    ids = torch.randint(0, 64, (4, 16))
+    with mock.patch.object(torch, "_fused_adamw_", wraps=torch._fused_adamw_) as fused:
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        wait_for_host_steps(optimizer)
+    assert fused.call_count == len(optimizer.inner)
+    assert all(inner.kernel == FAST for inner in optimizer.inner)
+
+
 def test_the_exact_host_step_is_the_base_as_built_when_asked(accelerator):
     with mock.patch.object(torch, "_fused_adamw_", wraps=torch._fused_adamw_) as fused:
         _, optimizer = train("adamw_torch_layerwise", steps=2, layerwise_host_step="exact")

@@ -165,9 +165,13 @@ class HostStepOptimizer(torch.optim.Optimizer):
         self.base = base
         self.runner = runner
         # The host step's kernel (`layerwise_host_step`): applied to the base's group at each host step only, so the
-        # wrapper's group and checkpoints keep the factory's flags. Decided by the device the model lives on.
-        self.kernel = host_kernel_flags(base, local_tensor(param).device, host_step)
-        self.threads = host_threads_for(local_tensor(param).device)
+        # wrapper's group and checkpoints keep the factory's flags. Decided by the device the model lives on when the
+        # host copy is taken (`refresh`), not now: a plain Accelerate loop builds the optimizer before
+        # accelerator.prepare moves the model to the GPU.
+        self.host_step = host_step
+        self.kernel: dict[str, Any] = {}
+        self.threads: int | None = None
+        self.kernel_device: torch.device | None = None  # where the parameter was when the kernel was chosen
         local = local_tensor(param).detach()
         # A stable host parameter for `base` to key its state by; its states are created like it, on the host. Its
         # values are copied from the device at the first step (`stale`), not now: until training starts the device
@@ -283,6 +287,10 @@ class HostStepOptimizer(torch.optim.Optimizer):
         self.wait_host()
         local = local_tensor(self.param_groups[0]["params"][0])
         transfer = self.runner.transfer_for(local)
+        if self.kernel_device != local.device:
+            self.kernel = host_kernel_flags(self.base, local.device, self.host_step)
+            self.threads = host_threads_for(local.device)
+            self.kernel_device = local.device
         if self.host.shape != local.shape:
             # The first refresh (the host copy is taken at the first step), or FSDP2's prepare replaced the parameter
             # by its sharded DTensor: the host copy is of the local shard.
