@@ -294,57 +294,132 @@ def write_docs(table: str) -> None:
     DOCS.write_text(pattern.sub(lambda m: f"<!-- {MARKER}:start -->\n{table}\n", text))
 
 
-def plan_check(opts) -> dict:
-    """The plan's host-step seconds (`layerwise_hf.plan.offload_time`: elements x the calibrated rate, plus a cost per
-    tensor) against the real host step of three tiny Llamas with `layerwise_offload="optimizer"`, fused AdamW."""
-    import os
+def _real_host_step(hidden: int, threads: int):
+    """A tiny Llama's host step with `layerwise_offload="optimizer"` and fused AdamW: every parameter's base step a
+    task on a host worker, as the host steps them during backward (the copies aside: a GPU's DMA moves those).
+    Returns its elements, tensors and a function of `repeats` giving its median seconds (`worker_seconds`)."""
+    import functools
     import tempfile
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer
-    from layerwise_hf.placement import host_kernel
+    from layerwise_hf.placement.host_kernel import claim_thread_share
+    from layerwise_hf.placement.offload import HostWorker
     from layerwise_hf.placement.offloading import wait_for_host_steps
-    from layerwise_hf.plan.offload_time import calibrate
+    from layerwise_hf.plan.offload_time import worker_seconds
 
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**_check_config(hidden)))
+    with tempfile.TemporaryDirectory() as out:
+        args = LayerwiseTrainingArguments(out, optim="adamw_torch_layerwise", layerwise_offload="optimizer",
+                                          report_to="none", use_cpu=True)  # fmt: skip
+        optimizer = build_layerwise_optimizer(model, args)
+    optimizer.attach()
+    ids = torch.randint(0, 1024, (1, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    wait_for_host_steps(optimizer)  # states exist, the fused kernel is set on each host base
+    optimizer.detach()
+
+    def one(inner):
+        claim_thread_share(threads)
+        inner.host.grad = inner.host_grad
+        inner.base.step()
+        inner.host.grad = None
+
+    tasks = [functools.partial(one, inner) for inner in reversed(optimizer.inner)]  # backward's order
+
+    def measure(repeats: int) -> float:
+        worker = HostWorker()
+        try:
+            return worker_seconds(worker, tasks, threads, repeats)
+        finally:
+            worker.close()
+
+    return sum(p.numel() for p in model.parameters()), len(optimizer.inner), measure
+
+
+def _check_config(hidden: int) -> dict:
+    return {"model_type": "llama", "vocab_size": 1024, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4}  # fmt: skip
+
+
+def plan_check(opts) -> dict:
+    """The plan's host-step seconds (`layerwise-hf plan --offload optimizer`: `plan_times`, calibrated on the model's
+    own tensor sizes) against the real host step of three tiny Llamas with fused AdamW, and beside them a line through
+    two sizes (a fixed cost per tensor from a 1-element step, a rate per element from a 1M-element one: the previous
+    calibration). Each round calibrates afresh and measures the real step right after; the medians over rounds are
+    printed, the ratios as the median of each round's."""
+    import os
+    import tempfile
+
+    from layerwise_hf.placement import host_kernel
+    from layerwise_hf.plan import plan
+    from layerwise_hf.plan.offload_time import _pool_seconds, plan_times
+
+    logging.disable(logging.WARNING)
+    warnings.filterwarnings("ignore")
     os.environ.setdefault("LAYERWISE_HF_OFFLOAD_SIMULATE", "1")
     host_kernel.device_is_accelerator = lambda device: True  # the fast kernel, as for a model on a GPU
-    rate = calibrate("adamw_torch")
-    torch.set_num_threads(host_kernel.host_threads())
+    threads = host_kernel.host_threads()
+    torch.set_num_threads(threads)
+    sizes = (256, 512, 768)
+    load = [os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")]
+    samples: dict[int, list[dict]] = {h: [] for h in sizes}
+    with tempfile.TemporaryDirectory() as tmp:
+        plans, reals = {}, {}
+        for hidden in sizes:
+            path = Path(tmp) / f"hidden{hidden}" / "config.json"  # plan_times builds the model again from it
+            path.parent.mkdir()
+            path.write_text(json.dumps(_check_config(hidden)))
+            plans[hidden] = plan(str(path), ["adamw_torch_layerwise"], seq_len=16, offload="optimizer",
+                                 counterparts=False)  # fmt: skip
+            reals[hidden] = _real_host_step(hidden, threads)
+        for round_ in range(opts.rounds):
+            # NOTE: a fresh cache each round: the plan measures under the load the real step then runs under.
+            os.environ["XDG_CACHE_HOME"] = str(Path(tmp) / f"cache{round_}")
+            fixed = _pool_seconds("adamw_torch", torch.float32, 1, 1, threads, 50)
+            million = _pool_seconds("adamw_torch", torch.float32, 2**20, 1, threads, opts.repeats)
+            per_element = (million - fixed) / 2**20
+            for hidden in sizes:
+                timed = plan_times(plans[hidden])[("adamw_torch_layerwise", "optimizer")]
+                elements, tensors, measure = reals[hidden]
+                real = measure(opts.repeats)
+                line = tensors * fixed + elements * per_element
+                samples[hidden].append({"elements": elements, "tensors": tensors, "planned_elements":
+                                        timed.host_elements, "planned_tensors": timed.host_tensors, "real_s": real,
+                                        "planned_s": timed.host_step_s, "line_s": line, "line_us_per_tensor":
+                                        fixed * 1e6, "line_ns_per_element": per_element * 1e9})  # fmt: skip
+    load.append(os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"))
+    med = statistics.median
     rows = []
-    for hidden in (256, 512, 768):
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=4)  # fmt: skip
-        model = LlamaForCausalLM(config)
-        with tempfile.TemporaryDirectory() as out:
-            args = LayerwiseTrainingArguments(out, optim="adamw_torch_layerwise", layerwise_offload="optimizer",
-                                              report_to="none", use_cpu=True)  # fmt: skip
-            optimizer = build_layerwise_optimizer(model, args)
-        optimizer.attach()
-        ids = torch.randint(0, 1024, (1, 16))
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        wait_for_host_steps(optimizer)  # states exist, the fused kernel is set on each host base
-
-        def host_step(optimizer=optimizer):
-            for inner in optimizer.inner:
-                inner.host.grad = inner.host_grad
-                inner.base.step()
-                inner.host.grad = None
-
-        real = median_seconds(host_step, opts.repeats)
-        elements = sum(p.numel() for p in model.parameters())
-        planned = elements * rate.ns_per_element * 1e-9 + len(optimizer.inner) * rate.us_per_tensor * 1e-6
-        rows.append({"hidden": hidden, "elements": elements, "planned_s": planned, "real_s": real,
-                     "planned_over_real": planned / real})  # fmt: skip
-        optimizer.detach()
-        print(
-            f"hidden {hidden}: {elements} elements, planned {planned * 1e3:.2f} ms, real {real * 1e3:.2f} ms, "
-            f"planned / real {planned / real:.2f} (goal within 20%)"
-        )
-    result = {"rate_ns_per_element": rate.ns_per_element, "us_per_tensor": rate.us_per_tensor, "rows": rows}
+    for hidden, runs in samples.items():
+        rows.append({
+            "hidden": hidden, "elements": runs[0]["elements"], "tensors": runs[0]["tensors"],
+            "planned_elements": runs[0]["planned_elements"], "planned_tensors": runs[0]["planned_tensors"],
+            "real_s": med(r["real_s"] for r in runs), "planned_s": med(r["planned_s"] for r in runs),
+            "planned_over_real": med(r["planned_s"] / r["real_s"] for r in runs),
+            "two_size_line_s": med(r["line_s"] for r in runs),
+            "two_size_line_over_real": med(r["line_s"] / r["real_s"] for r in runs), "rounds": runs,
+        })  # fmt: skip
+    clock = "CPU" if threads == 1 else "wall"
+    print(f"Host step of a tiny Llama (2 layers, vocab 1024, fused AdamW, {threads} host thread(s), load "
+          f"{load[0]:.2f} -> {load[1]:.2f} on {os.cpu_count()} cores): the host worker's {clock} time, median of "
+          f"{opts.repeats} passes, median of {opts.rounds} rounds; goal: planned / real within 0.8-1.2")  # fmt: skip
+    print(f"{'hidden':>6} {'elements':>10} {'tensors':>7} {'real ms':>8} {'plan ms':>8} {'plan/real':>9} "
+          f"{'2-size line ms':>14} {'line/real':>9}")  # fmt: skip
+    for r in rows:
+        print(f"{r['hidden']:>6} {r['elements']:>10} {r['tensors']:>7} {r['real_s'] * 1e3:>8.2f} "
+              f"{r['planned_s'] * 1e3:>8.2f} {r['planned_over_real']:>9.2f} {r['two_size_line_s'] * 1e3:>14.2f} "
+              f"{r['two_size_line_over_real']:>9.2f}")  # fmt: skip
+    first = rows[0]["rounds"]
+    print(f"2-size line: {med(r['line_us_per_tensor'] for r in first):.1f} us per tensor + "
+          f"{med(r['line_ns_per_element'] for r in first):.2f} ns per element (medians)")  # fmt: skip
+    result = {"threads": threads, "clock": clock, "load_average_1min": load, "cores": os.cpu_count(),
+              "repeats": opts.repeats, "rounds": opts.rounds, "rows": rows}  # fmt: skip
     path = Path(opts.output_dir) / "host_step_plan_check.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
     return result
@@ -361,6 +436,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-docs", action="store_true", help="leave docs/offload.md as it is")
     parser.add_argument("--output_dir", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--plan-check", action="store_true", help="the plan's host seconds against a real host step")
+    parser.add_argument("--rounds", type=int, default=3, help="--plan-check: calibrate-and-measure rounds")
     opts = parser.parse_args(argv)
     if opts.plan_check:
         return plan_check(opts)

@@ -2,12 +2,46 @@
 the host step's seconds, the PCIe bytes and seconds, the bottleneck; and the host seconds against a real host step."""
 
 import json
+import time
+from types import SimpleNamespace
 
 import pytest
+import torch
 from helpers import PLAN_LLAMA
 
 from layerwise_hf.cli import main
-from layerwise_hf.plan.offload_time import HostRate, offload_time
+from layerwise_hf.placement.offload import HostWorker
+from layerwise_hf.plan import offload_time as offload_time_module
+from layerwise_hf.plan.offload_time import (
+    CALIBRATION_CAP,
+    HostRate,
+    host_step_seconds,
+    offload_time,
+    stepped_tensors,
+    worker_seconds,
+)
+
+
+def model_numels(config: dict) -> list[int]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    return [p.numel() for p in model.parameters()]
+
+
+@pytest.fixture
+def pool_cost(monkeypatch, tmp_path):
+    """The calibration's measurement replaced by a known cost: 50 us per tensor + 1 ns per element; calls recorded."""
+    calls = []
+
+    def fake(optimizer, dtype, size, pool, threads, repeats):
+        calls.append((size, pool))
+        return 50e-6 + size * 1e-9
+
+    monkeypatch.setattr(offload_time_module, "_pool_seconds", fake)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return calls
 
 
 def test_the_optimizer_row_costs_its_elements_at_the_rate_and_names_the_bottleneck():
@@ -49,3 +83,55 @@ def test_cli_gives_each_offload_row_its_time(tmp_path, capsys):
     assert main([*argv, *rate]) == 0
     out = capsys.readouterr().out
     assert "offload optimizer: host step" in out and "backward not estimated" in out
+
+
+def test_the_host_step_costs_each_tensor_at_its_own_size_and_measures_each_size_once(pool_cost):
+    numels = [4096] * 10 + [2**20] * 3 + [3 * CALIBRATION_CAP]
+    seconds, source = host_step_seconds(numels)
+    # A fixed cost per tensor, elements at the rate of their size; beyond the cap, the cap's step scaled by size.
+    cap = 50e-6 + CALIBRATION_CAP * 1e-9
+    assert seconds == pytest.approx(10 * (50e-6 + 4096e-9) + 3 * (50e-6 + 2**20 * 1e-9) + 3 * cap)
+    assert source == "measured" and sorted(size for size, _ in pool_cost) == [4096, 2**20, CALIBRATION_CAP]
+    # Each size is stepped with as many elements in play as the model's step has (up to the cap): caches as in a run.
+    assert {size: pool for size, pool in pool_cost} == {4096: 256, 2**20: 16, CALIBRATION_CAP: 1}
+    assert host_step_seconds(numels) == (seconds, "cached") and len(pool_cost) == 3
+
+
+def test_the_plan_times_the_models_own_tensors(pool_cost, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(PLAN_LLAMA))
+    numels = model_numels(PLAN_LLAMA)
+    setup = SimpleNamespace(lora_r=None, lora_targets=(), sharding="none", world_size=1)
+    result = SimpleNamespace(source=str(config), model="tiny", setup=setup)
+    assert stepped_tensors(result, sum(numels)) == numels
+    assert stepped_tensors(result, 2 * sum(numels)) is None  # the sizes must add up to what the simulation kept
+    assert stepped_tensors(SimpleNamespace(source="", model="no-such-model", setup=setup), sum(numels)) is None
+    sharded = SimpleNamespace(**{**vars(setup), "sharding": "fsdp2", "world_size": 2})
+    halves = stepped_tensors(SimpleNamespace(source=str(config), model="tiny", setup=sharded), sum(numels) // 2)
+    assert len(halves) == len(numels) and sum(halves) == sum(numels) // 2
+    lora = SimpleNamespace(lora_r=4, lora_targets=("q_proj", "v_proj"), sharding="none", world_size=1)
+    adapters = stepped_tensors(SimpleNamespace(source=str(config), model="tiny", setup=lora), 2 * 2 * 4 * 128)
+    assert adapters == [4 * 64, 4 * 64] * 4  # lora_A (4 x 64) and lora_B (64 x 4) on q and v of 2 layers
+
+
+def test_cli_plans_the_host_step_from_the_models_tensors(pool_cost, tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(PLAN_LLAMA))
+    argv = ["plan", str(config), "--seq-len", "16", "--device", "cpu", "--offload", "optimizer", "--json"]
+    assert main(argv) == 0
+    rows = {(r["optimizer"], r["offload"]): r for r in json.loads(capsys.readouterr().out)["optimizers"]}
+    timed = rows[("adamw_torch_layerwise", "optimizer")]["offload_time"]
+    numels = model_numels(PLAN_LLAMA)
+    assert timed["host_tensors"] == len(numels) and timed["host_elements"] == sum(numels)
+    assert timed["host_step_s"] == pytest.approx(sum(50e-6 + n * 1e-9 for n in numels))
+
+
+def test_worker_seconds_counts_the_workers_cpu_time_on_one_thread_and_wall_time_on_several():
+    # A task that waits uses no CPU: on one thread the pass costs what the host's core does, not what the clock
+    # shows (on a shared machine other processes' time slices are in the clock).
+    worker = HostWorker()
+    try:
+        assert worker_seconds(worker, [lambda: time.sleep(0.05)], threads=1, repeats=1) < 0.01
+        assert worker_seconds(worker, [lambda: time.sleep(0.05)], threads=2, repeats=1) >= 0.05
+    finally:
+        worker.close()

@@ -3,11 +3,11 @@ they hide behind backward.
 
 For each offload row:
 
-- **host seconds**: with `"optimizer"` the host steps every trainable element once per step. Its time is the elements
-  stepped (this rank's shards) times the per-element rate, plus a fixed cost per tensor (the optimizer's Python step
-  and one host worker task). Both are measured on the machine running the plan (`calibrate`: one `step()` of the
-  base the plugin builds, with the kernel the host step of an accelerator model runs, `layerwise_host_step="fast"`,
-  and the host worker's share of the cores; about a second, cached), or given (`--host-step-rate`, ns per element).
+- **host seconds**: with `"optimizer"` the host steps every trainable tensor once per step. Its time is measured on
+  the machine running the plan for the model's own tensor sizes (`host_step_seconds`: each size's step through a host
+  worker task, with the kernel an accelerator model's host step runs, `layerwise_host_step="fast"`, and the worker's
+  share of the cores; a second or two, cached), so both the fixed cost per tensor (the optimizer's Python step and
+  its task) and the per-element rate at that size are in it. `--host-step-rate` (ns per element) gives it instead.
 - **PCIe**: the bytes each way per step. `"optimizer"`: each final gradient out (every micro-batch's under gradient
   accumulation), each updated parameter back. `"gradients"`: each gradient that waits for the step out (every
   micro-batch's, or at GA 1 every one under exact clipping or fp16), and back once for the step. At `--pcie-gbps`,
@@ -24,11 +24,15 @@ host step, copies and backward sets the pace, and the advice names it.
 
 from __future__ import annotations
 
+import collections
+import functools
 import json
+import math
 import os
 import platform
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +40,6 @@ from typing import Any
 import torch
 
 DEFAULT_PCIE_GBPS = 25.0  # PCIe 4.0 x16, one way, pinned (layerwise_hf.estimate.offload_choice.PCIE4_BYTES_PER_S)
-CALIBRATION_ELEMENTS = 1024 * 1024
 
 
 @dataclass
@@ -76,6 +79,7 @@ class OffloadTime:
     backward_s: float | None
     bottleneck: str
     rate: HostRate
+    host_tensors: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,9 +87,10 @@ class OffloadTime:
     def describe(self) -> str:
         parts = []
         if self.offload == "optimizer":
+            tensors = f" in {self.host_tensors} tensors" if self.host_tensors else ""
             parts.append(
-                f"host step {self.host_step_s:.2f} s ({self.host_elements / 1e6:.0f}M elements at "
-                f"{self.rate.ns_per_element:.2f} ns, {self.rate.source})"
+                f"host step {self.host_step_s:.2f} s ({self.host_elements / 1e6:.0f}M elements{tensors} at "
+                f"{self.rate.ns_per_element:.2f} ns each, {self.rate.source})"
             )
         parts.append(
             f"PCIe {self.bytes_out / 2**30:.2f} GiB out / {self.bytes_in / 2**30:.2f} GiB in per step "
@@ -151,7 +156,7 @@ def offload_time(
     bottleneck = max(pace, key=pace.get) if backward_s is not None else "unknown"
     return OffloadTime(
         offload, elements if offload == "optimizer" else 0, host_s, out, back, out_s, in_s, pcie_gbps, backward_s,
-        bottleneck, rate,
+        bottleneck, rate, tensors if offload == "optimizer" else 0,
     )  # fmt: skip
 
 
@@ -165,6 +170,15 @@ def backward_seconds(
 
 
 # ---- calibration ----
+
+# NOTE: one tensor's step costs a fixed part (the optimizer's Python step, the host worker's task: ~60 us here) plus
+# its elements at a rate that depends on where its bytes are: in cache for a small model's tensors, in DRAM for a
+# large one's (fused AdamW on one core: 0.6 ns per element at 64K elements, 1.2 at 16M). A line fitted through two
+# sizes misses one or the other by 40% or more on small models (benchmarks/host_step_pace.py --plan-check shows it),
+# so each of the model's own tensor sizes is measured, with as many bytes in play as the model's step has. Above
+# CALIBRATION_CAP elements a tensor's states are far beyond any cache and its step is linear in its size.
+CALIBRATION_CAP = 16 * 2**20
+POOL_TENSORS = 256  # the most tensors of one size stepped per pass (the small ones cost their fixed part)
 
 
 def _cache_path() -> Path:
@@ -217,62 +231,182 @@ def _build_inner(optimizer: str, weight: torch.nn.Parameter) -> torch.optim.Opti
     return factory(LayerwiseParam("self_attn.q_proj.weight", weight, 0.0), args)
 
 
-def calibrate(
-    optimizer: str = "adamw_torch", dtype: torch.dtype = torch.float32, cache: bool = True, repeats: int = 3
-) -> HostRate:
+def worker_seconds(worker: Any, tasks: Sequence[Callable[[], Any]], threads: int, repeats: int) -> float:
     """
-    Measure the host step's rate on this machine: `optimizer`'s step of a 1024 x 1024 weight of `dtype` with the
-    kernel a model on an accelerator steps with (`layerwise_host_step="fast"`) and the host worker's threads
-    (`host_threads`), and the fixed cost of one tensor's step and host task (a 1-element weight). Cached by
-    optimizer, dtype, threads, torch version and CPU.
+    The host worker's time to run `tasks` in order, the median of `repeats` passes after a warm-up pass (lazy state,
+    caches). With one intra-op thread it is the worker thread's CPU time: what the pass costs with a core to itself,
+    which a shared machine's wall clock is not (other processes' time slices land in it, more in long tasks than in
+    short ones). With more threads, wall time from the first task's start to the last one's end.
 
     Example:
 
     ```python
-    >>> from layerwise_hf.plan.offload_time import calibrate
-    >>> calibrate("adamw_torch").ns_per_element  # e.g. 0.9
+    >>> from layerwise_hf.placement.offload import HostWorker
+    >>> from layerwise_hf.plan.offload_time import worker_seconds
+    >>> worker_seconds(HostWorker(), [lambda: sum(range(1000))], threads=1, repeats=3)  # e.g. 2e-05
     ```
     """
-    from ..placement.host_kernel import host_kernel_flags, host_threads
+    clock = time.thread_time if threads == 1 else time.perf_counter
+
+    def one_pass() -> float:
+        first = worker.submit(clock)
+        for task in tasks:
+            worker.submit(task)
+        return worker.submit(clock).result() - first.result()
+
+    one_pass()
+    return statistics.median(one_pass() for _ in range(repeats))
+
+
+def _pool_seconds(optimizer: str, dtype: torch.dtype, size: int, pool: int, threads: int, repeats: int) -> float:
+    """One tensor's host step, of `pool` tensors of `size` elements stepped one task each on a host worker with
+    `threads` intra-op threads, as the host steps a model's parameters (`worker_seconds`)."""
+    from ..placement.host_kernel import claim_thread_share, host_kernel_flags
     from ..placement.offload import HostWorker
 
+    weights = []
+    for _ in range(pool):
+        weight = torch.nn.Parameter(torch.rand(size, dtype=dtype).sub_(0.5).mul_(0.04))
+        weight.grad = torch.rand_like(weight).sub_(0.5).mul_(2e-3)
+        weights.append(weight)
+    inner = _build_inner(optimizer, weights[0])
+    group = inner.param_groups[0]
+    group.update(host_kernel_flags(inner, torch.device("cuda"), "fast"))
+
+    def step(weight: torch.nn.Parameter) -> None:
+        # One optimizer whose parameter is swapped keeps a state per tensor, as one optimizer per parameter does,
+        # and costs the same per step; building `pool` of them through Trainer's arguments would take seconds.
+        claim_thread_share(threads)
+        group["params"] = [weight]
+        inner.step()
+
+    worker = HostWorker()
+    try:
+        tasks = [functools.partial(step, w) for w in weights]
+        return worker_seconds(worker, tasks, threads, repeats) / pool
+    finally:
+        worker.close()
+
+
+def host_step_seconds(
+    numels: Sequence[int],
+    optimizer: str = "adamw_torch",
+    dtype: torch.dtype = torch.float32,
+    cache: bool = True,
+    repeats: int = 3,
+) -> tuple[float, str]:
+    """
+    The host step of tensors of `numels` elements, seconds, measured on this machine, and where the figure comes from
+    (`"measured"` or `"cached"`).
+
+    Each distinct size is measured as a pass over a pool of tensors of that size, `optimizer`'s step of each (the
+    kernel of `layerwise_host_step="fast"`) a task on a host worker with the worker's share of the cores
+    (`host_threads`): the fixed cost per tensor and the thread handoff are in it. The pool holds as many elements as
+    the model steps, up to `CALIBRATION_CAP`, so its bytes are in cache when the model's would be; a tensor larger
+    than `CALIBRATION_CAP` costs the cap's time scaled by its size. Each size takes well under a second and is cached
+    by optimizer, dtype, threads, torch version and CPU.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.plan.offload_time import host_step_seconds
+    >>> seconds, source = host_step_seconds([4096, 1024 * 1024, 1024 * 1024])  # e.g. (0.002, 'measured')
+    ```
+    """
+    from ..placement.host_kernel import host_threads
+
     threads = host_threads()
-    key = f"{optimizer}|{str(dtype).removeprefix('torch.')}|{threads}|{torch.__version__}|{_cpu_name()}"
+    footprint = min(sum(numels), CALIBRATION_CAP)
+    sizes = collections.Counter(int(n) for n in numels if n > 0)
+    prefix = f"{optimizer}|{str(dtype).removeprefix('torch.')}|{threads}|{torch.__version__}|{_cpu_name()}"
     path = _cache_path()
-    known = {}
+    known: dict[str, Any] = {}
     if cache and path.exists():
         try:
             known = json.loads(path.read_text())
         except (OSError, ValueError):
             known = {}
-        if key in known:
-            return HostRate(known[key]["ns_per_element"], known[key]["us_per_tensor"], "cached")
+    measured, total = False, 0.0
     previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    worker = HostWorker()
     try:
-        costs = []
-        for numel in (CALIBRATION_ELEMENTS, 1):
-            side = 1024 if numel > 1 else 1
-            weight = torch.nn.Parameter(torch.randn(side, side, dtype=dtype) * 0.02)
-            weight.grad = torch.randn_like(weight) * 1e-3
-            inner = _build_inner(optimizer, weight)
-            inner.param_groups[0].update(host_kernel_flags(inner, torch.device("cuda"), "fast"))
-            step = (lambda inner=inner: worker.submit(inner.step).result()) if numel == 1 else inner.step
-            costs.append(median_seconds(step, repeats if numel > 1 else 50))
+        for numel, count in sizes.items():
+            size = min(numel, CALIBRATION_CAP)
+            pool = max(1, min(POOL_TENSORS, -(-footprint // size)))
+            key = f"{prefix}|{size}x{pool}"
+            if not isinstance(known.get(key), float):
+                torch.set_num_threads(threads)
+                known[key] = _pool_seconds(optimizer, dtype, size, pool, threads, repeats)
+                measured = True
+            total += count * known[key] * numel / size
     finally:
-        worker.close()
         torch.set_num_threads(previous)
-    per_tensor = costs[1]
-    rate = HostRate(max(costs[0] - per_tensor, 0.0) / CALIBRATION_ELEMENTS * 1e9, per_tensor * 1e6, "measured")
-    if cache:
-        known[key] = {"ns_per_element": rate.ns_per_element, "us_per_tensor": rate.us_per_tensor}
+    if cache and measured:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(known, indent=2) + "\n")
         except OSError:
             pass
-    return rate
+    return total, "measured" if measured else "cached"
+
+
+def calibrate(
+    optimizer: str = "adamw_torch",
+    dtype: torch.dtype = torch.float32,
+    numels: Sequence[int] | None = None,
+    cache: bool = True,
+    repeats: int = 3,
+) -> HostRate:
+    """
+    The host step's rate on this machine for tensors of `numels` elements (`host_step_seconds`) as ns per element
+    stepped. Without `numels`, the rate of tensors of `CALIBRATION_CAP` elements: large tensors, at the rate the
+    host's memory allows, what a model whose tensor sizes are not known is planned at.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.plan.offload_time import calibrate
+    >>> calibrate("adamw_torch").ns_per_element  # e.g. 1.2
+    ```
+    """
+    numels = list(numels) if numels else [CALIBRATION_CAP]
+    seconds, source = host_step_seconds(numels, optimizer, dtype, cache, repeats)
+    return HostRate(seconds / max(1, sum(numels)) * 1e9, 0.0, source)
+
+
+def stepped_tensors(result: Any, elements: int) -> list[int] | None:
+    """
+    The sizes (elements) of the tensors the host steps in `result`'s plan: the model's parameters, LoRA's adapters
+    with `lora_r`, this rank's shard of each under FSDP2. The model is built again on the meta device from the plan's
+    config file or preset; `None` when it cannot be (a config given as a dict or object) or when the sizes do not add
+    up to the `elements` the simulation kept on the host.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from ..estimate.models import resolve_config
+
+    setup = result.setup
+    try:
+        config, _, _ = resolve_config(result.source or result.model)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - no sizes: the plan falls back to large tensors
+        return None
+    if setup.lora_r:
+        targets = tuple(setup.lora_targets)
+        shapes = [
+            shape
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets)
+            for shape in ((setup.lora_r, module.in_features), (module.out_features, setup.lora_r))  # lora_A, lora_B
+        ]
+    else:
+        shapes = [tuple(p.shape) for p in model.parameters()]
+    # FSDP2 shards dim 0 and pads every rank's shard to the first rank's (`plan.ranks.RANK`).
+    ranks = setup.world_size if setup.sharding == "fsdp2" else 1
+    numels = [math.prod((-(-s[0] // ranks), *s[1:])) if s else 1 for s in shapes]
+    if not elements or abs(sum(numels) - elements) > 0.02 * elements:
+        return None
+    return numels
 
 
 def _dtype_size(name: str) -> int:
@@ -288,8 +422,8 @@ def plan_times(
     """
     `offload_time` for every offload row of a `Plan`, keyed by (optimizer, offload). The elements stepped are the
     host copies of the parameters the simulation kept (`host_categories["weights"]`, this rank's shards); the
-    gradient bytes those of the trainable parameters in the weights' dtype. `host_step_rate` (ns per element) skips
-    the calibration.
+    gradient bytes those of the trainable parameters in the weights' dtype. The host step is measured on the model's
+    own tensor sizes (`stepped_tensors`, `host_step_seconds`); `host_step_rate` (ns per element) skips that.
 
     Example:
 
@@ -311,20 +445,24 @@ def plan_times(
         backward = backward_seconds(elements, tokens, device_tflops, setup.gradient_checkpointing, setup.grad_accum)
     out = {}
     rates: dict[str, HostRate] = {}
+    numels: list[int] | None = None
     for row in result.rows:
         if row.offload == "none":
             continue
         if row.offload == "optimizer" and row.optimizer not in rates:
-            base = row.optimizer.removesuffix("_layerwise")
-            rates[row.optimizer] = (
-                HostRate(host_step_rate)
-                if host_step_rate is not None
-                else calibrate(base, getattr(torch, setup.torch_dtype))
-            )
+            if host_step_rate is not None:
+                rates[row.optimizer] = HostRate(host_step_rate)
+            else:
+                if numels is None:
+                    numels = stepped_tensors(result, elements) or []
+                base = row.optimizer.removesuffix("_layerwise")
+                rates[row.optimizer] = calibrate(base, getattr(torch, setup.torch_dtype), numels)
+                if not numels:
+                    rates[row.optimizer].source += ", tensor sizes unknown: large ones assumed"
         waits = setup.grad_accum > 1 or setup.fp16 or (setup.max_grad_norm > 0 and setup.clip_mode == "exact")
         out[(row.optimizer, row.offload)] = offload_time(
-            row.offload, elements=elements, tensors=0, grad_bytes=elements * size, param_bytes=elements * size,
-            rate=rates.get(row.optimizer, HostRate(0.0)), pcie_gbps=pcie_gbps, backward_s=backward,
-            grad_accum=setup.grad_accum, gradients_wait=waits,
+            row.offload, elements=elements, tensors=len(numels or ()), grad_bytes=elements * size,
+            param_bytes=elements * size, rate=rates.get(row.optimizer, HostRate(0.0)), pcie_gbps=pcie_gbps,
+            backward_s=backward, grad_accum=setup.grad_accum, gradients_wait=waits,
         )  # fmt: skip
     return out
