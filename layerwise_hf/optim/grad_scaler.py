@@ -24,6 +24,49 @@ from ..routes.sink import BackwardEnd
 from .window import StepWindow
 
 
+class NoLossScaling:
+    """
+    The gate's loss-scaling stage without fp16 loss scaling: every gradient is already unscaled and none is checked.
+    It answers the gate's calls as `GradScalerBridge` does when nothing overflows, so the gate has no branch per
+    feature.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.optim.grad_scaler import NoLossScaling
+    >>> from layerwise_hf.optim.window import StepWindow
+    >>> NoLossScaling().unscale_to_step(StepWindow(1), None), NoLossScaling.enabled
+    (True, False)
+    ```
+    """
+
+    enabled = False
+
+    def window_was_skipped(self, window: StepWindow) -> bool:
+        return False
+
+    def capture(self, window: StepWindow) -> None:
+        pass
+
+    def unscale(self, window: StepWindow, grad: torch.Tensor) -> None:
+        pass
+
+    def unscale_to_step(self, window: StepWindow, grad: torch.Tensor) -> bool:
+        return True
+
+    def inverse_scale(self, window: StepWindow, device: torch.device) -> torch.Tensor | None:
+        return None
+
+    def check_offloaded(self, window: StepWindow, offload: Any, params: Any, measure: bool) -> None:
+        pass
+
+    def publish(self, window: StepWindow, reduce_found_inf: Callable[[dict], None]) -> None:
+        pass
+
+    def unscale_held(self, optimizer: Any, params: Any) -> None:
+        pass
+
+
 class GradScalerBridge:
     """
     Unscale and inf-check gradients one at a time for the optimizer `owner` under `scaler`.
@@ -51,6 +94,8 @@ class GradScalerBridge:
     tensor([1., 1., 1.])
     ```
     """
+
+    enabled = True
 
     def __init__(self, scaler: Any, owner: Any, backward_end: BackwardEnd | None = None):
         self.scaler = scaler
@@ -187,9 +232,9 @@ class GradScalerBridge:
     def will_skip(window: StepWindow) -> bool:
         return any(bool(t.item()) for t in window.found_inf.values())
 
-    def unscale_held(self, optimizer: Any, has_grads: bool) -> None:
+    def unscale_held(self, optimizer: Any, params: Any) -> None:
         """Held gradients are still scaled: unscale them the way Trainer's clip_grad_norm_ path does."""
         from torch.amp.grad_scaler import OptState
 
-        if self._record()["stage"] is OptState.READY and has_grads:
+        if self._record()["stage"] is OptState.READY and any(p.grad is not None for p in params):
             self.scaler.unscale_(optimizer)

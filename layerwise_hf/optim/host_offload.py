@@ -1,5 +1,6 @@
-"""Where host offload joins the path of a gradient: `enable_offload` gives the optimizer's gate a `GradientOffload`
-(`layerwise_hf.placement.offload`), the one stage through which accumulated and held gradients wait on the host.
+"""Where host offload joins the path of a gradient: the gate's offload stage. `enable_offload` gives the optimizer's
+gate an `OffloadStage` around a `GradientOffload` (`layerwise_hf.placement.offload`), through which accumulated and
+held gradients wait on the host; without offload the stage is `NoOffload`, which keeps every gradient on the device.
 The mechanism (buffers, transfers, host steps) lives in `layerwise_hf.placement`.
 """
 
@@ -15,8 +16,10 @@ from ..placement.offload import GradientOffload, parse_offload
 from ..placement.offloading import check_host_step_base
 from ..placement.transfer import Transfer, offload_simulated
 from ..platform.dtensor import local_tensor
+from .window import Action
 
 if TYPE_CHECKING:
+    from .gate import GradientGate
     from .optimizer import LayerwiseOptimizer
 
 logger = logging.getLogger(__name__)
@@ -49,6 +52,157 @@ class HostCoefficient:
             whole = coef.full_tensor() if hasattr(coef, "full_tensor") else coef
             cached = self._cached = (coef, whole.to(device))
         return cached[1]
+
+
+class NoOffload:
+    """
+    The gate's offload stage with `layerwise_offload="none"`: every gradient stays on the device, none is taken.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.optim.host_offload import NO_OFFLOAD
+    >>> NO_OFFLOAD.enabled, NO_OFFLOAD.pending(), NO_OFFLOAD.buffers is None
+    (False, [], True)
+    ```
+    """
+
+    enabled = False
+    active = False
+    buffers: GradientOffload | None = None
+
+    def take(self, gate: GradientGate, i: int, action: Action) -> bool:
+        return False
+
+    def holds(self, i: int) -> bool:
+        return False
+
+    def merge_waiting(self, gate: GradientGate, i: int) -> None:
+        pass
+
+    def pending(self) -> list[int]:
+        return []
+
+    def step(self, gate: GradientGate, indices: list[int]) -> None:
+        pass
+
+    def before_norm(self, gate: GradientGate) -> None:
+        pass
+
+    def new_route(self, gate: GradientGate) -> None:
+        pass
+
+    def end_window(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+NO_OFFLOAD = NoOffload()
+
+
+class OffloadStage:
+    """
+    The gate's offload stage (`layerwise_offload="gradients"` or `"optimizer"`): a gradient that would wait on the
+    device for the step (accumulated, or held for exact clipping or fp16's checks) is copied into its host buffer of
+    `buffers` and freed; `step()` steps it from there, copied back (`"gradients"`) or on the host (`"optimizer"`).
+
+    Args:
+        buffers (`GradientOffload`): the host buffers, transfers and host worker.
+    """
+
+    enabled = True
+
+    def __init__(self, buffers: GradientOffload):
+        self.buffers = buffers
+        self.coefficient = HostCoefficient()  # the window's clip coefficient on the host, moved once a step
+
+    @property
+    def active(self) -> bool:
+        """Some gradient of this window waits on the host, so the window's gradients step at `step()`."""
+        return self.buffers.active
+
+    def holds(self, i: int) -> bool:
+        return self.buffers.holds(i)
+
+    def pending(self) -> list[int]:
+        return self.buffers.pending()
+
+    def take(self, gate: GradientGate, i: int, action: Action) -> bool:
+        """Take parameter `i`'s gradient to the host if it would wait there; `False`: it goes on as without offload."""
+        # Accumulated and held gradients wait on the host; a gradient stepping at once with nothing on the host
+        # (no accumulation, no clipping) steps as without offload.
+        buffers = self.buffers
+        if action not in (Action.ACCUMULATE, Action.HOLD) and not (action is Action.STEP and buffers.holds(i)):
+            return False
+        final, scaler, window, param = action is not Action.ACCUMULATE, gate.scaler, gate.window, gate.params[i]
+        inv_scale = None  # fp16: a host sum is unscaled and inf-checked by the host worker
+        if final and not buffers.holds(i):
+            # The whole gradient is on the device: checked and measured there, before it is copied.
+            scaler.capture(window)
+            scaler.unscale(window, param.grad)
+            window.record_norm(i, param)
+        elif final:
+            inv_scale = scaler.inverse_scale(window, buffers.host[i].device)
+        measure = final and gate.measures_all()
+        inner = gate.inner[i]
+        if not buffers.holds(i) and isinstance(inner, HostStepOptimizer):
+            inner.wait_host()  # its last host step may still read the buffer this gradient is copied into
+        meter = gate.meter
+        meter.hold(i, param.grad)
+        # Logged as the gradient bytes alive on the device: this one and the copies out still reading theirs.
+        meter.peak_bytes = max(meter.peak_bytes, meter.held_bytes + buffers.device_bytes)
+        buffers.stash(i, param, measure, final, inv_scale)
+        meter.release(i)
+        if final:
+            scaler.check_offloaded(window, buffers, gate.params, gate.measures_all())
+        return True
+
+    def merge_waiting(self, gate: GradientGate, i: int) -> None:
+        """Add parameter `i`'s host sum of this window into its `.grad`, before a route's reduction."""
+        if self.buffers.holds(i):
+            self.buffers.merge_into(i, gate.params[i])
+
+    def step(self, gate: GradientGate, indices: list[int]) -> None:
+        """`step()`: step the parameters `indices` whose gradients wait on the host."""
+        buffers = self.buffers
+        if not indices:
+            return
+        if not buffers.host_steps:
+            buffers.restore_each(indices, gate.params, gate.step_param, gate.window)
+            return
+        buffers.settle(gate.window, gate.params)
+        window = gate.window
+        for i in indices:
+            # layerwise_offload="optimizer": stepped on the host from its host gradient, clipped there.
+            norm = window.norms[i]
+            coef = gate.clipper.coef(window, None if norm is None else norm[2], gate.last_grad_norm)
+            buffer = buffers.host[i]
+            if coef is not None:
+                coef = self.coefficient(coef, buffer.device)
+            gate.inner[i].step_host(buffer, [], coef)
+            gate.note_step(i)
+            buffers.filled[i] = False
+
+    def before_norm(self, gate: GradientGate) -> None:
+        """The window's norms include the host sums: finish those the last micro-batch did not reach."""
+        if not gate.scaler.enabled and gate.sync():
+            # A sum whose parameter got no gradient in the window's last micro-batch counts in the norm too.
+            self.buffers.finish(gate.measures_all())
+        self.buffers.settle(gate.window, gate.params)
+
+    def new_route(self, gate: GradientGate) -> None:
+        # Training (re)begins: host copies are taken again from the device's parameters.
+        for inner in gate.inner:
+            if isinstance(inner, HostStepOptimizer):
+                inner.stale = True
+
+    def end_window(self) -> None:
+        self.buffers.end_window()
+
+    def close(self) -> None:
+        self.buffers.close()
 
 
 def _warn_without_cuda(mode: str) -> None:
@@ -106,9 +260,8 @@ def enable_offload(
     """
     mode = parse_offload(mode, "mode")
     gate = optimizer.gate
-    if gate.offload is not None:
-        gate.offload.close()
-    gate.offload = None
+    gate.offload.close()
+    gate.offload = NO_OFFLOAD
     if mode == "none":
         return
     if mode == "optimizer":
@@ -127,21 +280,22 @@ def enable_offload(
     # plain Accelerate loop builds the optimizer before accelerator.prepare moves the model to the GPU.
     hosted = runner is not None
     worker, choose = (runner.worker, runner.transfer_for) if hosted else (None, None)
-    gate.offload = GradientOffload(transfer, max_in_flight, worker=worker, host_steps=hosted, choose=choose)
+    buffers = GradientOffload(transfer, max_in_flight, worker=worker, host_steps=hosted, choose=choose)
 
     def reserve() -> list[torch.Tensor]:
         # NOTE: asked at the first host buffer, after Accelerate's FSDP2 prepare swapped in the DTensors (rebind).
         return [local_tensor(p) for p in gate.params]
 
     # Host buffers are views into one pinned block per dtype, sized for every parameter: pinned bytes equal the plan.
-    gate.offload.reserve = reserve
+    buffers.reserve = reserve
     if runner is not None:
         runner.reserve = reserve
     # NOTE: a route may ask what is held before any hook of the next window runs (the data-parallel route merges a
     # host sum before reducing); a window GradScaler skipped must be forgotten by then.
-    gate.offload.check_window = gate.close_skipped_window
+    buffers.check_window = gate.close_skipped_window
+    gate.offload = OffloadStage(buffers)
 
 
 def offload_of(optimizer: LayerwiseOptimizer) -> GradientOffload | None:
     """The host offload of `optimizer` (`enable_offload`), or `None`: its host buffers and device-side counters."""
-    return optimizer.gate.offload
+    return optimizer.gate.offload.buffers

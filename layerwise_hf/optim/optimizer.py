@@ -150,7 +150,7 @@ class LayerwiseOptimizer(MemoryReport, torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
-        self.gate.reset_window() if self.gate.offload is not None else self.gate.meter.clear()
+        self.gate.reset_window() if self.gate.offload.enabled else self.gate.meter.clear()
 
     def state_dict(self) -> dict[str, Any]:
         """The standard layout, each group with its parameter's `name`, plus metadata (`layerwise_hf.optim.state`)."""
