@@ -4,6 +4,11 @@ DDP's post-accumulate-grad hooks fire BEFORE the all-reduce, so stepping there w
 hook scales and all-reduces the bucket as DDP does, then calls the sink's `grad_ready(i)` for each of its
 parameters on the reduced gradient; the reducer is told that the optimizer runs in backward, so it does not copy
 the bucket back into `.grad`.
+
+With `gradient_as_bucket_view=True` a gradient handed over on a synced micro-batch that does not end the window is
+DDP's bucket memory, which the reducer rewrites in place in the next micro-batch's backward. A sink that takes such a
+gradient off the device (host offload copies it on a side stream and frees `.grad`) is handed a copy of it instead,
+so that no copy still in flight reads the bucket while it is rewritten (`_accumulate_in_view`).
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ class _CommState:
         self.check_unused = bool(ddp_model.find_unused_parameters or ddp_model.static_graph)
         # Parameters whose .grad a synced, non-final micro-batch left aliasing the bucket (bucket-view mode only).
         self.aliased: set[int] = set()
+        # Bucket-view mode: parameters whose accumulated gradient the sink was seen to keep in .grad (handed the view
+        # itself from then on), learned again at each attach.
+        self.keeps: set[int] = set()
 
 
 class DDPCommHook(GradientRoute):
@@ -99,6 +107,7 @@ class DDPCommHook(GradientRoute):
         # The same DDP model trained again (second train()): the existing hook now feeds this optimizer.
         state.sink = sink
         state.index = {id(p): i for i, p in enumerate(sink.params)}
+        state.keeps = set()
         self.state = state
         self.attached = True
 
@@ -143,11 +152,43 @@ def _finish(state: _CommState, bucket: dist.GradBucket, used: torch.Tensor | Non
             p.grad = g if state.gradient_as_bucket_view else g.clone()
         elif p.grad.data_ptr() != g.data_ptr():
             p.grad.copy_(g)
-        if state.gradient_as_bucket_view:
-            state.aliased.add(id(p))
+        if not state.gradient_as_bucket_view:
+            if i is not None:
+                sink.grad_ready(i)  # accumulation bookkeeping only
+            continue
+        state.aliased.add(id(p))
         if i is not None:
-            sink.grad_ready(i)  # accumulation bookkeeping only
+            _accumulate_in_view(state, sink, i, p, g)
     return bucket.buffer()
+
+
+def _accumulate_in_view(state: _CommState, sink: GradientSink, i: int, p: torch.Tensor, g: torch.Tensor) -> None:
+    # Bucket-view mode, a micro-batch that does not end the window: `g` is DDP's bucket memory, which the reducer
+    # rewrites in place when this parameter's next gradient is ready. A sink that takes the gradient off the device
+    # (host offload: a copy on a side stream, then .grad = None) gets a copy, so its copy reads memory it owns.
+    if id(p) in state.keeps:
+        sink.grad_ready(i)
+        if p.grad is None:  # taken after all (offload enabled after connect): copy from the next micro-batch on
+            state.keeps.discard(id(p))
+            state.aliased.discard(id(p))
+        return
+    copy = _sink_copy(g)
+    p.grad = copy
+    sink.grad_ready(i)
+    if p.grad is None:
+        # NOTE: the next micro-batch's gradient is then copied into the bucket, not accumulated in the view: DDP
+        # scales a copied gradient with mul_, not div_ (`_scale`).
+        state.aliased.discard(id(p))
+    elif p.grad is copy:
+        p.grad = g  # kept in .grad: the bucket view again, as DDP leaves it (the same values)
+        state.keeps.add(id(p))
+
+
+def _sink_copy(g: torch.Tensor) -> torch.Tensor:
+    # NOTE: on CUDA the copy runs on the compute stream, ordered before the bucket is written again; a side stream
+    # that reads it is recorded on it (record_stream), so freeing it is safe. The bucket itself is rewritten in place,
+    # which record_stream does not guard.
+    return g.clone()
 
 
 def _layerwise_comm_hook(state, bucket):
