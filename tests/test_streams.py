@@ -7,6 +7,7 @@ from helpers import tiny_llama, train, training_args
 
 from layerwise_hf.placement.local_shard import LocalShardOptimizer
 from layerwise_hf.platform import streams
+from layerwise_hf.routes.sink import BackwardEnd
 
 bnb = pytest.importorskip("bitsandbytes")
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
@@ -20,10 +21,22 @@ class Stream:
     def wait_stream(self, other):
         self.log.append(("wait", self.name, other.name))
 
+    def wait_event(self, event):
+        self.log.append(("wait event", self.name, event.stream.name))
+
     def __eq__(self, other):
         return isinstance(other, Stream) and other.name == self.name
 
     __hash__ = None
+
+
+class Event:
+    def __init__(self, log):
+        self.log, self.stream = log, None
+
+    def record(self, stream):
+        self.stream = stream
+        self.log.append(("record", stream.name))
 
 
 class RecordedStreams:
@@ -40,6 +53,9 @@ class RecordedStreams:
 
     def default_stream(self, device):
         return self.default
+
+    def event(self):
+        return Event(self.log)
 
     def use(self, stream):
         recorder = self
@@ -127,6 +143,65 @@ def test_ordered_steps_are_bit_identical_to_plain_ones(recorded):
         plain.step()
         streams.step_in_backward(ordered, b)
     assert torch.equal(a, b)
+
+
+def in_backward(work):
+    """Run `work` inside a backward (in the autograd engine, as FSDP2 calls the hooks)."""
+
+    class Node(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            work()
+            return grad
+
+    Node.apply(torch.ones(1, requires_grad=True)).sum().backward()
+
+
+def fsdp2_hook(holder, optimizer, param, log):
+    """One FSDP2 hook through `holder`: the reduce-scatter's gradient handed to the local-shard step, then freed."""
+
+    def ready(i):
+        param.grad = torch.randn_like(param)
+        optimizer.step()
+        param.grad = None
+        log.append(("hook returned",))
+
+    holder.around(ready)(0)
+
+
+def test_an_8bit_step_is_held_only_in_a_backward_and_off_the_default_stream(recorded):
+    param = torch.nn.Parameter(torch.randn(64, 128))
+    optimizer = LocalShardOptimizer(bnb.optim.AdamW8bit([param], lr=1e-3))
+    holder, log = streams.GroupSteps(BackwardEnd()), recorded.log
+    # In a backward, from the reduce-scatter stream: held past the hook, run at the end of backward after the event
+    # the hook recorded on the reduce-scatter stream (not after a wait for the whole stream).
+    in_backward(lambda: fsdp2_hook(holder, optimizer, param, log))
+    kernel = log.index(("kernel", "default"))
+    assert log.index(("hook returned",)) < kernel and ("record", "reduce_scatter") in log[:kernel]
+    assert [e for e in log[:kernel] if e[0].startswith("wait")] == [("wait event", "default", "reduce_scatter")]
+    assert ("wait", "reduce_scatter", "default") in log[kernel:] and not holder.held
+    # A hook called by hand (outside the autograd engine): at once, nothing would run a held step.
+    log.clear()
+    fsdp2_hook(holder, optimizer, param, log)
+    assert log.index(("kernel", "default")) < log.index(("hook returned",))
+    # On the default stream (one process): at once, with no wait, nothing to overlap.
+    log.clear()
+    recorded.current = recorded.default
+    in_backward(lambda: fsdp2_hook(holder, optimizer, param, log))
+    assert log.index(("kernel", "default")) < log.index(("hook returned",))
+    assert not [e for e in log if e[0].startswith("wait")]
+
+
+def test_on_cpu_an_8bit_step_runs_in_its_hook():
+    param = torch.nn.Parameter(torch.randn(64, 128))
+    optimizer = LocalShardOptimizer(bnb.optim.AdamW8bit([param], lr=1e-3))
+    holder, start, log = streams.GroupSteps(BackwardEnd()), param.detach().clone(), []
+    in_backward(lambda: (fsdp2_hook(holder, optimizer, param, log), log.append(not torch.equal(param, start))))
+    assert log == [("hook returned",), True] and not holder.held
 
 
 def count_device_syncs(monkeypatch):

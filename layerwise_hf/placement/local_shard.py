@@ -93,13 +93,14 @@ class LocalShardOptimizer(torch.optim.Optimizer):
         grad = param.grad
         if grad is None:
             return None
-        self.local.grad = grad.to_local() if _is_dtensor(grad) else grad
+        local_grad = grad.to_local() if _is_dtensor(grad) else grad
+        if closure is None:
+            # FSDP2 calls this from its hook with the reduce-scatter stream current: bitsandbytes' kernels are ordered
+            # after it, and held until the next group's hooks (`streams.step_in_backward`, `streams.GroupSteps`).
+            return step_in_backward(self.base, self.local, local_grad)
+        self.local.grad = local_grad
         try:
-            if closure is not None:
-                return self.base.step(closure)
-            # FSDP2 calls this from its hook with the reduce-scatter stream current; bitsandbytes' kernels must be
-            # ordered after it (`streams.step_in_backward`).
-            return step_in_backward(self.base, self.local)
+            return self.base.step(closure)
         finally:
             self.local.grad = None
 

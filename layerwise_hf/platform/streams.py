@@ -13,13 +13,21 @@ parameters with that stream current). Two facts about bitsandbytes 0.50.2 matter
 
 `step_in_backward` handles both: a bitsandbytes step runs on the default stream after the current stream's work, the
 current stream waits for it after, and a non-paged optimizer skips the per-parameter device sync.
+
+Under FSDP2 that wait, made in the hook, would stall: FSDP2 calls a group's hooks right after queueing its
+reduce-scatter and before the autograd engine queues the backward of the layer before it, so the default stream would
+wait for the reduce-scatter (and run the 8-bit update) before that backward, which FSDP2 otherwise overlaps with the
+reduce-scatter. `GroupSteps` (set up by the FSDP2 route) holds such a step until the next group's hooks, when that
+backward is queued, and orders it after an event recorded in its own hook; the last group's steps run at the end of
+backward.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -45,6 +53,9 @@ class CudaStreams:
 
     def use(self, stream: Any) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(stream)
+
+    def event(self) -> Any:
+        return torch.cuda.Event()
 
 
 def stream_backend(device: torch.device) -> CudaStreams | None:
@@ -132,7 +143,7 @@ def _no_sync(tensor: torch.Tensor) -> None:
     return None
 
 
-def step_in_backward(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Any:
+def step_in_backward(optimizer: torch.optim.Optimizer, param: torch.Tensor, grad: torch.Tensor | None = None) -> Any:
     """
     Step one parameter's optimizer from a gradient hook: a bitsandbytes optimizer runs ordered on the default stream
     and, unless paged, without its per-parameter device sync; any other optimizer steps as is.
@@ -142,6 +153,10 @@ def step_in_backward(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> A
             The optimizer of `param` alone.
         param (`torch.Tensor`):
             The tensor it updates (its device decides the streams).
+        grad (`torch.Tensor`, *optional*):
+            The gradient to step with, set as `param.grad` for the step alone. Given, a bitsandbytes step in an FSDP2
+            hook is held until the next reduce-scatter group's hooks (`GroupSteps`); the caller may drop its own
+            reference to the gradient at once.
 
     Example:
 
@@ -153,7 +168,132 @@ def step_in_backward(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> A
     tensor([0.5000, 0.5000])
     ```
     """
+    run = optimizer.step if grad is None else _StepWith(optimizer, param, grad)
     if not launches_on_default_stream(optimizer):
-        return optimizer.step()
+        return run()
+    holder = _HOLDER.get()
+    if grad is not None and holder is not None and holder.hold(optimizer, param, grad, run):
+        return None
     with ordered_on_default_stream(param.device), without_device_sync(optimizer):
-        return optimizer.step()
+        return run()
+
+
+class _StepWith:
+    # A step that owns its gradient, so that it can run after the hook that handed it over has freed `.grad`.
+    __slots__ = ("optimizer", "param", "grad")
+
+    def __init__(self, optimizer: torch.optim.Optimizer, param: torch.Tensor, grad: torch.Tensor):
+        self.optimizer, self.param, self.grad = optimizer, param, grad
+
+    def __call__(self) -> Any:
+        self.param.grad = self.grad
+        try:
+            return self.optimizer.step()
+        finally:
+            self.param.grad = None
+
+
+# The `GroupSteps` of the FSDP2 hook running now on this thread (set around the hook by `GroupSteps.around`).
+_HOLDER: contextvars.ContextVar[GroupSteps | None] = contextvars.ContextVar("layerwise_hf_group_steps", default=None)
+
+
+class GroupSteps:
+    """
+    Holds the bitsandbytes steps that FSDP2's hooks hand over until the next reduce-scatter group's hooks, so that the
+    default stream does not wait for a group's reduce-scatter before the backward of the layer before it.
+
+    FSDP2 calls the hooks of one group (one `fully_shard` module) together, right after queueing the group's
+    reduce-scatter and before the autograd engine queues the next layer's backward. A step held there records an event
+    on the current stream: the reduce-scatter stream, after the reduce-scatter and the hook's own work on the gradient.
+    Once a gradient of another group arrives, that backward is queued: the held steps run on the default stream after
+    waiting on the event, and the current stream then waits for them (as in `ordered_on_default_stream`). The last
+    group's steps run at the end of backward, the `shard_steps` stage of the sink's `BackwardEnd`.
+
+    Held are only steps on a device with streams, from a hook on another stream than the default one, inside the
+    autograd engine; others run at once. A group is told by its gradients' storage: FSDP2 hands a group's gradients as
+    views of its reduce-scatter's one output (a group taken for two runs its first steps earlier, still in order).
+    With reentrant activation checkpointing each group's hooks run in a backward of their own, whose end runs them.
+
+    Args:
+        backward_end (`BackwardEnd`):
+            The sink's owner of the end of each backward (`layerwise_hf.routes.sink.BackwardEnd`): anything with
+            `queue(stage, work) -> bool`.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.platform.streams import GroupSteps
+    >>> hook = GroupSteps(sink.backward_end).around(sink.grad_ready)  # what FSDP2Hooks registers per parameter
+    >>> hook(0)  # steps parameter 0: at once, or held one group later under FSDP2 on CUDA
+    ```
+    """
+
+    STAGE = "shard_steps"
+
+    def __init__(self, backward_end: Any):
+        self.backward_end = backward_end
+        self.held: list[tuple[torch.optim.Optimizer, Callable[[], Any]]] = []
+        self.group: int | None = None
+        self.event: Any = None
+        self.device: torch.device | None = None
+
+    def around(self, ready: Callable[[int], None]) -> Callable[[int], None]:
+        """`ready`, run with this holder taking the steps it makes through `step_in_backward`."""
+        return _Holding(self, ready)
+
+    def hold(self, optimizer: Any, param: torch.Tensor, grad: torch.Tensor, run: Callable[[], Any]) -> bool:
+        """Hold `run`, `optimizer`'s step of `param` with `grad`; `False`, holding nothing, where it must run now."""
+        streams = stream_backend(param.device)
+        if streams is None:
+            return False
+        current = streams.current_stream(param.device)
+        if current == streams.default_stream(param.device):
+            return False  # nothing to overlap: the hook runs on the stream the update runs on
+        group = grad.untyped_storage().data_ptr()
+        if self.held and group != self.group:
+            self.flush()  # another group's gradient: the backward after the held group is queued now
+        if not self.backward_end.queue(self.STAGE, self.flush):
+            return False  # not inside the autograd engine (a hook called by hand): nothing would run the held step
+        if not self.held:
+            self.group, self.event, self.device = group, streams.event(), param.device
+        # NOTE: recorded again at each hook of the group: the latest record follows this hook's own work on its
+        # gradient (clipping, norms), which the update must see.
+        self.event.record(current)
+        self.held.append((optimizer, run))
+        return True
+
+    def flush(self) -> None:
+        """Run the held steps on the default stream, after the event of their group; the current stream's later work
+        (the reduce-scatter stream's next allocation, maybe where the held gradients were) waits for them."""
+        held, event, device = self.held, self.event, self.device
+        self.held, self.group, self.event = [], None, None
+        if not held:
+            return
+        streams = stream_backend(device)
+        current, default = streams.current_stream(device), streams.default_stream(device)
+        default.wait_event(event)
+        try:
+            with streams.use(default):
+                for optimizer, run in held:
+                    with without_device_sync(optimizer):
+                        run()
+        finally:
+            # NOTE: also when a step raised: the ones before it read their gradients on the default stream, and the
+            # memory of those gradients goes back to the current stream's allocations when `held` is dropped.
+            if current != default:
+                current.wait_stream(default)
+
+
+class _Holding:
+    # A small callable rather than a closure: it runs once per parameter per backward.
+    __slots__ = ("holder", "ready")
+
+    def __init__(self, holder: GroupSteps, ready: Callable[[int], None]):
+        self.holder, self.ready = holder, ready
+
+    def __call__(self, i: int) -> None:
+        token = _HOLDER.set(self.holder)
+        try:
+            self.ready(i)
+        finally:
+            _HOLDER.reset(token)

@@ -4,9 +4,9 @@ A route (`layerwise_hf.routes.hooks`, `.data_parallel`, `.ddp`) knows how a redu
 (`layerwise_hf.optim.optimizer.LayerwiseOptimizer`) knows what to do with it. The routes import nothing from the
 optimizer's side: they are handed a sink and call only the members of `GradientSink`.
 
-Work that must run once a backward has ended (the data-parallel route's last buckets, a held step, fp16's found-inf
-flags) registers with the sink's `BackwardEnd`, which queues one autograd-engine callback per
-backward and runs the registered work in the order of `BackwardEnd.ORDER`.
+Work that must run once a backward has ended (the data-parallel route's last buckets, a held step, the last FSDP2
+group's 8-bit steps, fp16's found-inf flags) registers with the sink's `BackwardEnd`, which queues one autograd-engine
+callback per backward and runs the registered work in the order of `BackwardEnd.ORDER`.
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ class BackwardEnd:
 
     - `"route"`: the data-parallel route reduces its last buckets and hands their gradients over;
     - `"hold"`: a step held for fewer activations (`LocalHooks`) is released;
+    - `"shard_steps"`: the 8-bit steps of FSDP2's last reduce-scatter group run (`platform.streams.GroupSteps` holds
+      each group's until the next group's hooks, so that the default stream need not wait for its reduce-scatter);
     - `"offload_flags"`: fp16 found-inf flags of offloaded gradients are gathered and published for GradScaler;
     - `"agree_flags"`: fp16 flags of a stepping pass are made to agree across ranks (FSDP2: each checked its shards).
 
@@ -81,7 +83,7 @@ class BackwardEnd:
     ```
     """
 
-    ORDER = ("route", "hold", "offload_flags", "agree_flags")
+    ORDER = ("route", "hold", "shard_steps", "offload_flags", "agree_flags")
 
     def __init__(self) -> None:
         self.forget()
