@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
+from ..platform.streams import GroupSteps
 from .sink import GradientSink
 
 logger = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ class LocalHooks(GradientRoute):
     @property
     def held(self) -> tuple[int, ...]:
         """Indices whose gradient is ready but whose step the route holds (empty outside backward)."""
-        return tuple(self._hold.held) if self._hold is not None else ()
+        return tuple(self._hold.plan.held) if self._hold is not None else ()
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -163,9 +164,10 @@ class _Hook:
         self.ready(self.index)
 
 
-class _StepHold:
+class HoldPlan:
     """
-    Holds the step of a large gradient followed by smaller ones on one process.
+    When to hold the step of a large unit and when to let it go: the one policy of both routes that hold steps, for
+    units that are gradients (`_StepHold`, one process) or buckets (`DataParallelReducer`, the DDP config).
 
     An untied `lm_head`'s gradient is ready first in backward, while almost every activation is still alive; its
     inner step allocates temporaries of about twice the tensor (AdamW's `sqrt` and division; bitsandbytes
@@ -173,6 +175,71 @@ class _StepHold:
     computed (for a decoder: the input embedding's, at the end of backward), they meet few activations, and the held
     gradient costs only its own bytes while the smaller ones step (58M Llama, 256 tokens: see
     benchmarks/README.md). Inner optimizers are independent, so the order they step in changes no result.
+
+    A large unit followed, in the expected order, by smaller ones is held (`hold`) until every unit planned between
+    it and the next large one (or the end) has arrived (`arrived` says when); the route steps what `release` gives
+    back, and at the latest at the end of backward.
+
+    Args:
+        large (`Sequence[bool]`): per unit, whether it is large.
+        order (`Iterable[int]`): the order the units are expected in.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.routes.hooks import HoldPlan
+    >>> plan = HoldPlan([True, False, False, True], [0, 1, 2, 3])
+    >>> plan.hold(0), plan.arrived(1), plan.arrived(2), plan.release()
+    (True, False, True, [0])
+    ```
+    """
+
+    def __init__(self, large: Sequence[bool], order: Iterable[int]):
+        self.large = list(large)
+        self.held: list[int] = []
+        self.waiting: set[int] = set()
+        self.replan(order)
+
+    def replan(self, order: Iterable[int]) -> None:
+        """Expect the units in `order` from now on (a backward's actual order plans the next one)."""
+        # Per large unit followed by smaller ones: the units before the next large one.
+        self.between: dict[int, frozenset[int]] = {}
+        current: int | None = None
+        smaller: list[int] = []
+        for i in [*order, None]:
+            if i is None or self.large[i]:
+                if current is not None and smaller:
+                    self.between[current] = frozenset(smaller)
+                current, smaller = i, []
+            else:
+                smaller.append(i)
+
+    def hold(self, unit: int) -> bool:
+        """Whether `unit`'s step waits: it is large, and smaller units are expected after it."""
+        between = self.between.get(unit) if self.large[unit] else None
+        if not between:
+            return False
+        self.held.append(unit)
+        self.waiting = set(between)
+        return True
+
+    def arrived(self, unit: int) -> bool:
+        """A smaller unit was handed over: whether the held units may step now (the next one is large, or none is
+        left)."""
+        if not self.held:
+            return False
+        self.waiting.discard(unit)
+        return not self.waiting
+
+    def release(self) -> list[int]:
+        """The held units, in the order they were held; none is held afterwards."""
+        held, self.held, self.waiting = self.held, [], set()
+        return held
+
+
+class _StepHold:
+    """
+    Holds the step of a large gradient followed by smaller ones on one process (`HoldPlan` says which and when).
 
     The gradients expected between a large one and the next come from the previous backward's ready order (the
     reverse of the parameter order before the first); the held step is released once they have all stepped, when
@@ -186,31 +253,15 @@ class _StepHold:
         self.sink = sink
         # Plain tensors: only the one-process route holds a step (not FSDP2's DTensors).
         sizes = [p.numel() * p.element_size() for p in sink.params]
-        self.large = [s >= LARGE_FRACTION * max(sizes) for s in sizes]
-        self.plan = self._plan(list(reversed(range(len(sizes)))))
+        self.plan = HoldPlan([s >= LARGE_FRACTION * max(sizes) for s in sizes], reversed(range(len(sizes))))
         self.forget()
 
     def forget(self) -> None:
         """Drop what the current backward noted: after it ends, or one cut short by an exception."""
-        self.held: list[int] = []
-        self.waiting: set[int] = set()
+        self.plan.release()
         self.order: list[int] = []
         self.seen: set[int] = set()
         self.queued = False
-
-    def _plan(self, order: list[int]) -> dict[int, frozenset[int]]:
-        # Per large gradient followed by smaller ones: the gradients before the next large one.
-        plan: dict[int, frozenset[int]] = {}
-        current: int | None = None
-        between: list[int] = []
-        for i in [*order, None]:
-            if i is None or self.large[i]:
-                if current is not None and between:
-                    plan[current] = frozenset(between)
-                current, between = i, []
-            else:
-                between.append(i)
-        return plan
 
     def grad_ready(self, i: int) -> None:
         sink = self.sink
@@ -224,25 +275,19 @@ class _StepHold:
             return
         self.seen.add(i)
         self.order.append(i)
-        if self.large[i]:
+        if self.plan.large[i]:
             self.release()  # arrived before the gradients planned ahead of it (the order changed)
-            between = self.plan.get(i)
-            if between:
-                self.held.append(i)
-                self.waiting = set(between)
+            if self.plan.hold(i):
                 sink.grad_held(i)  # alive next to the ones stepping meanwhile: the meter counts it
                 return
         sink.grad_ready(i)
-        if self.held:
-            self.waiting.discard(i)
-            if not self.waiting:
-                self.release()  # the next gradient is a large one, not computed yet
+        if self.plan.arrived(i):
+            self.release()  # the next gradient is a large one, not computed yet
 
     def release(self) -> None:
         """Step every held gradient (the sink's `grad_ready`), in the order they arrived."""
-        while self.held:
-            self.sink.grad_ready(self.held.pop(0))
-        self.waiting = set()
+        for i in self.plan.release():
+            self.sink.grad_ready(i)
 
     def _queue_finish(self) -> bool:
         if not self.queued:
@@ -260,7 +305,7 @@ class _StepHold:
         finally:
             self.forget()
         if order:
-            self.plan = self._plan(order)
+            self.plan.replan(order)
 
 
 class FSDP2Hooks(LocalHooks):
@@ -281,6 +326,11 @@ class FSDP2Hooks(LocalHooks):
     collective_per_forward = True
     steps_shards = True
     hold_large_steps = False
+
+    def _entry(self, sink: GradientSink) -> Callable[[int], None]:
+        # FSDP2 calls a group's hooks before the next layer's backward is queued: an 8-bit step, which the default
+        # stream must order after the reduce-scatter, is held until the next group's hooks (`streams.GroupSteps`).
+        return GroupSteps(sink.backward_end).around(sink.grad_ready)
 
     def reduce_found_inf(self, flags):
         import torch.distributed as dist
