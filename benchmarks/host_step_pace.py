@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from layerwise_hf.plan.offload_time import median_seconds  # noqa: E402 - after the checkout is on the path
+from layerwise_hf.plan.offload_time import median_seconds, worker_seconds  # noqa: E402 - after the checkout is on the path
 
 BASES = (
     "adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop", "adamw_bnb_8bit", "adamw_8bit",
@@ -128,10 +128,17 @@ DOCS = ROOT / "docs" / "offload.md"
 MARKER = "host-step-floor"
 
 
-def _once(fn) -> float:
-    start = time.perf_counter()
+def _once(fn, clock=time.perf_counter) -> float:
+    start = clock()
     fn()
-    return time.perf_counter() - start
+    return clock() - start
+
+
+def _clock(threads: int):
+    # NOTE: on one thread the calling thread's CPU time: on a shared machine the wall clock holds other processes'
+    # time slices, and more of them in a long step than in the short add it is compared with (measured here: AdamW's
+    # fused step read 2.5x the floor by the wall clock at load 1 on 2 cores, 1.3x by CPU time).
+    return time.thread_time if threads == 1 else time.perf_counter
 
 
 def _nbytes(state: dict) -> int:
@@ -163,12 +170,13 @@ def floor_rows(base: str, model, repeats: int, all_threads: int) -> list[dict]:
                 # the load moves between two separate medians.
                 moved = 0
                 steps, adds = [], []
+                clock = _clock(threads)
                 with contextlib.redirect_stdout(io.StringIO()):
                     inner.step()
                     a.add_(b, alpha=0.0)
                     for _ in range(1 if base == "muon" else repeats):
-                        steps.append(_once(inner.step))
-                        adds.append(_once(lambda: a.add_(b, alpha=0.0)))  # 3 x the weight's bytes
+                        steps.append(_once(inner.step, clock))
+                        adds.append(_once(lambda: a.add_(b, alpha=0.0), clock))  # 3 x the weight's bytes
                 moved = 2 * (weight.numel() * weight.element_size() + _nbytes(inner.state[weight]))
                 moved += weight.grad.numel() * weight.grad.element_size()
                 scale = moved / (3 * a.numel() * a.element_size())
@@ -202,7 +210,64 @@ def task_overhead(repeats: int = 200) -> dict:
     small.grad = torch.randn(4096)
     optimizer = torch.optim.AdamW([small], fused=True)
     step = median_seconds(optimizer.step, repeats)
-    return {"task_us": task * 1e6, "small_step_us": step * 1e6}
+    # Tasks queued back to back, as backward queues the host steps: the worker's cost per task without the wake-ups.
+    worker = HostWorker()
+    queued = worker_seconds(worker, [lambda: None] * repeats, 2, 3) / repeats
+    worker.close()
+    return {"task_us": task * 1e6, "queued_task_us": queued * 1e6, "small_step_us": step * 1e6}
+
+
+def _adamw_parts(numel: int, repeats: int) -> tuple[dict, torch.optim.Optimizer]:
+    weight = torch.nn.Parameter(torch.randn(numel) * 0.02)
+    weight.grad = torch.randn(numel) * 1e-3
+    optimizer = torch.optim.AdamW([weight], fused=True, foreach=False, weight_decay=0.01)
+    optimizer.step()
+    state = optimizer.state[weight]
+    p, g, m, v = weight.detach(), weight.grad, state["exp_avg"], state["exp_avg_sq"]
+    kernel_args = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+    fns = {
+        "step": optimizer.step,
+        "kernel": lambda: torch._fused_adamw_([p], [g], [m], [v], [], [state["step"]], **kernel_args),
+        "add": lambda: p.add_(g, alpha=0.0),
+        "three_adds": lambda: (p.add_(g, alpha=0.0), m.add_(g, alpha=0.0), v.add_(g, alpha=0.0)),
+    }
+    times = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):  # interleaved: a change of load falls on all four alike
+        for k, fn in fns.items():
+            times[k].append(_once(fn, time.thread_time))
+    seconds = {k: statistics.median(t) for k, t in times.items()}
+    out = {f"{k}_ns_per_element": t / numel * 1e9 for k, t in seconds.items()}
+    out["python_us_per_tensor"] = (seconds["step"] - seconds["kernel"]) * 1e6
+    out["step_x_floor"] = seconds["step"] / (seconds["add"] * 28 / 12)
+    out["step_x_three_adds"] = seconds["step"] / seconds["three_adds"]
+    return out, optimizer
+
+
+def adamw_breakdown(hidden: int, repeats: int) -> dict:
+    """Where fused AdamW's host step goes on one thread (CPU time, medians): `optimizer.step()` against the fused
+    kernel called alone (the rest is the optimizer's Python, per tensor), against the add floor scaled to AdamW's 28
+    bytes and against three in-place adds that stream the same tensors (weight, both states; the gradient read three
+    times: 36 bytes); and the ops one step dispatches (an allocating op would be a temporary)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.set_num_threads(1)
+    out = {}
+    for numel in (4096, hidden * hidden):
+        out[numel], optimizer = _adamw_parts(numel, repeats)
+    with Ops() as seen:
+        optimizer.step()
+    return {"elements": out, "ops_of_one_step": [op for op in seen.ops if not op.startswith("profiler.")]}
 
 
 def fast_vs_exact(steps: int = 100) -> dict:
@@ -268,30 +333,40 @@ def floor_table(result: dict) -> str:
             f"| `{base}` | - | - | " + " | ".join([f"cannot step here: {error}"] + ["-"] * (len(cols) - 1)) + " |"
         )
     o, c = result["task_overhead"], result["fast_vs_exact"]
+    big = result["adamw_breakdown"]["elements"][max(result["adamw_breakdown"]["elements"], key=int)]
+    small = result["adamw_breakdown"]["elements"][min(result["adamw_breakdown"]["elements"], key=int)]
+    load = result.get("load_average_1min", [float("nan")] * 2)
     lines += [
         "",
         f"A {result['hidden']} x {result['hidden']} fp32 weight ({result['elements'] / 1e6:.1f}M elements), median of "
-        f"{result['repeats']} steps after a warm-up (Muon: 1), {result['machine']}. ns per element of one step, and "
+        f"{result['repeats']} steps after a warm-up (Muon: 1), {result['machine']}, load {load[0]:.1f} -> "
+        f"{load[1]:.1f}; 1-thread columns in the thread's CPU time, the others in wall time. ns per element of one "
+        "step, and "
         "(x) that over the floor: the step's bytes (weight and states read and written, gradient read) at the "
         "bandwidth `a.add_(b)` reaches on the same tensors in the same run. `fast` is `layerwise_host_step=\"fast\"` "
         "(the default for a model on an accelerator), `exact` torch's per-tensor loop as Trainer builds it. A host "
-        f"worker task costs {o['task_us']:.0f} us, a fused AdamW step of a 4096-element parameter "
-        f"{o['small_step_us']:.0f} us. fast vs exact AdamW after {c['steps']} steps of a tiny Llama through the "
-        "host step: max |fast - exact| "
+        f"worker task costs {o['task_us']:.0f} us ({o['queued_task_us']:.0f} us queued behind others), a fused AdamW "
+        f"step of a 4096-element parameter {o['small_step_us']:.0f} us. Fused AdamW on one thread: "
+        f"`optimizer.step()` {big['step_ns_per_element']:.2f} ns per element, the kernel alone "
+        f"{big['kernel_ns_per_element']:.2f}, three in-place adds over the same tensors "
+        f"{big['three_adds_ns_per_element']:.2f} ({big['step_x_three_adds']:.2f}x); the optimizer's Python costs "
+        f"{small['python_us_per_tensor']:.0f} us per tensor, and a step allocates nothing (it dispatches "
+        f"{', '.join(result['adamw_breakdown']['ops_of_one_step'])}). fast vs exact AdamW after {c['steps']} steps "
+        "of a tiny Llama through the host step: max |fast - exact| "
         f"/ max |exact| per tensor {c['max_rel_diff_per_tensor']:.1e}, {c['identical_tensors']} of {c['tensors']} "
         "tensors bit-identical. Generated by `python benchmarks/host_step_pace.py`.",
     ]  # fmt: skip
     return "\n".join(lines)
 
 
-def write_docs(table: str) -> None:
+def write_docs(table: str, docs: Path = DOCS, marker: str = MARKER) -> None:
     import re
 
-    text = DOCS.read_text()
-    pattern = re.compile(rf"<!-- {MARKER}:start -->\n.*?(?=<!-- {MARKER}:end -->)", re.S)
+    text = docs.read_text()
+    pattern = re.compile(rf"<!-- {marker}:start -->\n.*?(?=<!-- {marker}:end -->)", re.S)
     if not pattern.search(text):
-        raise SystemExit(f"docs/offload.md has no <!-- {MARKER}:start --> / <!-- {MARKER}:end --> markers")
-    DOCS.write_text(pattern.sub(lambda m: f"<!-- {MARKER}:start -->\n{table}\n", text))
+        raise SystemExit(f"{docs.name} has no <!-- {marker}:start --> / <!-- {marker}:end --> markers")
+    docs.write_text(pattern.sub(lambda m: f"<!-- {marker}:start -->\n{table}\n", text))
 
 
 def _real_host_step(hidden: int, threads: int):
@@ -307,7 +382,6 @@ def _real_host_step(hidden: int, threads: int):
     from layerwise_hf.placement.host_kernel import claim_thread_share
     from layerwise_hf.placement.offload import HostWorker
     from layerwise_hf.placement.offloading import wait_for_host_steps
-    from layerwise_hf.plan.offload_time import worker_seconds
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**_check_config(hidden)))
@@ -425,6 +499,86 @@ def plan_check(opts) -> dict:
     return result
 
 
+SIZING_DOCS = ROOT / "docs" / "sizing.md"
+SIZING_MARKER = "step-time-8b"
+SIZING_BASES = ("adamw_torch", "adamw_8bit", "adafactor")
+SIZING_TFLOPS = 400.0  # achieved bf16 TFLOP/s of a current GPU (the offload guide's figure)
+
+
+def sizing_main(opts) -> dict:
+    """The step-time columns of docs/sizing.md's 24 GiB table (`--sizing`): Llama-3-8B as that table plans it, each
+    layer-wise row without offload and with `"optimizer"`, timed by the plan (`plan_times`: the host step measured
+    here on the model's tensor sizes, PCIe at 25 GB/s, backward at `SIZING_TFLOPS`)."""
+    import os
+
+    from layerwise_hf.placement.host_kernel import host_threads
+    from layerwise_hf.plan import plan
+    from layerwise_hf.plan.offload_time import _cpu_name, backward_seconds, plan_times
+
+    logging.disable(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    started = time.perf_counter()
+    names = [f"{base}_layerwise" for base in SIZING_BASES]
+    result = plan("llama-3-8b", names, seq_len=4096, bf16=True, torch_dtype="bfloat16", gradient_checkpointing=True,
+                  device_memory="24GiB", offload=("none", "optimizer"), counterparts=False)  # fmt: skip
+    times = plan_times(result, device_tflops=SIZING_TFLOPS)
+
+    rows = []
+    for row in result.rows:
+        timed = times.get((row.optimizer, row.offload))
+        rows.append({"optimizer": row.optimizer, "offload": row.offload, "device_peak_bytes": row.peak_bytes,
+                     "fits": row.fits, "headroom_bytes": row.headroom_bytes, "host_peak_bytes": row.host_peak_bytes,
+                     "offload_time": timed.to_dict() if timed else None})  # fmt: skip
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    setup = result.setup
+    elements = max((r["offload_time"] or {}).get("host_elements", 0) for r in rows)
+    backward = backward_seconds(elements, setup.seq_len * setup.micro_batch, SIZING_TFLOPS, True)
+    out = {"model": "llama-3-8b", "device_tflops": SIZING_TFLOPS, "pcie_gbps": 25.0, "host_threads": host_threads(),
+           "cpu": _cpu_name(), "cores": os.cpu_count(), "load_average_1min": load, "backward_s": backward,
+           "seconds": time.perf_counter() - started, "rows": rows}  # fmt: skip
+    table = sizing_table(out)
+    print(table)
+    path = Path(opts.output_dir) / "host_step_sizing.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+    if not opts.no_docs:
+        write_docs(table, SIZING_DOCS, SIZING_MARKER)
+    return out
+
+
+def sizing_table(out: dict) -> str:
+    gib = 2**30
+    lines = [
+        "| optimizer | `layerwise_offload` | device peak | fits 24 GiB | host step (here) | PCIe out / in per step | "
+        "backward | sets the pace |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in out["rows"]:
+        fits = f"yes ({r['headroom_bytes'] / gib:.2f} GiB left)" if r["fits"] else "no"
+        t = r["offload_time"]
+        if t is None:
+            host, link, pace = "-", "-", "backward (no host step)"
+        else:
+            host = f"{t['host_step_s']:.1f} s ({t['rate']['ns_per_element']:.2f} ns / element)"
+            link = f"{t['copy_out_s']:.2f} / {t['copy_in_s']:.2f} s"
+            pace = t["bottleneck"]
+        lines.append(f"| `{r['optimizer']}` | {r['offload']} | {r['device_peak_bytes'] / gib:.2f} GiB | {fits} | "
+                     f"{host} | {link} | {out['backward_s']:.2f} s | {pace} |")  # fmt: skip
+    lines += [
+        "",
+        f"Host step: measured by the plan on this machine ({out['cpu']}, {out['host_threads']} host thread(s) of "
+        f"{out['cores']} cores, load {out['load_average_1min']:.1f}) on the model's own tensor sizes, with the kernel "
+        f"of `layerwise_host_step=\"fast\"`; PCIe at {out['pcie_gbps']:g} GB/s one way; backward at "
+        f"{out['device_tflops']:g} TFLOP/s achieved (6 x parameters x tokens with activation checkpointing). "
+        "Generated by `python benchmarks/host_step_pace.py --sizing` "
+        f"({out['seconds']:.0f} s), which runs `layerwise-hf plan llama-3-8b --seq-len 4096 --bf16 --torch-dtype "
+        "bfloat16 --gradient-checkpointing --optim adamw_torch_layerwise adamw_8bit_layerwise adafactor_layerwise "
+        f"--offload none optimizer --device-memory 24GiB --device-tflops {out['device_tflops']:g}`.",
+    ]  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=2048)
@@ -433,11 +587,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--bases", nargs="*", default=None)
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--pace", action="store_true", help="host step vs a layer's backward (host_step_pace.json)")
-    parser.add_argument("--no-docs", action="store_true", help="leave docs/offload.md as it is")
+    parser.add_argument("--no-docs", action="store_true", help="write no docs/offload.md, docs/sizing.md")
     parser.add_argument("--output_dir", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--plan-check", action="store_true", help="the plan's host seconds against a real host step")
     parser.add_argument("--rounds", type=int, default=3, help="--plan-check: calibrate-and-measure rounds")
+    parser.add_argument("--sizing", action="store_true", help="docs/sizing.md's step-time table (Llama-3-8B, 24 GiB)")
     opts = parser.parse_args(argv)
+    if opts.sizing:
+        return sizing_main(opts)
     if opts.plan_check:
         return plan_check(opts)
     if opts.pace:
@@ -454,6 +611,7 @@ def main(argv=None) -> dict:
     all_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(all_threads)
     started = time.perf_counter()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     machine = f"{platform.machine()}, {all_threads} threads, torch {torch.__version__}"
     result = {"hidden": opts.hidden, "elements": opts.hidden**2, "repeats": opts.repeats, "threads": all_threads,
               "machine": machine, "rows": [], "errors": {}}  # fmt: skip
@@ -468,7 +626,9 @@ def main(argv=None) -> dict:
                     result["errors"][base] = f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"
         del model
     result["task_overhead"] = task_overhead()
+    result["adamw_breakdown"] = adamw_breakdown(opts.hidden, max(opts.repeats, 7))
     result["fast_vs_exact"] = fast_vs_exact(20 if opts.small else 100)
+    result["load_average_1min"] = [load, os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")]
     result["seconds"] = time.perf_counter() - started
     table = floor_table(result)
     print(table)
