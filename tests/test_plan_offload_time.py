@@ -2,6 +2,7 @@
 the host step's seconds, the PCIe bytes and seconds, the bottleneck; and the host seconds against a real host step."""
 
 import json
+import math
 import time
 from types import SimpleNamespace
 
@@ -22,12 +23,12 @@ from layerwise_hf.plan.offload_time import (
 )
 
 
-def model_numels(config: dict) -> list[int]:
+def model_shapes(config: dict) -> list[tuple[int, ...]]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
-    return [p.numel() for p in model.parameters()]
+    return [tuple(p.shape) for p in model.parameters()]
 
 
 @pytest.fixture
@@ -35,9 +36,9 @@ def pool_cost(monkeypatch, tmp_path):
     """The calibration's measurement replaced by a known cost: 50 us per tensor + 1 ns per element; calls recorded."""
     calls = []
 
-    def fake(optimizer, dtype, size, pool, threads, repeats):
-        calls.append((size, pool))
-        return 50e-6 + size * 1e-9
+    def fake(optimizer, dtype, shape, pool, threads, repeats):
+        calls.append((shape, pool))
+        return 50e-6 + math.prod(shape) * 1e-9
 
     monkeypatch.setattr(offload_time_module, "_pool_seconds", fake)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -85,33 +86,34 @@ def test_cli_gives_each_offload_row_its_time(tmp_path, capsys):
     assert "offload optimizer: host step" in out and "backward not estimated" in out
 
 
-def test_the_host_step_costs_each_tensor_at_its_own_size_and_measures_each_size_once(pool_cost):
-    numels = [4096] * 10 + [2**20] * 3 + [3 * CALIBRATION_CAP]
-    seconds, source = host_step_seconds(numels)
-    # A fixed cost per tensor, elements at the rate of their size; beyond the cap, the cap's step scaled by size.
-    cap = 50e-6 + CALIBRATION_CAP * 1e-9
-    assert seconds == pytest.approx(10 * (50e-6 + 4096e-9) + 3 * (50e-6 + 2**20 * 1e-9) + 3 * cap)
-    assert source == "measured" and sorted(size for size, _ in pool_cost) == [4096, 2**20, CALIBRATION_CAP]
-    # Each size is stepped with as many elements in play as the model's step has (up to the cap): caches as in a run.
-    assert {size: pool for size, pool in pool_cost} == {4096: 256, 2**20: 16, CALIBRATION_CAP: 1}
-    assert host_step_seconds(numels) == (seconds, "cached") and len(pool_cost) == 3
+def test_the_host_step_costs_each_tensor_at_its_own_shape_and_measures_each_shape_once(pool_cost):
+    shapes = [4096] * 10 + [(1024, 1024)] * 3 + [(3 * 4096, 4096)]
+    seconds, source = host_step_seconds(shapes)
+    # A fixed cost per tensor, elements at their shape's rate; beyond the cap, its first rows' step scaled by size.
+    rows = 50e-6 + CALIBRATION_CAP * 1e-9
+    assert seconds == pytest.approx(10 * (50e-6 + 4096e-9) + 3 * (50e-6 + 2**20 * 1e-9) + 3 * rows)
+    assert source == "measured" and len(pool_cost) == 3
+    # Each shape is stepped with as many elements in play as the model's step has (up to the cap): caches as in a run.
+    assert dict(pool_cost) == {(4096,): 256, (1024, 1024): 16, (CALIBRATION_CAP // 4096, 4096): 1}
+    assert host_step_seconds(shapes) == (seconds, "cached") and len(pool_cost) == 3
 
 
 def test_the_plan_times_the_models_own_tensors(pool_cost, tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(PLAN_LLAMA))
-    numels = model_numels(PLAN_LLAMA)
+    shapes = model_shapes(PLAN_LLAMA)
+    elements = sum(math.prod(s) for s in shapes)
     setup = SimpleNamespace(lora_r=None, lora_targets=(), sharding="none", world_size=1)
     result = SimpleNamespace(source=str(config), model="tiny", setup=setup)
-    assert stepped_tensors(result, sum(numels)) == numels
-    assert stepped_tensors(result, 2 * sum(numels)) is None  # the sizes must add up to what the simulation kept
-    assert stepped_tensors(SimpleNamespace(source="", model="no-such-model", setup=setup), sum(numels)) is None
+    assert stepped_tensors(result, elements) == shapes
+    assert stepped_tensors(result, 2 * elements) is None  # the sizes must add up to what the simulation kept
+    assert stepped_tensors(SimpleNamespace(source="", model="no-such-model", setup=setup), elements) is None
     sharded = SimpleNamespace(**{**vars(setup), "sharding": "fsdp2", "world_size": 2})
-    halves = stepped_tensors(SimpleNamespace(source=str(config), model="tiny", setup=sharded), sum(numels) // 2)
-    assert len(halves) == len(numels) and sum(halves) == sum(numels) // 2
+    halves = stepped_tensors(SimpleNamespace(source=str(config), model="tiny", setup=sharded), elements // 2)
+    assert halves == [(s[0] // 2, *s[1:]) for s in shapes]  # this rank's dim-0 shard of each
     lora = SimpleNamespace(lora_r=4, lora_targets=("q_proj", "v_proj"), sharding="none", world_size=1)
     adapters = stepped_tensors(SimpleNamespace(source=str(config), model="tiny", setup=lora), 2 * 2 * 4 * 128)
-    assert adapters == [4 * 64, 4 * 64] * 4  # lora_A (4 x 64) and lora_B (64 x 4) on q and v of 2 layers
+    assert adapters == [(4, 64), (64, 4)] * 4  # lora_A and lora_B on q and v of 2 layers
 
 
 def test_cli_plans_the_host_step_from_the_models_tensors(pool_cost, tmp_path, capsys):
@@ -121,9 +123,9 @@ def test_cli_plans_the_host_step_from_the_models_tensors(pool_cost, tmp_path, ca
     assert main(argv) == 0
     rows = {(r["optimizer"], r["offload"]): r for r in json.loads(capsys.readouterr().out)["optimizers"]}
     timed = rows[("adamw_torch_layerwise", "optimizer")]["offload_time"]
-    numels = model_numels(PLAN_LLAMA)
-    assert timed["host_tensors"] == len(numels) and timed["host_elements"] == sum(numels)
-    assert timed["host_step_s"] == pytest.approx(sum(50e-6 + n * 1e-9 for n in numels))
+    sizes = [math.prod(s) for s in model_shapes(PLAN_LLAMA)]
+    assert timed["host_tensors"] == len(sizes) and timed["host_elements"] == sum(sizes)
+    assert timed["host_step_s"] == pytest.approx(sum(50e-6 + n * 1e-9 for n in sizes))
 
 
 def test_worker_seconds_counts_the_workers_cpu_time_on_one_thread_and_wall_time_on_several():

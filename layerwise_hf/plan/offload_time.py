@@ -4,7 +4,7 @@ they hide behind backward.
 For each offload row:
 
 - **host seconds**: with `"optimizer"` the host steps every trainable tensor once per step. Its time is measured on
-  the machine running the plan for the model's own tensor sizes (`host_step_seconds`: each size's step through a host
+  the machine running the plan for the model's own tensor shapes (`host_step_seconds`: each size's step through a host
   worker task, with the kernel an accelerator model's host step runs, `layerwise_host_step="fast"`, and the worker's
   share of the cores; a second or two, cached), so both the fixed cost per tensor (the optimizer's Python step and
   its task) and the per-element rate at that size are in it. `--host-step-rate` (ns per element) gives it instead.
@@ -175,7 +175,7 @@ def backward_seconds(
 # its elements at a rate that depends on where its bytes are: in cache for a small model's tensors, in DRAM for a
 # large one's (fused AdamW on one core: 0.6 ns per element at 64K elements, 1.2 at 16M). A line fitted through two
 # sizes misses one or the other by 40% or more on small models (benchmarks/host_step_pace.py --plan-check shows it),
-# so each of the model's own tensor sizes is measured, with as many bytes in play as the model's step has. Above
+# so each of the model's own tensor shapes is measured, with as many bytes in play as the model's step has. Above
 # CALIBRATION_CAP elements a tensor's states are far beyond any cache and its step is linear in its size.
 CALIBRATION_CAP = 16 * 2**20
 POOL_TENSORS = 256  # the most tensors of one size stepped per pass (the small ones cost their fixed part)
@@ -258,15 +258,17 @@ def worker_seconds(worker: Any, tasks: Sequence[Callable[[], Any]], threads: int
     return statistics.median(one_pass() for _ in range(repeats))
 
 
-def _pool_seconds(optimizer: str, dtype: torch.dtype, size: int, pool: int, threads: int, repeats: int) -> float:
-    """One tensor's host step, of `pool` tensors of `size` elements stepped one task each on a host worker with
-    `threads` intra-op threads, as the host steps a model's parameters (`worker_seconds`)."""
+def _pool_seconds(
+    optimizer: str, dtype: torch.dtype, shape: tuple[int, ...], pool: int, threads: int, repeats: int
+) -> float:
+    """One tensor's host step, of `pool` tensors of `shape` stepped one task each on a host worker with `threads`
+    intra-op threads, as the host steps a model's parameters (`worker_seconds`)."""
     from ..placement.host_kernel import claim_thread_share, host_kernel_flags
     from ..placement.offload import HostWorker
 
     weights = []
     for _ in range(pool):
-        weight = torch.nn.Parameter(torch.rand(size, dtype=dtype).sub_(0.5).mul_(0.04))
+        weight = torch.nn.Parameter(torch.rand(shape, dtype=dtype).sub_(0.5).mul_(0.04))
         weight.grad = torch.rand_like(weight).sub_(0.5).mul_(2e-3)
         weights.append(weight)
     inner = _build_inner(optimizer, weights[0])
@@ -288,36 +290,48 @@ def _pool_seconds(optimizer: str, dtype: torch.dtype, size: int, pool: int, thre
         worker.close()
 
 
+def _capped(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """`shape` with dim 0 cut so that it holds at most `CALIBRATION_CAP` elements (rows of a large matrix)."""
+    rest = math.prod(shape[1:])
+    if math.prod(shape) <= CALIBRATION_CAP:
+        return shape
+    if rest > CALIBRATION_CAP:
+        return (CALIBRATION_CAP,)
+    return (CALIBRATION_CAP // rest, *shape[1:])
+
+
 def host_step_seconds(
-    numels: Sequence[int],
+    shapes: Sequence[int | Sequence[int]],
     optimizer: str = "adamw_torch",
     dtype: torch.dtype = torch.float32,
     cache: bool = True,
     repeats: int = 3,
 ) -> tuple[float, str]:
     """
-    The host step of tensors of `numels` elements, seconds, measured on this machine, and where the figure comes from
-    (`"measured"` or `"cached"`).
+    The host step of tensors of `shapes` (an int: a 1-D tensor of that size), seconds, measured on this machine, and
+    where the figure comes from (`"measured"` or `"cached"`).
 
-    Each distinct size is measured as a pass over a pool of tensors of that size, `optimizer`'s step of each (the
+    Each distinct shape is measured as a pass over a pool of tensors of that shape, `optimizer`'s step of each (the
     kernel of `layerwise_host_step="fast"`) a task on a host worker with the worker's share of the cores
-    (`host_threads`): the fixed cost per tensor and the thread handoff are in it. The pool holds as many elements as
+    (`host_threads`): the fixed cost per tensor and the thread handoff are in it, and shape-dependent steps (Adafactor
+    factors a matrix's second moment, Muon steps matrices only) step as they will. The pool holds as many elements as
     the model steps, up to `CALIBRATION_CAP`, so its bytes are in cache when the model's would be; a tensor larger
-    than `CALIBRATION_CAP` costs the cap's time scaled by its size. Each size takes well under a second and is cached
-    by optimizer, dtype, threads, torch version and CPU.
+    than `CALIBRATION_CAP` is measured on its first rows up to the cap and scaled by its size. Each shape takes well
+    under a second and is cached by optimizer, dtype, threads, torch version and CPU.
 
     Example:
 
     ```python
     >>> from layerwise_hf.plan.offload_time import host_step_seconds
-    >>> seconds, source = host_step_seconds([4096, 1024 * 1024, 1024 * 1024])  # e.g. (0.002, 'measured')
+    >>> seconds, source = host_step_seconds([4096, (1024, 1024), (1024, 1024)])  # e.g. (0.002, 'measured')
     ```
     """
     from ..placement.host_kernel import host_threads
 
     threads = host_threads()
-    footprint = min(sum(numels), CALIBRATION_CAP)
-    sizes = collections.Counter(int(n) for n in numels if n > 0)
+    shapes = [(int(s),) if isinstance(s, int) else tuple(int(d) for d in s) for s in shapes]
+    counts = collections.Counter(s for s in shapes if math.prod(s) > 0)
+    footprint = min(sum(math.prod(s) for s in shapes), CALIBRATION_CAP)
     prefix = f"{optimizer}|{str(dtype).removeprefix('torch.')}|{threads}|{torch.__version__}|{_cpu_name()}"
     path = _cache_path()
     known: dict[str, Any] = {}
@@ -329,15 +343,15 @@ def host_step_seconds(
     measured, total = False, 0.0
     previous = torch.get_num_threads()
     try:
-        for numel, count in sizes.items():
-            size = min(numel, CALIBRATION_CAP)
-            pool = max(1, min(POOL_TENSORS, -(-footprint // size)))
-            key = f"{prefix}|{size}x{pool}"
+        for shape, count in counts.items():
+            capped = _capped(shape)
+            pool = max(1, min(POOL_TENSORS, -(-footprint // math.prod(capped))))
+            key = f"{prefix}|{'x'.join(map(str, capped))}*{pool}"
             if not isinstance(known.get(key), float):
                 torch.set_num_threads(threads)
-                known[key] = _pool_seconds(optimizer, dtype, size, pool, threads, repeats)
+                known[key] = _pool_seconds(optimizer, dtype, capped, pool, threads, repeats)
                 measured = True
-            total += count * known[key] * numel / size
+            total += count * known[key] * math.prod(shape) / math.prod(capped)
     finally:
         torch.set_num_threads(previous)
     if cache and measured:
@@ -352,14 +366,14 @@ def host_step_seconds(
 def calibrate(
     optimizer: str = "adamw_torch",
     dtype: torch.dtype = torch.float32,
-    numels: Sequence[int] | None = None,
+    shapes: Sequence[int | Sequence[int]] | None = None,
     cache: bool = True,
     repeats: int = 3,
 ) -> HostRate:
     """
-    The host step's rate on this machine for tensors of `numels` elements (`host_step_seconds`) as ns per element
-    stepped. Without `numels`, the rate of tensors of `CALIBRATION_CAP` elements: large tensors, at the rate the
-    host's memory allows, what a model whose tensor sizes are not known is planned at.
+    The host step's rate on this machine for tensors of `shapes` (`host_step_seconds`) as ns per element stepped.
+    Without `shapes`, the rate of a 4096 x 4096 matrix: large tensors, at the rate the host's memory allows, what a
+    model whose tensor shapes are not known is planned at.
 
     Example:
 
@@ -368,14 +382,15 @@ def calibrate(
     >>> calibrate("adamw_torch").ns_per_element  # e.g. 1.2
     ```
     """
-    numels = list(numels) if numels else [CALIBRATION_CAP]
-    seconds, source = host_step_seconds(numels, optimizer, dtype, cache, repeats)
-    return HostRate(seconds / max(1, sum(numels)) * 1e9, 0.0, source)
+    shapes = list(shapes) if shapes else [(4096, CALIBRATION_CAP // 4096)]
+    seconds, source = host_step_seconds(shapes, optimizer, dtype, cache, repeats)
+    elements = sum(math.prod((s,) if isinstance(s, int) else s) for s in shapes)
+    return HostRate(seconds / max(1, elements) * 1e9, 0.0, source)
 
 
-def stepped_tensors(result: Any, elements: int) -> list[int] | None:
+def stepped_tensors(result: Any, elements: int) -> list[tuple[int, ...]] | None:
     """
-    The sizes (elements) of the tensors the host steps in `result`'s plan: the model's parameters, LoRA's adapters
+    The shapes of the tensors the host steps in `result`'s plan: the model's parameters, LoRA's adapters
     with `lora_r`, this rank's shard of each under FSDP2. The model is built again on the meta device from the plan's
     config file or preset; `None` when it cannot be (a config given as a dict or object) or when the sizes do not add
     up to the `elements` the simulation kept on the host.
@@ -403,10 +418,10 @@ def stepped_tensors(result: Any, elements: int) -> list[int] | None:
         shapes = [tuple(p.shape) for p in model.parameters()]
     # FSDP2 shards dim 0 and pads every rank's shard to the first rank's (`plan.ranks.RANK`).
     ranks = setup.world_size if setup.sharding == "fsdp2" else 1
-    numels = [math.prod((-(-s[0] // ranks), *s[1:])) if s else 1 for s in shapes]
-    if not elements or abs(sum(numels) - elements) > 0.02 * elements:
+    shapes = [(-(-s[0] // ranks), *s[1:]) if s else (1,) for s in shapes]
+    if not elements or abs(sum(math.prod(s) for s in shapes) - elements) > 0.02 * elements:
         return None
-    return numels
+    return shapes
 
 
 def _dtype_size(name: str) -> int:
@@ -423,7 +438,7 @@ def plan_times(
     `offload_time` for every offload row of a `Plan`, keyed by (optimizer, offload). The elements stepped are the
     host copies of the parameters the simulation kept (`host_categories["weights"]`, this rank's shards); the
     gradient bytes those of the trainable parameters in the weights' dtype. The host step is measured on the model's
-    own tensor sizes (`stepped_tensors`, `host_step_seconds`); `host_step_rate` (ns per element) skips that.
+    own tensor shapes (`stepped_tensors`, `host_step_seconds`); `host_step_rate` (ns per element) skips that.
 
     Example:
 
@@ -445,7 +460,7 @@ def plan_times(
         backward = backward_seconds(elements, tokens, device_tflops, setup.gradient_checkpointing, setup.grad_accum)
     out = {}
     rates: dict[str, HostRate] = {}
-    numels: list[int] | None = None
+    shapes: list[tuple[int, ...]] | None = None
     for row in result.rows:
         if row.offload == "none":
             continue
@@ -453,15 +468,15 @@ def plan_times(
             if host_step_rate is not None:
                 rates[row.optimizer] = HostRate(host_step_rate)
             else:
-                if numels is None:
-                    numels = stepped_tensors(result, elements) or []
+                if shapes is None:
+                    shapes = stepped_tensors(result, elements) or []
                 base = row.optimizer.removesuffix("_layerwise")
-                rates[row.optimizer] = calibrate(base, getattr(torch, setup.torch_dtype), numels)
-                if not numels:
+                rates[row.optimizer] = calibrate(base, getattr(torch, setup.torch_dtype), shapes)
+                if not shapes:
                     rates[row.optimizer].source += ", tensor sizes unknown: large ones assumed"
         waits = setup.grad_accum > 1 or setup.fp16 or (setup.max_grad_norm > 0 and setup.clip_mode == "exact")
         out[(row.optimizer, row.offload)] = offload_time(
-            row.offload, elements=elements, tensors=len(numels or ()), grad_bytes=elements * size,
+            row.offload, elements=elements, tensors=len(shapes or ()), grad_bytes=elements * size,
             param_bytes=elements * size, rate=rates.get(row.optimizer, HostRate(0.0)), pcie_gbps=pcie_gbps,
             backward_s=backward, grad_accum=setup.grad_accum, gradients_wait=waits,
         )  # fmt: skip
