@@ -133,11 +133,22 @@ def copies_out(fake, to_host):
     return sum(1 for op, stream in fake.launches if stream == to_host and "copy_" in op)
 
 
-@pytest.mark.parametrize("bucket_view", [True, False], ids=["bucket_view", "copies"])
-@pytest.mark.parametrize("mode", ["gradients", "optimizer"])
-def test_offload_under_ddp_matches_stock_ddp_with_no_unordered_access(one_rank_group, mode, bucket_view):
-    ga, clip = 2, 0.0
-    reference = stock_ddp(bucket_view, ga, clip)
+@pytest.mark.parametrize(
+    "mode, bucket_view, ga, clip",
+    [
+        ("gradients", True, 2, 0.0),
+        ("optimizer", True, 2, 0.0),
+        pytest.param("gradients", False, 2, 0.0, marks=pytest.mark.slow),
+        pytest.param("optimizer", False, 2, 0.0, marks=pytest.mark.slow),
+        # A window's last hand-over is a bucket view too: held for exact clipping (step() waits for its copy) ...
+        pytest.param("gradients", True, 1, 0.5, marks=pytest.mark.slow),
+        # ... or stepped on the host from its copy (the next forward waits for the copy back, issued after it).
+        pytest.param("optimizer", True, 1, 0.0, marks=pytest.mark.slow),
+    ],
+)
+def test_offload_under_ddp_matches_stock_ddp_with_no_unordered_access(one_rank_group, mode, bucket_view, ga, clip):
+    steps = 2  # DDP rebuilds its buckets at the second forward: the second step rewrites the first step's buckets
+    reference = stock_ddp(bucket_view, ga, clip, steps)
     init = transfer_module.CudaTransfer.__init__
     streams = []
 
@@ -147,10 +158,10 @@ def test_offload_under_ddp_matches_stock_ddp_with_no_unordered_access(one_rank_g
 
     with FakeCuda() as fake, all_reduce_on_its_own_stream() as comm, pytest.MonkeyPatch.context() as mp:
         mp.setattr(transfer_module.CudaTransfer, "__init__", recorded)
-        model = layerwise_ddp(mode, bucket_view, ga, clip)
+        model = layerwise_ddp(mode, bucket_view, ga, clip, steps)
         # The all-reduces ran on their stream, and every micro-batch's gradients were copied out on the side stream.
         assert any(stream == comm.id for _, stream in fake.launches)
-        assert copies_out(fake, streams[0]) >= 3 * ga * len(list(model.parameters()))
+        assert copies_out(fake, streams[0]) >= steps * ga * len(list(model.parameters()))
     assert_params_equal(model, reference)
 
 
@@ -251,4 +262,4 @@ def test_two_ranks_match_stock_ddp_with_no_unordered_access(tmp_path):
         # Stock DDP sums each micro-batch into the bucket before it is averaged; offload adds the averaged gradients on
         # the host: the same sum in another order, within a few ulps.
         assert result["ranks_agree"] and result["moved"] > 1e-4, (case, result)
-        assert result["max_diff"] <= 1e-6, (case, result)
+        assert result["max_diff"] <= 1e-7, (case, result)  # measured: 3e-8 in every case
