@@ -278,8 +278,8 @@ class GroupSteps:
                     with without_device_sync(optimizer):
                         run()
         finally:
-            # NOTE: also when a step raised: the ones before it read their gradients on the default stream, and the
-            # memory of those gradients goes back to the current stream's allocations when `held` is dropped.
+            # NOTE: also when a step raised: it and the ones before it may have queued kernels that read their
+            # gradients, whose memory goes back to the current stream's allocations once `held` is dropped.
             if current != default:
                 current.wait_stream(default)
 
