@@ -1,6 +1,6 @@
-"""The benchmark harness, in one place: model sizes and builders, the example task, the optimizers under test, gradient
-/ optimizer-state / RSS meters, timing of the inner optimizers' steps through torch's public step hooks, interleaved
-timing rounds, and the JSON / PNG / table output. Each script under benchmarks/ keeps only its own experiment.
+"""The benchmark harness: model sizes and builders, the example task, the optimizers under test, RSS / gradient /
+optimizer-state meters, forked and subprocess measurement, interleaved timing rounds and the JSON / PNG / table output.
+Each script under benchmarks/ keeps its configurations and its question.
 
 Imported as `benchmarks._common` (each script puts the repository root on `sys.path`). The optimizer is observed only
 through public names of `layerwise_hf`: `LayerwiseOptimizer.inner` (one `torch.optim.Optimizer` per trainable
@@ -18,6 +18,7 @@ import random
 import signal
 import statistics
 import sys
+import tempfile
 import textwrap
 import time
 import traceback
@@ -28,15 +29,12 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 MIB = 2**20
 
-# ---- model sizes ----
-
-# ~58M parameters: 2 x 16.4M (embeddings, untied lm_head) + 8 x 3.16M (decoder layers). The memory benchmarks'
-# model; each adds its own micro-batch (`seq_len`, `batch_size`).
+# ~58M parameters: 2 x 16.4M (embeddings, untied lm_head) + 8 x 3.16M (decoder layers): the memory benchmarks' model.
 LLAMA_58M = dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
                  num_attention_heads=8, num_key_value_heads=8)  # fmt: skip
 LLAMA_TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=4)  # fmt: skip
-# ~20.3M parameters: 2 x 3.07M (embeddings, untied lm_head) + 6 x 2.36M (decoder layers). step_time.py's model.
+# ~20.3M parameters: 2 x 3.07M (embeddings, untied lm_head) + 6 x 2.36M (decoder layers): step_time.py's model.
 LLAMA_20M = dict(vocab_size=8000, hidden_size=384, intermediate_size=1536, num_hidden_layers=6,
                  num_attention_heads=6, num_key_value_heads=6)  # fmt: skip
 # The example task's model and batch (configs/train/tiny_llama.yaml); --small shrinks both.
@@ -46,49 +44,34 @@ EXAMPLE_SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=176, seq_len=32, batch_size=4)  # fmt: skip
 
 
-def benchmark_parser(description: str, full: dict, small: dict) -> argparse.ArgumentParser:
-    """`--output_dir`, `--small` and one `--<size>` flag per key of `full` (unset: the full or `--small` default)."""
+# ---- arguments ----
+
+
+def benchmark_parser(description: str, full: dict, small: dict, rounds: int | None = None, seed: int = 42):
+    """`--output_dir`, `--small`, one `--<size>` flag per key of `full` (unset: the full or `--small` value) and, with
+    `rounds`, the timing flags `--warmup --rounds --threads --seed`."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--output_dir", default=str(RESULTS), help="JSON and PNG go here")
     parser.add_argument("--small", action="store_true", help="a tiny model (smoke run); explicit size flags win")
-    add_defaulted_args(parser, full, small)
+    for key, value in full.items():
+        parser.add_argument(f"--{key}", type=int, default=None, help=f"default {value} ({small[key]} with --small)")
+    parser.set_defaults(_sizes=(full, small))
+    if rounds is not None:
+        parser.add_argument("--warmup", type=int, default=2, help="rounds dropped before timing")
+        parser.add_argument("--rounds", type=int, default=rounds, help="timed rounds (each configuration each round)")
+        parser.add_argument("--threads", type=int, default=1, help="torch threads (1: less sensitive to shared cores)")
+        parser.add_argument("--seed", type=int, default=seed)
     return parser
 
 
-def add_defaulted_args(parser, full: dict, small: dict, helps: dict | None = None) -> None:
-    for key, value in full.items():
-        what = f"{helps[key]}: " if helps and key in helps else ""
-        parser.add_argument(
-            f"--{key}", type=int, default=None, help=f"{what}default {value} ({small[key]} with --small)"
-        )
-
-
-def fill_sizes(opts, full: dict, small: dict) -> None:
-    """Flags left unset take the `--small` or full defaults."""
+def parse(parser, argv=None) -> argparse.Namespace:
+    """Parse; size flags left unset take the `--small` or full values."""
+    opts = parser.parse_args(argv)
+    full, small = opts._sizes
+    del opts._sizes
     for key, value in (small if opts.small else full).items():
         if getattr(opts, key) is None:
             setattr(opts, key, value)
-
-
-def add_timing_args(parser, rounds: int, warmup: int = 2, seed: int = 42) -> None:
-    parser.add_argument("--warmup", type=int, default=warmup, help="rounds dropped before timing")
-    parser.add_argument("--rounds", type=int, default=rounds, help="timed rounds (one step per configuration each)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: less sensitive to shared cores)")
-    parser.add_argument("--seed", type=int, default=seed)
-
-
-def example_task_parser(description: str, rounds: int) -> argparse.ArgumentParser:
-    """The options both example-task timing benchmarks share: output, model size, GA values, rounds."""
-    parser = benchmark_parser(description, EXAMPLE_FULL, EXAMPLE_SMALL)
-    parser.add_argument("--grad_accum", type=int, nargs="+", default=[1, 4], help="GA values timed")
-    parser.add_argument("--learning_rate", type=float, default=3e-3, help="the example task's peak lr")
-    add_timing_args(parser, rounds)
-    return parser
-
-
-def parse_example_task_args(parser, argv=None) -> argparse.Namespace:
-    opts = parser.parse_args(argv)
-    fill_sizes(opts, EXAMPLE_FULL, EXAMPLE_SMALL)
     return opts
 
 
@@ -100,29 +83,28 @@ def size_args(opts, keys) -> list[str]:
 # ---- models and data ----
 
 
-def llama_config(opts=None, **sizes):
-    """An untied Llama of the sizes in `opts` / `sizes` (vocab_size, hidden_size, ... seq_len)."""
+def llama_config(opts=None, tie: bool = False, **sizes):
+    """A Llama (untied unless `tie`) of the sizes in `opts` / `sizes` (vocab_size, hidden_size, ... seq_len)."""
     from transformers import LlamaConfig
 
     sizes = {**(vars(opts) if opts is not None else {}), **sizes}
     shape = {k: sizes[k] for k in LLAMA_58M}
-    return LlamaConfig(**shape, max_position_embeddings=sizes["seq_len"], tie_word_embeddings=False)
+    return LlamaConfig(**shape, max_position_embeddings=sizes["seq_len"], tie_word_embeddings=tie)
 
 
-def build_llama(opts=None, seed: int = 0, **sizes):
-    """A randomly initialised `LlamaForCausalLM` of `llama_config(opts, **sizes)`, the same for the same seed."""
+def build_llama(opts=None, seed: int = 0, tie: bool = False, **sizes):
+    """A randomly initialised `LlamaForCausalLM` of `llama_config(opts, tie, **sizes)`, the same for the same seed."""
     import torch
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(llama_config(opts, **sizes))
+    return LlamaForCausalLM(llama_config(opts, tie, **sizes))
 
 
 def random_tokens(vocab_size: int, batch_size: int, seq_len: int, seed: int):
     import torch
 
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (batch_size, seq_len), generator=g)
+    return torch.randint(0, vocab_size, (batch_size, seq_len), generator=torch.Generator().manual_seed(seed))
 
 
 class TokenRows:
@@ -138,50 +120,52 @@ class TokenRows:
         return {"input_ids": self.rows[k], "labels": self.rows[k]}
 
 
-def setup_example_task(opts):
-    """Torch threads set and the example task built: (model, dataset, number of parameters, start time)."""
-    import torch
-
-    torch.set_num_threads(opts.threads)
-    started = time.perf_counter()
-    return (*build_example_task(opts), started)
-
-
-def example_task_description(opts, num_params: int) -> str:
-    return (
-        f"Llama {num_params / 1e6:.2f}M params (hidden {opts.hidden_size}, {opts.num_hidden_layers} layers), "
-        f"batch {opts.batch_size}x{opts.seq_len}, {opts.threads} thread(s), {opts.rounds} timed rounds after "
-        f"{opts.warmup} warm-up"
-    )
-
-
-def build_example_task(opts):
-    """The example task of `examples/train.py` (its model and grammar corpus) at the sizes in `opts`."""
+def example_task(opts):
+    """The example task of `examples/train.py` (its model and grammar corpus) at the sizes in `opts`, torch's threads
+    set: (model, dataset, a description of the run)."""
     import torch
 
     from examples.train import ScriptArguments, build_dataset, build_model
 
+    torch.set_num_threads(opts.threads)
     # Every size of EXAMPLE_FULL but the batch is a field of the example's ScriptArguments.
-    sizes = {k: getattr(opts, k) for k in EXAMPLE_FULL if k != "batch_size"}
-    script_args = ScriptArguments(**sizes, num_samples=512)
+    script_args = ScriptArguments(**{k: getattr(opts, k) for k in EXAMPLE_FULL if k != "batch_size"}, num_samples=512)
     torch.manual_seed(opts.seed)
     model = build_model(script_args)
-    return model, build_dataset(script_args), sum(p.numel() for p in model.parameters())
-
-
-def collate(examples: list[dict]) -> dict:
-    import torch
-
-    return {k: torch.stack([e[k] for e in examples]) for k in examples[0]}
+    desc = (f"Llama {model.num_parameters() / 1e6:.2f}M params (hidden {opts.hidden_size}, {opts.num_hidden_layers} "
+            f"layers), batch {opts.batch_size}x{opts.seq_len}, {opts.threads} thread(s), {opts.rounds} timed rounds "
+            f"after {opts.warmup} warm-up")  # fmt: skip
+    return model, build_dataset(script_args), desc
 
 
 def micro_batches(dataset, step: int, ga: int, batch_size: int) -> list[dict]:
     """The `ga` micro-batches of optimizer step `step`, the same for every configuration."""
+    import torch
+
     out = []
     for k in range(ga):
         start = ((step * ga + k) * batch_size) % (len(dataset) - batch_size + 1)
-        out.append(collate(dataset[start : start + batch_size]))
+        rows = dataset[start : start + batch_size]
+        out.append({key: torch.stack([r[key] for r in rows]) for key in rows[0]})
     return out
+
+
+def count_passes(model) -> dict:
+    """`{"forward": n, "backward": n}`, counted from now on: forward pre-hooks on `model` and a hook on the input
+    embedding's gradient (the last one each backward computes, a measuring one included)."""
+    counts = {"forward": 0, "backward": 0}
+    model.register_forward_pre_hook(lambda *a: counts.__setitem__("forward", counts["forward"] + 1))
+    model.get_input_embeddings().weight.register_hook(lambda g: counts.__setitem__("backward", counts["backward"] + 1))
+    return counts
+
+
+def copy_model(base_model):
+    """A deep copy of `base_model` in training mode: every configuration starts from the same weights."""
+    import copy
+
+    model = copy.deepcopy(base_model)
+    model.train()
+    return model
 
 
 # ---- the optimizers under test ----
@@ -195,46 +179,41 @@ def training_args(optim: str, output_dir: str = "unused", **kwargs):
 
 
 def trainer_optimizer(model, args):
-    """
-    The standard optimizer exactly as Trainer builds it (`Trainer.create_optimizer`): `get_optimizer_cls_and_kwargs`,
-    its decay split, bitsandbytes' 32-bit embedding override and GaLore's projected groups.
-    """
+    """The standard optimizer exactly as Trainer builds it (`Trainer.create_optimizer`):
+    `get_optimizer_cls_and_kwargs`, its decay split, bitsandbytes' 32-bit embedding override, GaLore's groups."""
     from transformers import Trainer
 
     # NOTE: run on a stand-in with the attributes it reads; a function of its own so no local keeps the unsharded
     # parameters alive once FSDP2 has swapped them.
-    trainer = types.SimpleNamespace(
-        model=model,
-        args=args,
-        optimizer=None,
-        optimizer_cls_and_kwargs=None,
-        get_optimizer_cls_and_kwargs=Trainer.get_optimizer_cls_and_kwargs,
-    )
+    trainer = types.SimpleNamespace(model=model, args=args, optimizer=None, optimizer_cls_and_kwargs=None,
+                                    get_optimizer_cls_and_kwargs=Trainer.get_optimizer_cls_and_kwargs)  # fmt: skip
     trainer.get_decay_parameter_names = types.MethodType(Trainer.get_decay_parameter_names, trainer)
     return Trainer.create_optimizer(trainer)
 
 
 def layerwise_optimizer(model, args, *, clip: tuple[float, str] = (0.0, "exact"), attach: bool = True, **kwargs):
-    """`build_layerwise_optimizer(model, args, **kwargs)` with clipping configured and, by default, hooks attached.
-    Keywords this version of `build_layerwise_optimizer` does not take are dropped: see `supported_keywords`."""
+    """`build_layerwise_optimizer(model, args, **kwargs)` with clipping configured and, by default, hooks attached."""
     from layerwise_hf import build_layerwise_optimizer
 
-    optimizer = build_layerwise_optimizer(model, args, **supported_keywords(build_layerwise_optimizer, kwargs))
+    optimizer = build_layerwise_optimizer(model, args, **kwargs)
     optimizer.configure_clipping(*clip)
     if attach:
         optimizer.attach()
     return optimizer
 
 
-def supported_keywords(fn, kwargs: dict) -> dict:
-    """The items of `kwargs` that `fn` accepts by name (for options newer versions of the package add)."""
-    import inspect
+def check_distributed(accelerator, sharding: str) -> None:
+    """Refuse a launched rank that is not in the 2-process mode it was launched for: a silent fallback would measure
+    the wrong thing."""
+    from accelerate.utils import DistributedType
 
-    params = inspect.signature(fn).parameters
-    return {k: v for k, v in kwargs.items() if k in params}
+    expected = DistributedType.FSDP if sharding == "fsdp2" else DistributedType.MULTI_CPU
+    if accelerator.distributed_type != expected or accelerator.num_processes != 2:
+        raise RuntimeError(f"{sharding}: got {accelerator.distributed_type} with {accelerator.num_processes} processes"
+                           " (ACCELERATE_USE_CPU / LAYERWISE_HF_FORCE_FSDP_CPU missing?)")  # fmt: skip
 
 
-# ---- meters: RSS, tensors, gradients, inner optimizer steps ----
+# ---- meters ----
 
 
 def proc_status_bytes(field: str) -> int:
@@ -261,6 +240,13 @@ def settle() -> None:
         pass
 
 
+def limit_mmap_threshold() -> None:
+    # NOTE: glibc serves allocations above the threshold by mmap and returns them to the OS on free, so RSS follows
+    # live tensors instead of heap slack; set by mallopt (M_MMAP_THRESHOLD = -3) it also stops the threshold from
+    # growing. Not for timing: an mmap per tensor makes every step pay for page faults.
+    ctypes.CDLL("libc.so.6").mallopt(-3, 65536)
+
+
 def local(t):
     """The local shard of a DTensor (FSDP2), the tensor itself otherwise."""
     to_local = getattr(t, "to_local", None)
@@ -279,14 +265,9 @@ def state_tensors(obj, found: dict | None = None) -> dict:
     found = {} if found is None else found
     if isinstance(obj, torch.Tensor):
         found[id(obj)] = obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            state_tensors(v, found)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            state_tensors(v, found)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-        for v in vars(obj).values():
+    elif isinstance(obj, (dict, list, tuple)) or (hasattr(obj, "__dict__") and not isinstance(obj, type)):
+        values = obj.values() if isinstance(obj, dict) else vars(obj).values() if hasattr(obj, "__dict__") else obj
+        for v in values:
             state_tensors(v, found)
     return found
 
@@ -306,14 +287,17 @@ def tensor_bytes(tensors: dict) -> int:
     return sum(nbytes(t) for t in tensors.values())
 
 
-def storage_bytes(tensors) -> int:
-    """What the tensors keep allocated: their distinct storages, in full even when a tensor is a view of a part."""
-    tensors = tensors.values() if isinstance(tensors, dict) else tensors
-    storages = {}
-    for t in tensors:
+def storages(tensors) -> dict[int, int]:
+    """{data_ptr: bytes} of the distinct storages the tensors keep allocated, in full even for a view of a part."""
+    found = {}
+    for t in tensors.values() if isinstance(tensors, dict) else tensors:
         storage = local(t).untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+        found[storage.data_ptr()] = storage.nbytes()
+    return found
+
+
+def storage_bytes(tensors) -> int:
+    return sum(storages(tensors).values())
 
 
 def inner_param(inner):
@@ -324,30 +308,27 @@ def inner_param(inner):
 class GradMeter:
     """
     Live `.grad` bytes of `params`, sampled at every post-accumulate-grad hook (once `attach()`ed) and wherever
-    `sample()` is called. Keeps the largest sum of (local) `.grad` tensor bytes and of the distinct storages they
-    keep alive (an FSDP2 shard or a DDP bucket view pins its whole buffer), since the last `start_step()`, and the
-    sample at the first hook of each backward (`first`: the first weight gradient, where a layer-wise optimizer
-    takes its first step while most activations are still alive).
-
-    `attach()` it before the layer-wise optimizer's hooks, so each sample sees a gradient before its step frees it.
+    `sample()` is called: the largest sum of (local) `.grad` tensor bytes and of the distinct storages they keep alive
+    (an FSDP2 shard or a bucket view pins its whole buffer) since the last `start_step()`, and the sample at the first
+    hook of each backward (`first`: the first weight gradient, where a layer-wise optimizer takes its first step while
+    most activations are still alive). `attach()` it before the layer-wise optimizer's hooks, so each sample sees a
+    gradient before its step frees it. `total(storages)` may add what an engine holds for gradients beside `.grad`.
     """
 
     def __init__(self, params, names: dict | None = None):
-        self.params = list(params)
-        self.names = names or {}
+        self.params, self.names = list(params), names or {}
         self.handles: list = []
         self.samples = 0
-        self.storages: dict[int, int] = {}  # of the last sample
         self.start_step()
         self.start_backward()
 
     def attach(self) -> GradMeter:
-        self.handles = [p.register_post_accumulate_grad_hook(self.hook) for p in self.params]
+        self.handles += [p.register_post_accumulate_grad_hook(self.sample) for p in self.params]
         return self
 
-    def hook(self, param) -> None:
-        # NOTE: autograd refuses a post-accumulate-grad hook that returns anything but None.
-        self.sample(param)
+    def watch_steps(self, optimizers) -> None:
+        """Sample before every step of `optimizers` too (torch's step pre-hook: the gradient is still in `.grad`)."""
+        self.handles += [o.register_step_pre_hook(lambda *a: self.sample()) for o in optimizers]
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -355,102 +336,85 @@ class GradMeter:
         self.handles = []
 
     def start_step(self) -> None:
-        self.peak_tensor = 0
-        self.peak_storage = 0
-        self.first_max = 0
+        self.peak_tensor = self.peak_storage = self.peak_total = self.first_max = 0
 
     def start_backward(self) -> None:
-        self.first: int | None = None
-        self.first_name: str | None = None
+        self.first, self.first_name = None, None
 
     def live(self) -> int:
         return sum(nbytes(p.grad) for p in self.params if p.grad is not None)
 
-    def sample(self, param=None) -> int:
-        """Record the gradients alive now (`param`: the one whose hook fires); returns their tensor bytes."""
-        live = 0
-        self.storages = {}
-        for p in self.params:
-            if p.grad is None:
-                continue
-            g = local(p.grad)
-            live += g.numel() * g.element_size()
-            storage = g.untyped_storage()
-            self.storages[storage.data_ptr()] = storage.nbytes()
+    def total(self, grad_storages: dict) -> int:
+        return sum(grad_storages.values())
+
+    def sample(self, param=None) -> None:
+        """Record the gradients alive now (`param`: the one whose hook fires). Returns None: autograd refuses a
+        post-accumulate-grad hook that returns anything else."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        live = sum(nbytes(g) for g in grads)
+        held = storages(grads)
         if param is not None and self.first is None:
-            self.first = live
-            self.first_name = self.names.get(id(param))
+            self.first, self.first_name = live, self.names.get(id(param))
             self.first_max = max(self.first_max, live)
         self.peak_tensor = max(self.peak_tensor, live)
-        self.peak_storage = max(self.peak_storage, sum(self.storages.values()))
+        self.peak_storage = max(self.peak_storage, sum(held.values()))
+        self.peak_total = max(self.peak_total, self.total(held))
         self.samples += 1
-        return live
 
 
-class InnerStepTimer:
+# ---- processes ----
+
+
+def fork_each(names: list[str], measure, timeout: int, label: str, mmap: bool = True) -> dict:
     """
-    Times every per-parameter step of a `LayerwiseOptimizer` with torch's own optimizer step hooks
-    (`register_step_pre_hook` / `register_step_post_hook` on each of `optimizer.inner`): `seconds` and `calls`
-    since the last `reset()`, and per call in `per_call` when `keep` is set. `on_step(param)`, if given, runs in
-    each pre-hook, where the parameter's gradient is still in `.grad`.
-
-    With `arrivals=True` (create it before `optimizer.attach()`), a post-accumulate-grad hook on every parameter,
-    registered ahead of the layer-wise hook, notes when each gradient arrives; `hook_seconds` then sums, over the
-    steps taken inside a gradient hook, the time from the gradient's arrival to its inner `step()`: the layer-wise
-    hook's own work before stepping (the gradient norm it records, its bookkeeping). Steps while `paused` (inside an
-    explicit `optimizer.step()`, which the caller times itself) are not counted.
+    With the libraries imported once by this process, fork one child per name: each runs `measure(name)` alone and
+    from scratch (its own peak memory; with `mmap`, freed tensors go back to the OS: `limit_mmap_threshold`). Returns
+    {name: what it returned, or {"error": ..., "traceback": ...}}. A hung child is killed after `timeout` seconds and
+    the next one still runs.
     """
+    # The imported objects are never garbage: keep the collector (run between phases) off them, which makes it fast
+    # and leaves the pages shared with the forked processes untouched.
+    gc.collect()
+    gc.freeze()
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="benchmark-") as tmp:
+        for name in names:
+            path, started = Path(tmp) / "result.json", time.perf_counter()
+            path.unlink(missing_ok=True)
+            pid = os.fork()
+            if pid == 0:
+                code = 0
+                try:
+                    signal.alarm(timeout)
+                    if mmap:
+                        limit_mmap_threshold()
+                    payload = measure(name)
+                except BaseException as err:  # noqa: B036 - the child reports everything, then exits
+                    payload = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-4000:]}
+                    code = 1
+                path.write_text(json.dumps(payload, indent=1))
+                sys.stdout.flush()
+                os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            died = {"error": f"the measuring process died (wait status {status})"}
+            out[name] = json.loads(path.read_text()) if path.is_file() else died
+            print(f"  {label} {name:<28} {time.perf_counter() - started:5.1f}s", flush=True)
+    return out
 
-    def __init__(self, optimizer, on_step=None, arrivals: bool = False, keep: bool = False):
-        self.on_step = on_step
-        self.keep = keep
-        self.paused = False
-        self.handles: list = []
-        self._arrived: dict[int, float] = {}
-        self._started = 0.0
-        self.reset()
-        for inner in optimizer.inner:
-            self.handles.append(inner.register_step_pre_hook(self._pre))
-            self.handles.append(inner.register_step_post_hook(self._post))
-            if arrivals:
-                self.handles.append(inner_param(inner).register_post_accumulate_grad_hook(self._arrive))
 
-    def reset(self) -> None:
-        self.seconds = 0.0
-        self.hook_seconds = 0.0
-        self.calls = 0
-        self.per_call: list[float] = []
-        self.hook_per_call: list[float] = []
-        self._arrived = {}
-
-    def _arrive(self, param) -> None:
-        self._arrived[id(param)] = time.perf_counter()
-
-    def _pre(self, inner, args, kwargs) -> None:
-        param = inner_param(inner)
-        if self.on_step is not None:
-            self.on_step(param)
-        now = time.perf_counter()
-        arrived = self._arrived.pop(id(param), None)
-        if arrived is not None and not self.paused:
-            self.hook_seconds += now - arrived
-            if self.keep:
-                self.hook_per_call.append(now - arrived)
-        self._started = time.perf_counter()
-
-    def _post(self, inner, args, kwargs) -> None:
-        elapsed = time.perf_counter() - self._started
-        if self.paused:
-            return
-        self.seconds += elapsed
-        self.calls += 1
-        if self.keep:
-            self.per_call.append(elapsed)
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
+def worker_env(threads: int = 1, mmap_threshold: bool = False) -> dict:
+    """The environment of a measuring subprocess: the repository importable, offline, `threads` OpenMP threads."""
+    env = {
+        **os.environ,
+        # The caller's PYTHONPATH first: a checkout or an installed copy it points at is the one measured.
+        "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": str(threads),
+    }
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # limit_mmap_threshold, for a process started with it
+    return env
 
 
 # ---- timing ----
@@ -471,21 +435,10 @@ class TimedRun:
         return time.perf_counter() - start, time.process_time() - cpu_start
 
 
-def copy_model(base_model):
-    """A deep copy of `base_model` in training mode: every configuration starts from the same weights."""
-    import copy
-
-    model = copy.deepcopy(base_model)
-    model.train()
-    return model
-
-
 def interleaved_rounds(runs: list, opts, step, label: str = "round") -> None:
-    """
-    `opts.warmup + opts.rounds` rounds of one `step(run, round) -> (wall s, CPU s)` per run, in a freshly shuffled
+    """`opts.warmup + opts.rounds` rounds of one `step(run, round) -> (wall s, CPU s)` per run, in a freshly shuffled
     order each round so the load of other processes falls on all runs alike. After the warm-up rounds each run's
-    times go to `run.times` / `run.cpu_times`.
-    """
+    times go to `run.times` / `run.cpu_times`."""
     order_rng = random.Random(opts.seed)
     total = opts.warmup + opts.rounds
     for rnd in range(total):
@@ -499,99 +452,60 @@ def interleaved_rounds(runs: list, opts, step, label: str = "round") -> None:
         print(f"  {label} {rnd + 1}/{total}{' (warm-up)' if rnd < opts.warmup else ''}", flush=True)
 
 
-def paired_ratios(times: list[float], ref_times: list[float]) -> list[float]:
-    # Same-round pairs cancel slow drifts of the machine load.
-    return [t / r for t, r in zip(times, ref_times)]
-
-
-def quartiles(xs: list[float]) -> list[float]:
-    # The spread of the same-round ratios says how much of a difference the machine's noise can make.
-    return statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
-
-
 def timing_stats(times: list[float], cpu_times: list[float], ref_times: list[float], ref_cpu: list[float]) -> dict:
-    """Medians of one configuration's step times and its ratios to a reference timed in the same rounds."""
+    """Medians of one configuration's step times and its ratios to a reference timed in the same rounds: of the
+    medians, and the median and quartiles of the same-round ratios (pairs cancel slow drifts of the machine load)."""
     median, cpu_median = statistics.median(times), statistics.median(cpu_times)
+    paired = [t / r for t, r in zip(times, ref_times)]
     return {
         "times_s": times,
         "cpu_times_s": cpu_times,
         "median_s": median,
         "cpu_median_s": cpu_median,
         "ratio": median / statistics.median(ref_times),
-        "paired_ratio_median": statistics.median(paired_ratios(times, ref_times)),
+        "paired_ratios": paired,
+        "paired_ratio_median": statistics.median(paired),
+        "paired_ratio_quartiles": statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3,
         # Single-threaded, the process CPU time hardly sees other processes competing for the cores.
         "cpu_ratio": cpu_median / statistics.median(ref_cpu),
     }
 
 
-def ref_times(run) -> tuple[list[float], list[float]]:
-    return run.times, run.cpu_times
-
-
 def print_timing(timing: dict, key: str, ref: str, extra: list[tuple] = ()) -> None:
-    """The timing table of `timing_stats` entries (`key`: the entry's name field, `ref`: the reference's name), with
-    `extra` columns (header, width, entry -> cell) after the GA, and each timed step's wall seconds."""
-    ratio = lambda e, k, f: f.format(e[k]) if k in e else "-"  # noqa: E731
+    """The table of `timing_stats` entries (`key`: the entry's name field, `ref`: the reference's name), with `extra`
+    columns (header, width, entry -> cell) after the GA, and each timed step's wall seconds."""
     print_table(
         [(key, 10), ("GA", 3), *[c[:2] for c in extra], ("wall med s", 10), (f"vs {ref}", 8), ("paired", 7),
          ("cpu med s", 9), (f"vs {ref}", 8), (" wall seconds of each timed step", 0, "<")],
-        [[e[key], e["grad_accum"], *[c[2](e) for c in extra], f"{e['median_s']:.4f}", ratio(e, "ratio", "{:.3f}x"),
-          ratio(e, "paired_ratio_median", "{:.3f}"), f"{e['cpu_median_s']:.4f}", ratio(e, "cpu_ratio", "{:.3f}x"),
+        [[e[key], e["grad_accum"], *[c[2](e) for c in extra], f"{e['median_s']:.4f}", f"{e['ratio']:.3f}x",
+          f"{e['paired_ratio_median']:.3f}", f"{e['cpu_median_s']:.4f}", f"{e['cpu_ratio']:.3f}x",
           " " + " ".join(f"{t:.3f}" for t in e["times_s"])] for e in timing.values()],
     )  # fmt: skip
     print(f"vs {ref}: median step time / {ref}'s at the same GA; paired: median of same-round ratios; cpu: process "
           "CPU time (single-threaded: barely touched by other processes).")  # fmt: skip
 
 
-# ---- subprocesses ----
+def cprofile_summary(prof, steps: int, wanted: list[tuple[str, str, str]] = (), top: int = 15) -> dict:
+    """cProfile's table, per step: the top functions by own time, layerwise_hf's by cumulative time, and `wanted`
+    (label, a part of the file name, the function name): the rows that say where the time goes."""
+    import pstats
 
-
-def fork_each(names: list[str], out_dir: Path, measure, timeout: int, label: str) -> None:
-    """
-    With the libraries imported once by this process, fork one child per name: each runs `measure(name)` alone and
-    from scratch (its own peak memory) and writes `<out_dir>/<name>.json`, or what went wrong. A hung child is killed
-    after `timeout` seconds and the next one still runs.
-    """
-    # The imported objects are never garbage: keep the collector (run between phases) off them, which makes it fast
-    # and leaves the pages shared with the forked processes untouched.
-    gc.collect()
-    gc.freeze()
-    for name in names:
-        path = out_dir / f"{name}.json"
-        started = time.perf_counter()
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                signal.alarm(timeout)
-                payload = measure(name)
-            except BaseException as err:  # noqa: B036 - the child reports everything, then exits
-                payload = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-4000:]}
-                code = 1
-            path.write_text(json.dumps(payload, indent=1))
-            sys.stdout.flush()
-            os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        if not path.is_file():
-            path.write_text(json.dumps({"error": f"the measuring process died (wait status {status})"}))
-        print(f"  {label} {name:<28} {time.perf_counter() - started:5.1f}s", flush=True)
-
-
-def worker_env(threads: int = 1, mmap_threshold: bool = False) -> dict:
-    """The environment of a measuring subprocess: the repository importable, offline, `threads` OpenMP threads."""
-    env = {
-        **os.environ,
-        # The caller's PYTHONPATH first: a checkout or an installed copy it points at is the one measured.
-        "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])),
-        "HF_HUB_OFFLINE": "1",
-        "OMP_NUM_THREADS": str(threads),
+    rows = [{"function": f"{'/'.join(Path(file).parts[-2:])}:{line}({func})" if line else func, "file": file,
+             "func": func, "calls_per_step": nc / steps, "own_ms_per_step": 1000 * tt / steps,
+             "cumulative_ms_per_step": 1000 * ct / steps}
+            for (file, line, func), (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items()]  # fmt: skip
+    picked = []
+    for label, file_part, func in wanted:
+        matches = [r for r in rows if file_part in r["file"] and r["func"] == func]
+        if matches:
+            picked.append({"label": label, **max(matches, key=lambda r: r["cumulative_ms_per_step"])})
+    ours = [r for r in rows if "layerwise_hf" in r["file"]]
+    return {
+        "steps": steps,
+        "rows": picked,
+        "top_own_time": sorted(rows, key=lambda r: -r["own_ms_per_step"])[:top],
+        "layerwise_hf_functions": sorted(ours, key=lambda r: -r["cumulative_ms_per_step"])[:top],
     }
-    env.pop("MALLOC_MMAP_THRESHOLD_", None)
-    if mmap_threshold:
-        # Freed tensors above 64 KiB go back to the OS at once, so RSS follows live memory instead of heap slack.
-        # Not for timing: an mmap per tensor makes every step pay for page faults.
-        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    return env
 
 
 # ---- output ----
@@ -606,29 +520,26 @@ def pct(x) -> str:
     return "-" if x is None else f"{100 * x:+.1f}%"
 
 
+def verdict(ok) -> str:
+    return {True: "PASS", False: "FAIL", None: "n/a"}[None if ok is None else bool(ok)]
+
+
 def print_table(columns: list[tuple], rows: list, title: str | None = None) -> None:
-    """
-    A fixed-width table. `columns`: (header, width) or (header, width, "<" / ">"); the first column is left-aligned
-    unless it says otherwise, the others right-aligned. Cells come formatted; a row that is a string prints as it is.
-    """
+    """A fixed-width table. `columns`: (header, width) or (header, width, "<" / ">"); the first column is left-aligned
+    unless it says otherwise, the others right-aligned. Cells come formatted; a row that is a string prints as is."""
     if title:
         print(title)
     aligns = [c[2] if len(c) > 2 else "<" if k == 0 else ">" for k, c in enumerate(columns)]
     fmt = [f"{{:{a}{c[1]}}}" for a, c in zip(aligns, columns)]
     header = " ".join(f.format(c[0]) for f, c in zip(fmt, columns))
-    print(header)
-    print("-" * len(header))
+    print(f"{header}\n{'-' * len(header)}")
     for row in rows:
         print(row if isinstance(row, str) else " ".join(f.format(str(cell)) for f, cell in zip(fmt, row)))
 
 
-def save_figure(fig, path: Path, title: str, fontsize: int = 10) -> None:
-    import matplotlib.pyplot as plt
-
-    fig.suptitle(textwrap.fill(title, 150), fontsize=fontsize)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def print_rows(items, columns: list[tuple], title: str | None = None) -> None:
+    """`print_table` of one row per item: `columns` are (header, width, item -> cell) or (..., alignment)."""
+    print_table([(c[0], c[1], *c[3:]) for c in columns], [[c[2](i) for c in columns] for i in items], title)
 
 
 def pyplot():
@@ -641,13 +552,17 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, path: Path, title: str, fontsize: int = 10) -> None:
+    fig.suptitle(textwrap.fill(title, 150), fontsize=fontsize)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+
+
 def plot_panels(path: Path, title: str, panels: list[dict]) -> None:
-    """
-    A row of panels, each a dict: `title`, `ylabel`, `series` ({label: {x: y}} drawn as grouped bars, or with
-    `line=True` as lines over the x's), `lines` ({label: y}: dashed horizontal marks), `log` (log y scale).
-    """
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    """A row of panels, each a dict: `title`, `ylabel`, `series` ({label: {x: y}} drawn as grouped bars, or with
+    `line=True` as lines over the x's), `lines` ({label: y}: dashed horizontal marks), `log` (log y scale)."""
+    fig, axes = pyplot().subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
     for ax, p in zip(axes[0], panels):
         series = {k: v for k, v in p["series"].items() if v}
         xs = list(dict.fromkeys(x for values in series.values() for x in values))
@@ -666,10 +581,6 @@ def plot_panels(path: Path, title: str, panels: list[dict]) -> None:
         ax.set(title=p["title"], ylabel=p.get("ylabel", ""), yscale="log" if p.get("log") else "linear")
         ax.legend(fontsize=7)
     save_figure(fig, path, title, fontsize=9)
-
-
-def verdict(ok) -> str:
-    return {True: "PASS", False: "FAIL", None: "-"}[None if ok is None else bool(ok)]
 
 
 def write_report(output_dir, name: str, report: dict, plot=None) -> Path:

@@ -1,22 +1,16 @@
-"""The bytes that torch's CPU allocator holds, counted on every thread: the CPU counterpart of
-`torch.cuda.memory_allocated` / `max_memory_allocated` for runs where other threads allocate or free tensors (gloo's
-worker threads on 2 CPU ranks).
+"""The bytes torch's CPU allocator holds, counted on every thread: the CPU counterpart of
+`torch.cuda.memory_allocated` / `max_memory_allocated` where other threads allocate or free tensors (gloo's worker
+threads on 2 CPU ranks).
 
-Why not torch's profiler there: with `profile_memory=True` the CPU allocator reports an allocation or a free only on
-a thread where the profiler is enabled (`c10::ProfiledCPUMemoryReporter` checks `memoryProfilingEnabled()`, a
-thread-local flag). gloo runs each collective on a worker thread (`pt_gloo_runloop`) that keeps the collective's work,
-and its tensors, until the collective is done; when the caller has already dropped its reference, the worker frees
-them, and the profiler never sees the free. Its running sum then only grows: on 2 CPU ranks (benchmarks/
-plan_accuracy.py) +20 MiB held from the start on one DDP rank, +3-20 MiB per step under FSDP2, while the bytes
-counted here, the tensors Python reaches and RSS stay flat over 30 steps. An allocation on such a thread is missed
-altogether. On one process (no such threads) the two agree to the byte.
+Why not torch's profiler: with `profile_memory=True` the CPU allocator reports an allocation or a free only on a thread
+where the profiler is enabled (`c10::ProfiledCPUMemoryReporter` checks a thread-local flag). gloo runs each collective
+on a worker thread that frees its tensors once the caller has dropped them, so the profiler's running sum only grows
+(+20 MiB on one DDP rank, +3-20 MiB per step under FSDP2, while RSS stays flat). On one process the two agree.
 
-What this does instead: `CountingAllocator()` puts a counting allocator in front of the CPU allocator
-(`c10::SetCPUAllocator`, torch's hook for replacing it). It passes every allocation to the allocator it replaces, adds
-the bytes to one atomic counter and to the highest value seen, and subtracts them in the deleter, on whichever thread
-that runs. Storages allocated before it is installed count neither way. The profiler still works beside it (the
-allocator it wraps reports as before). The library is a few lines of C++, built once per torch version with
-`torch.utils.cpp_extension.load` (a C++ compiler is needed) and called through ctypes.
+`CountingAllocator()` puts a counting allocator in front of the CPU allocator (`c10::SetCPUAllocator`): it passes
+every allocation on, adds the bytes to an atomic counter and its high-water mark, and subtracts them in the deleter,
+on whichever thread that runs. Storages allocated before it is installed count neither way. The C++ below is built
+once per torch version with `torch.utils.cpp_extension.load` (a C++ compiler is needed) and called through ctypes.
 
 Example:
 

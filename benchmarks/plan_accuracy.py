@@ -6,71 +6,36 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import gc
-import inspect
 import json
+import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import NamedTuple
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import _common as h  # noqa: E402
 
 GOAL = 0.05  # planned peak against the tensor peak
 RSS_GOAL = 0.10  # planned peak against the RSS training peak
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc malloc.h)
 MARK = "plan_accuracy: measured step"  # the profiler range of the measured step
+RANK_STEPS = 4  # DDP rebuilds its buckets in the second step: the last of these is the steady state measured
+_LLAMA = dict(model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)  # fmt: skip
 MODELS = {
     # An untied Llama, a Qwen2 with tied embeddings, and OPT (learned positions, biases, LayerNorm, ReLU).
-    "llama": dict(
-        model_type="llama",
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
-    ),
-    "qwen2": dict(
-        model_type="qwen2",
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    ),
-    "opt": dict(
-        model_type="opt",
-        vocab_size=4096,
-        hidden_size=256,
-        ffn_dim=1024,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        word_embed_proj_dim=256,
-        max_position_embeddings=1024,
-    ),
+    "llama": _LLAMA,
+    "qwen2": _LLAMA | dict(model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=True),
+    "opt": dict(model_type="opt", vocab_size=4096, hidden_size=256, ffn_dim=1024, num_hidden_layers=4,
+                num_attention_heads=4, word_embed_proj_dim=256, max_position_embeddings=1024),
     # --quick's model: a smoke run in seconds.
-    "tiny": dict(
-        model_type="llama",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
-    ),
-}
+    "tiny": _LLAMA | dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2),
+}  # fmt: skip
 ACCELERATE_CONFIGS = {"ddp": "configs/accelerate/cpu_ddp.yaml", "fsdp2": "configs/accelerate/cpu_fsdp2.yaml"}
 
 
@@ -93,66 +58,45 @@ class Config(NamedTuple):
 
     @property
     def name(self) -> str:
-        extra = "".join([" ckpt" if self.checkpointing else "", " bf16" if self.bf16 else ""])
-        extra += " fp16" if self.fp16 else ""
-        extra += f" lora{self.lora_r}" if self.lora_r else ""
-        extra += f" {self.sharding}x{self.world_size}" if self.world_size > 1 else ""
-        extra += f" offload-{self.offload}" if self.offload != "none" else ""
-        return f"{self.model} {self.optim} s{self.seq_len} b{self.micro_batch} ga{self.grad_accum}{extra}"
+        flags = [" ckpt" * self.checkpointing, " bf16" * self.bf16, " fp16" * self.fp16,
+                 f" lora{self.lora_r}" if self.lora_r else "", f" {self.sharding}x2" if self.world_size > 1 else "",
+                 f" offload-{self.offload}" if self.offload != "none" else ""]  # fmt: skip
+        return f"{self.model} {self.optim} s{self.seq_len} b{self.micro_batch} ga{self.grad_accum}{''.join(flags)}"
 
 
 def configurations() -> list[Config]:
-    out = []
-    for model in ("llama", "qwen2", "opt"):
-        for optim in ("adamw_torch", "adamw_8bit", "adafactor"):
-            out += [Config(model, optim), Config(model, optim + "_layerwise")]
+    out = [Config(m, o + lw) for m in ("llama", "qwen2", "opt") for o in ("adamw_torch", "adamw_8bit", "adafactor")
+           for lw in ("", "_layerwise")]  # fmt: skip
     for optim in ("adamw_torch", "adamw_torch_layerwise"):
-        out += [
-            Config("llama", optim, seq_len=512),
-            Config("llama", optim, micro_batch=4),
-            Config("llama", optim, grad_accum=4),
-            Config("llama", optim, seq_len=512, checkpointing=True),
-            Config("qwen2", optim, seq_len=512, micro_batch=4, checkpointing=True),
-            Config("opt", optim, seq_len=512, grad_accum=4),
-            Config("llama", optim, seq_len=512, bf16=True),
-            Config("llama", optim, seq_len=512, checkpointing=True, lora_r=8),
-            Config("llama", optim, fp16=True),
-        ]
+        out += [Config("llama", optim, seq_len=512), Config("llama", optim, micro_batch=4),
+                Config("llama", optim, grad_accum=4), Config("llama", optim, seq_len=512, checkpointing=True),
+                Config("qwen2", optim, seq_len=512, micro_batch=4, checkpointing=True),
+                Config("opt", optim, seq_len=512, grad_accum=4), Config("llama", optim, seq_len=512, bf16=True),
+                Config("llama", optim, seq_len=512, checkpointing=True, lora_r=8),
+                Config("llama", optim, fp16=True)]  # fmt: skip
+    out += [Config("qwen2", "adamw_8bit_layerwise", micro_batch=4, grad_accum=4),
+            Config("opt", "adafactor_layerwise", seq_len=512, checkpointing=True)]  # fmt: skip
     out += [
-        Config("qwen2", "adamw_8bit_layerwise", micro_batch=4, grad_accum=4),
-        Config("opt", "adafactor_layerwise", seq_len=512, checkpointing=True),
+        Config("llama", o, sharding=s) for s in ACCELERATE_CONFIGS for o in ("adamw_torch", "adamw_torch_layerwise")
     ]
-    for sharding in ACCELERATE_CONFIGS:
-        out += [Config("llama", optim, sharding=sharding) for optim in ("adamw_torch", "adamw_torch_layerwise")]
-    return out + offload_configurations()
-
-
-def offload_configurations() -> list[Config]:
-    """Host offload on one process: both modes at GA 1 (exact clipping in one backward) and GA 4, other bases and
-    models. On a CPU the device and the host are one memory: the plan's device + host peak is compared."""
-    out = []
+    # Host offload on one process: both modes at GA 1 (exact clipping in one backward) and GA 4, other bases and
+    # models. On a CPU the device and the host are one memory: the plan's device + host peak is compared.
     for mode in ("gradients", "optimizer"):
-        out += [
-            Config("llama", "adamw_torch_layerwise", offload=mode),
-            Config("llama", "adamw_torch_layerwise", grad_accum=4, offload=mode),
-            Config("qwen2", "adamw_torch_layerwise", seq_len=512, checkpointing=True, offload=mode),
-            Config("opt", "adafactor_layerwise", grad_accum=4, offload=mode),
-        ]
+        out += [Config("llama", "adamw_torch_layerwise", offload=mode),
+                Config("llama", "adamw_torch_layerwise", grad_accum=4, offload=mode),
+                Config("qwen2", "adamw_torch_layerwise", seq_len=512, checkpointing=True, offload=mode),
+                Config("opt", "adafactor_layerwise", grad_accum=4, offload=mode)]  # fmt: skip
     return out
 
 
 # `--small` (tests/test_plan.py): four configurations of the benchmark's models, each expected within the goal.
-SMALL = [
-    Config("llama", "adamw_torch"),
-    Config("llama", "adamw_torch_layerwise"),
-    Config("qwen2", "adamw_8bit_layerwise"),
-    Config("opt", "adafactor", checkpointing=True),
-]
+SMALL = [Config("llama", "adamw_torch"), Config("llama", "adamw_torch_layerwise"),
+         Config("qwen2", "adamw_8bit_layerwise"), Config("opt", "adafactor", checkpointing=True)]  # fmt: skip
 # `--quick`: the smoke run of tests/test_benchmarks.py.
 QUICK = [Config("tiny", "adamw_torch"), Config("tiny", "adamw_torch_layerwise", grad_accum=2)]
 
 
-# ---- the real run ----
+# ---- the real run on one process ----
 
 
 def build_model(cfg: Config):
@@ -167,8 +111,8 @@ def build_model(cfg: Config):
     if cfg.lora_r:
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(r=cfg.lora_r, lora_alpha=2 * cfg.lora_r, lora_dropout=0.0,
-                          target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")  # fmt: skip
+        lora = LoraConfig(r=cfg.lora_r, lora_alpha=2 * cfg.lora_r, lora_dropout=0.0, task_type="CAUSAL_LM",
+                          target_modules=["q_proj", "v_proj"])  # fmt: skip
         model = get_peft_model(model, lora)
     if cfg.checkpointing:
         enable_activation_checkpointing(model)
@@ -179,15 +123,14 @@ def build_model(cfg: Config):
 
 
 class Run(NamedTuple):
-    """What one real step needs: the model, the optimizer, the layer-wise one (or None), the accumulation window,
-    fp16's scaler and, on 2 ranks, the Accelerator."""
+    """What one real step needs: the model, the optimizer, the layer-wise one (or None), the accumulation window and
+    fp16's scaler."""
 
     model: object
     optimizer: object
     layerwise: object
     window: dict
     scaler: object = None
-    accelerator: object = None
 
 
 def build_run(cfg: Config, max_grad_norm: float) -> Run:
@@ -198,15 +141,14 @@ def build_run(cfg: Config, max_grad_norm: float) -> Run:
     args = h.training_args(cfg.optim, max_grad_norm=max_grad_norm, gradient_accumulation_steps=cfg.grad_accum)
     window = {"last": True}
     scaler = torch.amp.GradScaler("cpu") if cfg.fp16 else None
-    if cfg.optim.endswith("_layerwise"):
-        offload = {"offload": cfg.offload} if cfg.offload != "none" else {}
-        optimizer = h.layerwise_optimizer(
-            model, args, clip=(max_grad_norm, "exact"), sync_gradients=lambda: window["last"], **offload
-        )
-        if scaler is not None:
-            optimizer.use_grad_scaler(scaler)
-        return Run(model, optimizer, optimizer, window, scaler)
-    return Run(model, h.trainer_optimizer(model, args), None, window, scaler)
+    if not cfg.optim.endswith("_layerwise"):
+        return Run(model, h.trainer_optimizer(model, args), None, window, scaler)
+    offload = {"offload": cfg.offload} if cfg.offload != "none" else {}
+    optimizer = h.layerwise_optimizer(model, args, clip=(max_grad_norm, "exact"),
+                                      sync_gradients=lambda: window["last"], **offload)  # fmt: skip
+    if scaler is not None:
+        optimizer.use_grad_scaler(scaler)
+    return Run(model, optimizer, optimizer, window, scaler)
 
 
 def real_step(run: Run, cfg: Config, max_grad_norm: float) -> None:
@@ -218,21 +160,16 @@ def real_step(run: Run, cfg: Config, max_grad_norm: float) -> None:
     model, optimizer, layerwise, scaler = run.model, run.optimizer, run.layerwise, run.scaler
     vocab = model.get_input_embeddings().num_embeddings
     dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else None
-    amp = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
     for k in range(cfg.grad_accum):
         run.window["last"] = k == cfg.grad_accum - 1
 
         def forward_backward():
             ids = torch.randint(0, vocab, (cfg.micro_batch, cfg.seq_len))
-            with amp:
+            with torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext():
                 loss = model(input_ids=ids, labels=ids).loss / cfg.grad_accum
             del ids
-            if scaler is not None:
-                loss = scaler.scale(loss)
-            if layerwise is not None:
-                layerwise.backward_with_norm_pass(loss, backward=backward_of(run))
-            else:
-                backward_of(run)(loss)
+            loss = scaler.scale(loss) if scaler is not None else loss
+            layerwise.backward_with_norm_pass(loss) if layerwise is not None else loss.backward()
 
         # The plain-loop protocol of `forward_again`: a step whose last one chose `rerun` runs forward twice.
         if layerwise is not None and forward_again(layerwise):
@@ -242,23 +179,13 @@ def real_step(run: Run, cfg: Config, max_grad_norm: float) -> None:
     if layerwise is None and max_grad_norm > 0:
         if scaler is not None:
             scaler.unscale_(optimizer)
-        params = [p for p in model.parameters() if p.requires_grad]
-        if run.accelerator is not None:
-            run.accelerator.clip_grad_norm_(params, max_grad_norm)
-        else:
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def backward_of(run: Run):
-    if run.accelerator is None:
-        return lambda loss, **kwargs: loss.backward(**kwargs)
-    return lambda loss, **kwargs: run.accelerator.backward(loss, **kwargs)
 
 
 def allocator_peak(prof, marker: str) -> dict:
@@ -268,9 +195,7 @@ def allocator_peak(prof, marker: str) -> dict:
     ranges = [(e.start_ns(), e.end_ns()) for e in events if e.name() == marker]
     if len(ranges) != 1:
         raise RuntimeError(f"expected one {marker!r} range in the profile, found {len(ranges)}")
-    start, end = ranges[0]
-    running = highest = 0
-    at_start = None
+    (start, end), running, highest, at_start = ranges[0], 0, 0, None
     for when, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
         if at_start is None and when >= start:
             at_start = highest = running
@@ -291,10 +216,26 @@ def live_tensor_bytes() -> int:
     )
 
 
+def rss_at_rest() -> dict:
+    """Before a measured step: the tensors Python reaches and the RSS; the peak is reset."""
+    h.settle()
+    live, rss_rest = live_tensor_bytes(), h.proc_status_bytes("VmRSS")
+    h.reset_peak_rss()
+    return {"live": live, "rss_rest_bytes": rss_rest}
+
+
+def rss_fields(rss: dict, held_bytes: int) -> dict:
+    # The runtime (libraries, interpreter, heap slack): the RSS at rest less the tensors held then. The allocator's
+    # sum counts the C++-only ones too (DDP buckets); the Python scan is the check that nothing was missed.
+    runtime = rss["rss_rest_bytes"] - max(held_bytes, rss["live"])
+    return {"rss_rest_bytes": rss["rss_rest_bytes"], "rss_peak_bytes": rss["rss_peak_bytes"],
+            "rss_runtime_bytes": runtime, "rss_training_peak_bytes": rss["rss_peak_bytes"] - runtime,
+            "live_tensor_bytes_at_rest": rss["live"], "held_bytes_at_rest": held_bytes}  # fmt: skip
+
+
 def measure_real(cfg: Config, max_grad_norm: float, split: bool = False) -> dict:
     """The RSS training peak of step 3 of a first run (with `split`, its step 4 split into the plan's categories),
-    then the tensor peak of step 2 of a second run, profiled from before its model existed. See the module
-    docstring."""
+    then the tensor peak of step 2 of a second run, profiled from before its model existed (benchmarks/README.md)."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
@@ -302,10 +243,12 @@ def measure_real(cfg: Config, max_grad_norm: float, split: bool = False) -> dict
     run = build_run(cfg, max_grad_norm)
     real_step(run, cfg, max_grad_norm)
     real_step(run, cfg, max_grad_norm)
-    rss = rss_step(run, cfg, max_grad_norm)
+    rss = rss_at_rest()
+    real_step(run, cfg, max_grad_norm)
+    rss["rss_peak_bytes"] = h.proc_status_bytes("VmHWM")
     if cfg.offload != "none":
         return offload_measure(run, cfg, max_grad_norm, rss)
-    split_out = split_step(run, cfg, max_grad_norm) if split else None
+    split_out = tracked_step(run, cfg, max_grad_norm) if split else None
     if run.layerwise is not None:
         run.layerwise.detach()
     del run
@@ -318,15 +261,34 @@ def measure_real(cfg: Config, max_grad_norm: float, split: bool = False) -> dict
     out = allocator_peak(prof, MARK)
     del prof
     out["optimizer_state_bytes"] = h.storage_bytes(h.optimizer_state_tensors(run.optimizer))
-    if cfg.offload != "none":
-        out.update(host_side(run.layerwise))
-    out.update(rss_fields(rss["rss_rest_bytes"], rss["rss_peak_bytes"], out["end_bytes"], rss["live"]))
+    out |= rss_fields(rss, out["end_bytes"])
     if split_out is not None:
         out["split"] = split_out
     if run.layerwise is not None:
         out["norm_pass"] = norm_pass_name(run.layerwise)
         run.layerwise.detach()
     return out
+
+
+def tracked_step(run: Run, cfg: Config, max_grad_norm: float) -> dict:
+    """One more step under the plan's `LiveBytes` on real tensors: the real peak by category and when it falls."""
+    from layerwise_hf.plan.tracker import OPTIMIZER_STATE, LiveBytes
+
+    tracker, lw = LiveBytes(), run.layerwise
+    if lw is not None:
+        lw.detach()  # the tracker's gradient hooks must run before the ones that free `.grad`
+    handles = tracker.watch_model(run.model)
+    tracker.track_tensors(h.optimizer_state_tensors(run.optimizer).values(), OPTIMIZER_STATE)
+    for name, opt in zip(lw.names, lw.inner) if lw is not None else [("optimizer.step()", run.optimizer)]:
+        handles += tracker.watch_optimizer(getattr(opt, "optimizer", opt), name)
+    if lw is not None:
+        lw.attach()
+    tracker.reset_peak()
+    with tracker:
+        real_step(run, cfg, max_grad_norm)
+    for handle in handles:
+        handle.remove()
+    return {"peak_bytes": tracker.peak.total, "categories": tracker.peak.by_category, "when": tracker.peak.phase}
 
 
 def offload_measure(run: Run, cfg: Config, max_grad_norm: float, rss: dict) -> dict:
@@ -348,15 +310,13 @@ def offload_measure(run: Run, cfg: Config, max_grad_norm: float, rss: dict) -> d
 
     out = host_side(run.layerwise)
     h.settle()
-    tracker = LiveBytes()
-    lw = run.layerwise
+    tracker, lw = LiveBytes(), run.layerwise
     lw.detach()  # the tracker's gradient hooks must run before the ones that free `.grad`
     handles = tracker.watch_model(run.model)
     hosted = host_tensors(lw)
     with tracker.on_host():
-        for category, tensors in ((WEIGHTS, hosted["copies"]), (GRADIENTS, hosted["gradients"]),
-                                  (OPTIMIZER_STATE, hosted["states"])):  # fmt: skip
-            tracker.track_tensors(tensors, category)
+        for category, tensors in ((WEIGHTS, "copies"), (GRADIENTS, "gradients"), (OPTIMIZER_STATE, "states")):
+            tracker.track_tensors(hosted[tensors], category)
     device_states = [t for inner in lw.inner if not hasattr(inner, "base")
                      for t in h.optimizer_state_tensors(inner).values()]  # fmt: skip
     tracker.track_tensors(device_states, OPTIMIZER_STATE)
@@ -386,7 +346,7 @@ def offload_measure(run: Run, cfg: Config, max_grad_norm: float, rss: dict) -> d
                host_peak_bytes=tracker.host_peak.total, end_bytes=tracker.current + tracker.host_current,
                optimizer_state_bytes=h.storage_bytes(device_states + hosted["states"]),
                device_categories=tracker.peak.by_category, host_categories=tracker.host_peak.by_category)  # fmt: skip
-    out.update(rss_fields(rss["rss_rest_bytes"], rss["rss_peak_bytes"], out["end_bytes"], rss["live"]))
+    out.update(rss_fields(rss, out["end_bytes"]))
     lw.detach()
     return out
 
@@ -399,13 +359,9 @@ def host_tensors(layerwise) -> dict:
     from layerwise_hf.placement.host_step import HostStepOptimizer
 
     hosted = [inner for inner in layerwise.inner if isinstance(inner, HostStepOptimizer)]
-    return {
-        "copies": [i.host for i in hosted],
-        "gradients": [*offload_of(layerwise).host.values(), *(i.host_grad for i in hosted if i.host_grad is not None)],
-        "states": [
-            t for i in hosted for s in i.base.state.values() for t in s.values() if isinstance(t, torch.Tensor)
-        ],
-    }
+    grads = [*offload_of(layerwise).host.values(), *(i.host_grad for i in hosted if i.host_grad is not None)]
+    states = [t for i in hosted for s in i.base.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return {"copies": [i.host for i in hosted], "gradients": grads, "states": states}
 
 
 def host_side(layerwise) -> dict:
@@ -414,58 +370,8 @@ def host_side(layerwise) -> dict:
     from layerwise_hf.placement.offloading import wait_for_host_steps
 
     wait_for_host_steps(layerwise)
-    hosted = host_tensors(layerwise)
-    return {
-        "host_state_bytes": h.storage_bytes(hosted["states"]),
-        "host_copy_bytes": h.storage_bytes(hosted["copies"]),
-        "host_gradient_bytes": h.storage_bytes(hosted["gradients"]),
-    }
-
-
-def rss_step(run: Run, cfg: Config, max_grad_norm: float) -> dict:
-    h.settle()
-    live = live_tensor_bytes()
-    rss_rest = h.proc_status_bytes("VmRSS")
-    h.reset_peak_rss()
-    real_step(run, cfg, max_grad_norm)
-    return {"rss_rest_bytes": rss_rest, "rss_peak_bytes": h.proc_status_bytes("VmHWM"), "live": live}
-
-
-def rss_fields(rss_rest: int, rss_peak: int, held_bytes: int, live: int) -> dict:
-    # The runtime (libraries, interpreter, heap slack): the RSS at rest less the tensors held then. The allocator's
-    # sum counts the C++-only ones too (DDP buckets); the Python scan is the check that nothing was missed.
-    runtime = rss_rest - max(held_bytes, live)
-    return {
-        "rss_rest_bytes": rss_rest,
-        "rss_peak_bytes": rss_peak,
-        "rss_runtime_bytes": runtime,
-        "rss_training_peak_bytes": rss_peak - runtime,
-        "live_tensor_bytes_at_rest": live,
-        "held_bytes_at_rest": held_bytes,
-    }
-
-
-def split_step(run: Run, cfg: Config, max_grad_norm: float) -> dict:
-    """One more step under the plan's `LiveBytes` on real tensors: the real peak by category and when it falls."""
-    from layerwise_hf.plan.tracker import OPTIMIZER_STATE, LiveBytes
-
-    tracker = LiveBytes()
-    lw = run.layerwise
-    if lw is not None:
-        lw.detach()  # the tracker's gradient hooks must run before the ones that free `.grad`
-    handles = tracker.watch_model(run.model)
-    tracker.track_tensors(h.optimizer_state_tensors(run.optimizer).values(), OPTIMIZER_STATE)
-    inner = list(zip(lw.names, lw.inner)) if lw is not None else [("optimizer.step()", run.optimizer)]
-    for name, opt in inner:
-        handles += tracker.watch_optimizer(getattr(opt, "optimizer", opt), name)
-    if lw is not None:
-        lw.attach() if run.accelerator is None else lw.connect(run.model, run.accelerator)
-    tracker.reset_peak()
-    with tracker:
-        real_step(run, cfg, max_grad_norm)
-    for handle in handles:
-        handle.remove()
-    return {"peak_bytes": tracker.peak.total, "categories": tracker.peak.by_category, "when": tracker.peak.phase}
+    return {f"host_{k}_bytes": h.storage_bytes(v) for k, v in
+            zip(("copy", "gradient", "state"), host_tensors(layerwise).values())}  # fmt: skip
 
 
 def norm_pass_name(layerwise) -> str | None:
@@ -478,57 +384,27 @@ def norm_pass_name(layerwise) -> str | None:
 # ---- the plan ----
 
 
-def plan_supports_sharding() -> bool:
-    from layerwise_hf.plan import plan
-
-    return {"world_size", "sharding"} <= set(inspect.signature(plan).parameters)
-
-
 def planned(cfg: Config, max_grad_norm: float) -> dict:
     from layerwise_hf.plan import plan
 
-    sharding = {} if cfg.world_size == 1 else dict(world_size=cfg.world_size, sharding=cfg.sharding)
-    if cfg.offload != "none":
-        sharding["offload"] = cfg.offload
-    result = plan(
-        MODELS[cfg.model],
-        [cfg.optim],
-        seq_len=cfg.seq_len,
-        micro_batch=cfg.micro_batch,
-        grad_accum=cfg.grad_accum,
-        max_grad_norm=max_grad_norm,
-        bf16=cfg.bf16,
-        fp16=cfg.fp16,
-        gradient_checkpointing=cfg.checkpointing,
-        lora_r=cfg.lora_r,
-        device="cpu",
-        counterparts=False,
-        **sharding,
-    )
+    extra = {} if cfg.world_size == 1 else dict(world_size=cfg.world_size, sharding=cfg.sharding)
+    extra |= {"offload": cfg.offload} if cfg.offload != "none" else {}
+    result = plan(MODELS[cfg.model], [cfg.optim], seq_len=cfg.seq_len, micro_batch=cfg.micro_batch,
+                  grad_accum=cfg.grad_accum, max_grad_norm=max_grad_norm, bf16=cfg.bf16, fp16=cfg.fp16,
+                  gradient_checkpointing=cfg.checkpointing, lora_r=cfg.lora_r, device="cpu", counterparts=False,
+                  **extra)  # fmt: skip
     row = result.rows[0]
-    return {
-        "peak_bytes": row.peak_bytes,
-        "categories": row.categories,
-        "when": row.when,
-        "optimizer_state_from_rule": row.optimizer_state_from_rule,
-        "seconds": result.seconds,
-        **(offload_fields(row) if cfg.offload != "none" else {}),
-    }
-
-
-def offload_fields(row) -> dict:
-    """An offload row's device peak, host peak and their joint peak (what one memory holds: a CPU run's)."""
-    return {
-        "device_peak_bytes": row.peak_bytes,
-        "host_peak_bytes": row.host_peak_bytes,
-        "host_categories": row.host_categories,
-        "combined_peak_bytes": row.combined_peak_bytes,
-    }
+    out = {"peak_bytes": row.peak_bytes, "categories": row.categories, "when": row.when, "seconds": result.seconds,
+           "optimizer_state_from_rule": row.optimizer_state_from_rule}  # fmt: skip
+    if cfg.offload != "none":
+        # On a CPU the device and the host are one memory: a run is compared with the joint peak.
+        out |= {"device_peak_bytes": row.peak_bytes, "host_peak_bytes": row.host_peak_bytes,
+                "host_categories": row.host_categories, "combined_peak_bytes": row.combined_peak_bytes}  # fmt: skip
+    return out
 
 
 def compared_bytes(plan_: dict) -> int:
-    """The planned figure a CPU run is compared with: the peak, or with offload the device + host peak (on a CPU
-    both sides are one memory)."""
+    """The planned figure a CPU run is compared with: the peak, or with offload the device + host peak."""
     return plan_.get("combined_peak_bytes", plan_["peak_bytes"])
 
 
@@ -536,143 +412,57 @@ def compared_bytes(plan_: dict) -> int:
 
 
 def rank_worker(opts: argparse.Namespace) -> None:
-    """One rank of a 2-rank configuration, Trainer (or LayerwiseTrainer) for `RANK_STEPS` steps, the last measured:
-    `--measure tensor` counts the CPU allocator from before the model exists (each step's peak is kept); `--measure
-    rss` (a launch of its own, as on one process) measures by RSS."""
+    """One rank of a 2-rank configuration, Trainer (or LayerwiseTrainer) for `--rank_steps` steps, the last measured:
+    `--measure tensor` counts the CPU allocator on every thread from before the model exists (each step's peak is
+    kept); `--measure rss` (a launch of its own, as on one process) measures by RSS."""
     import torch
-    from accelerate.utils import DistributedType
+    from transformers import Trainer, TrainerCallback
 
     import layerwise_hf  # noqa: F401  (applies LAYERWISE_HF_FORCE_FSDP_CPU before the first Accelerator)
     from benchmarks import _ranks as ranks
+    from benchmarks._thread_memory import CountingAllocator
 
-    limit_mmap_threshold()
+    h.limit_mmap_threshold()
     torch.set_num_threads(1)
-    cfg = Config(**json.loads(opts.config))
-    probe = StepProbe(counted=opts.measure == "tensor", steps=opts.rank_steps)
-    trainer = build_trainer(cfg, opts.max_grad_norm, Path(opts.result).parent / "trainer_output", probe)
-    expected = DistributedType.FSDP if cfg.sharding == "fsdp2" else DistributedType.MULTI_CPU
-    accelerator = trainer.accelerator
-    if accelerator.distributed_type != expected or accelerator.num_processes != cfg.world_size:
-        raise RuntimeError(
-            f"{cfg.name}: got {accelerator.distributed_type} with {accelerator.num_processes} processes; a silent "
-            "fallback would measure the wrong thing (ACCELERATE_USE_CPU / LAYERWISE_HF_FORCE_FSDP_CPU missing?)"
-        )
+    cfg, steps = Config(**json.loads(opts.config)), opts.rank_steps
+    counter = CountingAllocator() if opts.measure == "tensor" else None
+    measured, rss = [], {}
+
+    class Probe(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            # NOTE: Trainer counts finished steps: global_step is k - 1 when step k begins.
+            if counter is not None:
+                measured.append({"start_bytes": counter.current()})
+                counter.reset_peak()
+            elif state.global_step == steps - 1:
+                rss.update(rss_at_rest())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if counter is not None:
+                measured[-1].update(peak_bytes=counter.peak(), end_bytes=counter.current())
+            elif state.global_step == steps:
+                rss["rss_peak_bytes"] = h.proc_status_bytes("VmHWM")
+
+    args = h.training_args(cfg.optim, str(Path(opts.result).parent / "trainer_output"), max_steps=steps,
+                           per_device_train_batch_size=cfg.micro_batch, gradient_accumulation_steps=cfg.grad_accum,
+                           max_grad_norm=opts.max_grad_norm, bf16=cfg.bf16, fp16=cfg.fp16, logging_steps=1000,
+                           gradient_checkpointing=cfg.checkpointing, save_strategy="no",
+                           gradient_checkpointing_kwargs={"use_reentrant": False}, disable_tqdm=True,
+                           dataloader_num_workers=0)  # fmt: skip
+    data = h.TokenRows(MODELS[cfg.model]["vocab_size"], cfg.seq_len, 2 * cfg.micro_batch * cfg.grad_accum * steps)
+    trainer_cls = layerwise_hf.LayerwiseTrainer if cfg.optim.endswith("_layerwise") else Trainer
+    trainer = trainer_cls(model=build_model(cfg), args=args, train_dataset=data, callbacks=[Probe()])
+    h.check_distributed(trainer.accelerator, cfg.sharding)
     trainer.train()
     lw = getattr(trainer, "layerwise_optimizer", None)
-    result = {
-        "rank": accelerator.process_index,
-        **probe.rss,
-        "optimizer_state_bytes": h.storage_bytes(h.optimizer_state_tensors(trainer.optimizer)),
-        "route": None if lw is None else lw.route,
-        "norm_pass": None if lw is None else norm_pass_name(lw),
-    }
-    if probe.counter is not None:
-        result.update(probe.measured[-1], step_peak_bytes=[s["peak_bytes"] for s in probe.measured])
+    result = {"rank": trainer.accelerator.process_index, **rss, "route": None if lw is None else lw.route,
+              "optimizer_state_bytes": h.storage_bytes(h.optimizer_state_tensors(trainer.optimizer)),
+              "norm_pass": None if lw is None else norm_pass_name(lw)}  # fmt: skip
+    if counter is not None:
+        result.update(measured[-1], step_peak_bytes=[s["peak_bytes"] for s in measured])
     trainer.accelerator.free_memory()
     del trainer
     ranks.write_gathered_and_finish(opts.result, result)
-
-
-def build_trainer(cfg: Config, max_grad_norm: float, out: Path, probe):
-    """The model and its Trainer (or LayerwiseTrainer), `probe` among its callbacks."""
-    from transformers import Trainer
-
-    from layerwise_hf import LayerwiseTrainer
-
-    args = h.training_args(
-        cfg.optim,
-        str(out),
-        per_device_train_batch_size=cfg.micro_batch,
-        gradient_accumulation_steps=cfg.grad_accum,
-        max_steps=probe.steps,
-        max_grad_norm=max_grad_norm,
-        bf16=cfg.bf16,
-        fp16=cfg.fp16,
-        gradient_checkpointing=cfg.checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-        logging_steps=1000,
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
-    model = build_model(cfg)
-    rows = cfg.world_size * cfg.micro_batch * cfg.grad_accum * probe.steps
-    data = h.TokenRows(MODELS[cfg.model]["vocab_size"], cfg.seq_len, rows)
-    trainer_cls = LayerwiseTrainer if cfg.optim.endswith("_layerwise") else Trainer
-    return trainer_cls(model=model, args=args, train_dataset=data, callbacks=[probe])
-
-
-RANK_STEPS = 4  # DDP rebuilds its buckets in the second step: the last of these is the steady state measured (default)
-
-
-def StepProbe(counted: bool, steps: int = RANK_STEPS):  # noqa: N802 - a class made where transformers is imported
-    """A callback: (`counted`) each step's tensor peak and the bytes held before and after it, from the CPU allocator
-    counted on every thread (installed here, before the model exists); or (not `counted`) the last step's RSS."""
-    from transformers import TrainerCallback
-
-    from benchmarks._thread_memory import CountingAllocator
-
-    class Probe(TrainerCallback):
-        def __init__(self):
-            self.counter = CountingAllocator() if counted else None
-            self.measured: list[dict] = []
-            self.rss: dict = {}
-            self.steps = steps
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            # NOTE: Trainer counts finished steps: global_step is k - 1 when step k begins.
-            if self.counter is not None:
-                self.measured.append({"start_bytes": self.counter.current()})
-                self.counter.reset_peak()
-            elif state.global_step == steps - 1:
-                h.settle()
-                self.rss = {"live": live_tensor_bytes(),
-                            "rss_rest_bytes": h.proc_status_bytes("VmRSS")}  # fmt: skip
-                h.reset_peak_rss()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if self.counter is not None:
-                self.measured[-1].update(peak_bytes=self.counter.peak(), end_bytes=self.counter.current())
-            elif state.global_step == steps:
-                self.rss["rss_peak_bytes"] = h.proc_status_bytes("VmHWM")
-
-    return Probe()
-
-
-# ---- one configuration, the table, the figure ----
-
-
-def limit_mmap_threshold() -> None:
-    # NOTE: glibc serves allocations above the threshold by mmap and returns them to the OS on free, so RSS follows
-    # live tensors instead of heap slack; set by mallopt it also stops the threshold from growing (MALLOC_MMAP_
-    # THRESHOLD_ in the environment does the same, but only for processes started with it).
-    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 65536)
-
-
-def measure_config(cfg: Config, opts: argparse.Namespace) -> dict:
-    """The real run (this process, or 2 launched ranks) and the plan of `cfg`."""
-    started = time.perf_counter()
-    if cfg.offload != "none":
-        import os
-
-        from layerwise_hf.placement.transfer import SIMULATE_ENV
-
-        os.environ[SIMULATE_ENV] = "1"  # a CPU run of offload as a GPU runs it (copy thread, worker, host buffers)
-    if cfg.world_size == 1:
-        limit_mmap_threshold()
-        real = measure_real(cfg, opts.max_grad_norm, split=opts.split)
-    else:
-        real = launch_ranks(cfg, opts)
-    real["seconds"] = time.perf_counter() - started
-    out = {"config": cfg._asdict(), "name": cfg.name, "real": real}
-    if cfg.world_size > 1 and not plan_supports_sharding():
-        out["plan"] = None
-        out["plan_missing"] = "layerwise_hf.plan.plan() takes no world_size / sharding in this version"
-        return out
-    out["plan"] = planned(cfg, opts.max_grad_norm)
-    out["error"] = compared_bytes(out["plan"]) / real["peak_bytes"] - 1
-    out["rss_error"] = compared_bytes(out["plan"]) / real["rss_training_peak_bytes"] - 1
-    return out
 
 
 def launch_ranks(cfg: Config, opts: argparse.Namespace) -> dict:
@@ -682,143 +472,96 @@ def launch_ranks(cfg: Config, opts: argparse.Namespace) -> dict:
     from benchmarks import _thread_memory
 
     _thread_memory.build()  # once, here, rather than in both ranks at the same time
-    env = h.worker_env(threads=1)
-    if cfg.sharding == "fsdp2":
-        env["LAYERWISE_HF_FORCE_FSDP_CPU"] = "1"
+    env = h.worker_env(threads=1) | ({"LAYERWISE_HF_FORCE_FSDP_CPU": "1"} if cfg.sharding == "fsdp2" else {})
     runs = {}
     for measure in ("tensor", "rss"):
         with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as tmp:
             result = Path(tmp) / "ranks.json"
-            args = ["--worker", "--measure", measure, "--config", json.dumps(cfg._asdict()), "--result", str(result)]
-            args += ["--max_grad_norm", str(opts.max_grad_norm), "--rank_steps", str(opts.rank_steps)]
-            config_file = ROOT / ACCELERATE_CONFIGS[cfg.sharding]
+            args = ["--worker", "--measure", measure, "--config", json.dumps(cfg._asdict()), "--result", str(result),
+                    "--max_grad_norm", str(opts.max_grad_norm), "--rank_steps", str(opts.rank_steps)]  # fmt: skip
+            config_file = h.ROOT / ACCELERATE_CONFIGS[cfg.sharding]
             runs[measure] = ranks.launch_ranks(Path(__file__).resolve(), config_file, args, result, opts.timeout, env)
-    per_rank = []
-    for tensor, rss in zip(runs["tensor"], runs["rss"]):
-        fields = rss_fields(rss["rss_rest_bytes"], rss["rss_peak_bytes"], tensor["end_bytes"], rss["live"])
-        per_rank.append({**tensor, **fields})
+    per_rank = [{**t, **rss_fields(r, t["end_bytes"])} for t, r in zip(runs["tensor"], runs["rss"])]
     return {**max(per_rank, key=lambda r: r["peak_bytes"]), "ranks": per_rank}
 
 
-def selected(opts: argparse.Namespace) -> list[Config]:
-    configs = SMALL if opts.small else QUICK if opts.quick else configurations()
-    if opts.only:
-        patterns = [re.compile(p) for p in opts.only]
-        configs = [c for c in configs if any(p.search(c.name) for p in patterns)]
-    if not configs:
-        raise SystemExit(f"--only {opts.only}: no configuration matches (see --list)")
-    return configs
+def measure_config(cfg: Config, opts: argparse.Namespace) -> dict:
+    """The real run (this process, or 2 launched ranks) and the plan of `cfg`."""
+    started = time.perf_counter()
+    if cfg.offload != "none":
+        from layerwise_hf.placement.transfer import SIMULATE_ENV
+
+        os.environ[SIMULATE_ENV] = "1"  # a CPU run of offload as a GPU runs it (copy thread, worker, host buffers)
+    real = measure_real(cfg, opts.max_grad_norm, split=opts.split) if cfg.world_size == 1 else launch_ranks(cfg, opts)
+    real["seconds"] = time.perf_counter() - started
+    plan_ = planned(cfg, opts.max_grad_norm)
+    return {"config": cfg._asdict(), "name": cfg.name, "real": real, "plan": plan_,
+            "error": compared_bytes(plan_) / real["peak_bytes"] - 1,
+            "rss_error": compared_bytes(plan_) / real["rss_training_peak_bytes"] - 1}  # fmt: skip
 
 
-COLUMNS = [("configuration", 50), ("plan MiB", 9), ("tensor MiB", 10), ("error", 7), ("RSS MiB", 8),
-           ("RSS error", 9), ("state real", 10), ("state plan", 10), ("plan: peak falls at", 44, "<")]  # fmt: skip
-
-
-def table_row(r: dict) -> tuple:
-    real, plan_ = r["real"], r.get("plan")
-    if "error" in real or plan_ is None:
-        why = real.get("error") or r.get("plan_missing", "")
-        return (r["name"], "-", h.mib(real.get("peak_bytes")), "-", h.mib(real.get("rss_training_peak_bytes")), "-",
-                "-", "-", why[:44])  # fmt: skip
-    state = plan_["categories"]["optimizer_state"]
-    return (r["name"], h.mib(compared_bytes(plan_)), h.mib(real["peak_bytes"]), h.pct(r["error"]),
-            h.mib(real["rss_training_peak_bytes"]), h.pct(r["rss_error"]), h.mib(real["optimizer_state_bytes"]),
-            h.mib(state) + ("*" if plan_["optimizer_state_from_rule"] else ""), plan_["when"][:44])  # fmt: skip
+# ---- the report ----
 
 
 def summary(rows: list[dict]) -> dict:
     scored = [r for r in rows if r.get("error") is not None]
-    return {
-        "configurations": len(rows),
-        "compared": len(scored),
-        "within_goal": sum(abs(r["error"]) <= GOAL for r in scored),
-        "within_rss_goal": sum(abs(r["rss_error"]) <= RSS_GOAL for r in scored),
-        "within_both": sum(abs(r["error"]) <= GOAL and abs(r["rss_error"]) <= RSS_GOAL for r in scored),
-        "largest_error": max((abs(r["error"]) for r in scored), default=None),
-        "largest_rss_error": max((abs(r["rss_error"]) for r in scored), default=None),
-    }
+    errors, rss_errors = [abs(r["error"]) for r in scored], [abs(r["rss_error"]) for r in scored]
+    return {"configurations": len(rows), "compared": len(scored), "within_goal": sum(e <= GOAL for e in errors),
+            "within_rss_goal": sum(e <= RSS_GOAL for e in rss_errors),
+            "within_both": sum(e <= GOAL and r <= RSS_GOAL for e, r in zip(errors, rss_errors)),
+            "largest_error": max(errors, default=None),
+            "largest_rss_error": max(rss_errors, default=None)}  # fmt: skip
 
 
-def print_report(rows: list[dict], stats: dict) -> None:
-    title = (f"\nplanned peak vs the real run (CPU, steady-state step): tensor peak (allocator events), goal within "
-             f"{GOAL:.0%}; RSS training peak, goal within {RSS_GOAL:.0%}")  # fmt: skip
-    h.print_table(COLUMNS, [table_row(r) for r in rows], title=title)
-    print("* optimizer state from the estimator's rules (bitsandbytes); its CPU step temporaries from a measured rule")
-    print(
-        f"{stats['within_goal']}/{stats['compared']} within {GOAL:.0%} of the tensor peak, {stats['within_rss_goal']}/"
-        f"{stats['compared']} within {RSS_GOAL:.0%} of the RSS training peak, {stats['within_both']} both"
-    )
-    for r in rows:
-        plan_, real = r.get("plan") or {}, r["real"]
-        if "host_peak_bytes" in plan_ and "host_state_bytes" in real:
-            host = plan_["host_categories"]
-            print(f"{r['name']}: device peak planned {h.mib(plan_['device_peak_bytes'])} / real "
-                  f"{h.mib(real.get('device_peak_bytes'))} MiB, host peak {h.mib(plan_['host_peak_bytes'])} / "
-                  f"{h.mib(real.get('host_peak_bytes'))} MiB; "
-                  f"host states planned {h.mib(host['optimizer_state'])} / real {h.mib(real['host_state_bytes'])}, "
-                  f"host parameter copies {h.mib(host['weights'])} / {h.mib(real['host_copy_bytes'])}, host "
-                  f"gradient buffers {h.mib(host['gradients'])} (at the host peak) / "
-                  f"{h.mib(real['host_gradient_bytes'])} MiB")  # fmt: skip
-        if r.get("plan_missing"):
-            print(f"not planned: {r['name']}: {r['plan_missing']}")
-        for rank in r["real"].get("ranks", []):
-            steps = " ".join(h.mib(b) for b in rank["step_peak_bytes"])
-            held, reached = h.mib(rank["end_bytes"]), h.mib(rank["live_tensor_bytes_at_rest"])
-            print(f"{r['name']} rank {rank['rank']}: tensor peak per step {steps} MiB; held between steps {held} MiB, "
-                  f"of which Python reaches {reached}")  # fmt: skip
+def report_of(rows: list[dict], **run) -> dict:
+    stats = summary(rows)
+    models = {c["config"]["model"] for c in rows}
+    return {"goal": GOAL, "rss_goal": RSS_GOAL, **stats, "summary": stats, "rows": rows,
+            "models": {k: v for k, v in MODELS.items() if k in models}, **run}  # fmt: skip
 
 
-def plot(report: dict, path: Path) -> None:
-    plt = h.pyplot()
+COLUMNS = [
+    ("configuration", 50, lambda r: r["name"]), ("plan MiB", 9, lambda r: h.mib(compared_bytes(r["plan"]))),
+    ("tensor MiB", 10, lambda r: h.mib(r["real"]["peak_bytes"])), ("error", 7, lambda r: h.pct(r["error"])),
+    ("RSS MiB", 8, lambda r: h.mib(r["real"]["rss_training_peak_bytes"])),
+    ("RSS error", 9, lambda r: h.pct(r["rss_error"])),
+    ("state real", 10, lambda r: h.mib(r["real"]["optimizer_state_bytes"])),
+    ("state plan", 10, lambda r: h.mib(r["plan"]["categories"]["optimizer_state"])
+     + "*" * r["plan"]["optimizer_state_from_rule"]),
+    ("plan: peak falls at", 44, lambda r: r["plan"]["when"][:44], "<"),
+]  # fmt: skip
+
+
+def print_report(report: dict) -> None:
     rows = [r for r in report["rows"] if r.get("error") is not None]
-    # Points outside a band are numbered; the numbers are named under the plots.
-    misses = [r["name"] for r in rows if abs(r["error"]) > GOAL or abs(r["rss_error"]) > RSS_GOAL]
-    fig = plt.figure(figsize=(15, 7.5 + 0.17 * len(misses)))
-    grid = fig.add_gridspec(2, 2, height_ratios=[7, 0.3 + 0.17 * len(misses)])
-    axes = [fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])]
-    notes_ax = fig.add_subplot(grid[1, :])
-    notes_ax.axis("off")
-    for ax, key, goal, label in (
-        (axes[0], "peak_bytes", GOAL, "measured peak of live tensor bytes (MiB)"),
-        (axes[1], "rss_training_peak_bytes", RSS_GOAL, "measured RSS training peak (MiB)"),
-    ):
-        xs = [r["real"][key] / h.MIB for r in rows]
-        ys = [compared_bytes(r["plan"]) / h.MIB for r in rows]
-        top = max(xs + ys) * 1.08
-        line = [0, top]
-        ax.plot(line, line, color="black", lw=0.8)
-        ax.fill_between(line, [0, top * (1 - goal)], [0, top * (1 + goal)], color="tab:green", alpha=0.15,
-                        label=f"within {goal:.0%}")  # fmt: skip
-        for kind, color, marker in KINDS:
-            picked = [(x, y) for x, y, r in zip(xs, ys, rows) if kind_of(r) == kind]
-            if picked:
-                ax.scatter(*zip(*picked), color=color, marker=marker, s=28, label=kind, zorder=3)
-        for x, y, r in zip(xs, ys, rows):
-            if abs(y / x - 1) > goal:
-                ax.annotate(str(misses.index(r["name"]) + 1), (x, y), fontsize=7, xytext=(4, -3),
-                            textcoords="offset points")  # fmt: skip
-        ax.set(xlim=(0, top), ylim=(0, top), xlabel=label, ylabel="planned peak (MiB)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left")
-    s = report["summary"]
-    title = (f"layerwise-hf plan vs real CPU runs, one point per configuration: {s['within_goal']}/{s['compared']} "
-             f"within {GOAL:.0%} of the tensor peak, {s['within_rss_goal']}/{s['compared']} within {RSS_GOAL:.0%} of "
-             f"the RSS training peak")  # fmt: skip
-    if misses:
-        errors = {r["name"]: r for r in rows}
-        notes = [f"{k}: {n} ({h.pct(errors[n]['error'])} / {h.pct(errors[n]['rss_error'])})" for k, n in
-                 enumerate(misses, 1)]  # fmt: skip
-        notes_ax.text(0, 1, "outside a band (tensor / RSS error):\n" + "\n".join(notes), fontsize=8, va="top")
-    h.save_figure(fig, path, title)
+    h.print_rows(rows, COLUMNS, f"\nplanned peak vs the real run (CPU, steady-state step): tensor peak (allocator "
+                 f"events), goal within {GOAL:.0%}; RSS training peak, goal within {RSS_GOAL:.0%}")  # fmt: skip
+    for r in report["rows"]:
+        if r.get("error") is None:
+            print(f"{r['name']}: {str(r['real'].get('error')).splitlines()[0][:200]}")
+    print("* optimizer state from the estimator's rules (bitsandbytes); its CPU step temporaries from a measured rule")
+    print(f"{report['within_goal']}/{report['compared']} within {GOAL:.0%} of the tensor peak, "
+          f"{report['within_rss_goal']}/{report['compared']} within {RSS_GOAL:.0%} of the RSS training peak, "
+          f"{report['within_both']} both")  # fmt: skip
+    for r in rows:
+        plan_, real = r["plan"], r["real"]
+        if "host_peak_bytes" in plan_:
+            print(f"{r['name']}: device peak planned / real {h.mib(plan_['device_peak_bytes'])} / "
+                  f"{h.mib(real['device_peak_bytes'])} MiB, host peak {h.mib(plan_['host_peak_bytes'])} / "
+                  f"{h.mib(real['host_peak_bytes'])}, host states {h.mib(plan_['host_categories']['optimizer_state'])}"
+                  f" / {h.mib(real['host_state_bytes'])}, host copies {h.mib(plan_['host_categories']['weights'])} / "
+                  f"{h.mib(real['host_copy_bytes'])}")  # fmt: skip
+        for rank in real.get("ranks", []):
+            print(
+                f"{r['name']} rank {rank['rank']}: tensor peak per step "
+                f"{' '.join(map(h.mib, rank['step_peak_bytes']))} MiB; held between steps "
+                f"{h.mib(rank['end_bytes'])}, of which Python reaches {h.mib(rank['live_tensor_bytes_at_rest'])}"
+            )
 
 
-KINDS = [
-    ("host offload (device + host)", "tab:green", "v"),
-    ("standard", "tab:blue", "o"),
-    ("layer-wise", "tab:orange", "s"),
-    ("bitsandbytes (state: rule)", "tab:red", "^"),
-    ("2 ranks", "tab:purple", "D"),
-]
+KINDS = {"host offload (device + host)": ("tab:green", "v"), "standard": ("tab:blue", "o"),
+         "layer-wise": ("tab:orange", "s"), "bitsandbytes (state: rule)": ("tab:red", "^"),
+         "2 ranks": ("tab:purple", "D")}  # fmt: skip
 
 
 def kind_of(r: dict) -> str:
@@ -831,53 +574,73 @@ def kind_of(r: dict) -> str:
     return "layer-wise" if r["config"]["optim"].endswith("_layerwise") else "standard"
 
 
-def plan_source() -> dict:
-    """The commit the planner was read from, and whether its files had changes not committed yet."""
-    import subprocess
+def plot(report: dict, path: Path) -> None:
+    rows = [r for r in report["rows"] if r.get("error") is not None]
+    # Points outside a band are numbered; the numbers are named under the plots.
+    misses = [r["name"] for r in rows if abs(r["error"]) > GOAL or abs(r["rss_error"]) > RSS_GOAL]
+    fig = h.pyplot().figure(figsize=(15, 7.5 + 0.17 * len(misses)))
+    grid = fig.add_gridspec(2, 2, height_ratios=[7, 0.3 + 0.17 * len(misses)])
+    axes = (
+        ("peak_bytes", GOAL, "measured peak of live tensor bytes (MiB)"),
+        ("rss_training_peak_bytes", RSS_GOAL, "measured RSS training peak (MiB)"),
+    )
+    for col, (key, goal, label) in enumerate(axes):
+        ax = fig.add_subplot(grid[0, col])
+        points = [(r["real"][key] / h.MIB, compared_bytes(r["plan"]) / h.MIB, r) for r in rows]
+        top = max(max(x, y) for x, y, _ in points) * 1.08
+        ax.plot([0, top], [0, top], color="black", lw=0.8)
+        ax.fill_between([0, top], [0, top * (1 - goal)], [0, top * (1 + goal)], color="tab:green", alpha=0.15,
+                        label=f"within {goal:.0%}")  # fmt: skip
+        for kind, (color, marker) in KINDS.items():
+            picked = [(x, y) for x, y, r in points if kind_of(r) == kind]
+            if picked:
+                ax.scatter(*zip(*picked), color=color, marker=marker, s=28, label=kind, zorder=3)
+        for x, y, r in points:
+            if abs(y / x - 1) > goal:
+                ax.annotate(
+                    str(misses.index(r["name"]) + 1), (x, y), fontsize=7, xytext=(4, -3), textcoords="offset points"
+                )
+        ax.set(xlim=(0, top), ylim=(0, top), xlabel=label, ylabel="planned peak (MiB)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    notes = fig.add_subplot(grid[1, :])
+    notes.axis("off")
+    errors = {r["name"]: r for r in rows}
+    if misses:
+        lines = [f"{k}: {n} ({h.pct(errors[n]['error'])} / {h.pct(errors[n]['rss_error'])})"
+                 for k, n in enumerate(misses, 1)]  # fmt: skip
+        notes.text(0, 1, "outside a band (tensor / RSS error):\n" + "\n".join(lines), fontsize=8, va="top")
+    h.save_figure(
+        fig,
+        path,
+        "layerwise-hf plan vs real CPU runs, one point per configuration: "
+        f"{report['within_goal']}/{report['compared']} within {GOAL:.0%} of the tensor peak, "
+        f"{report['within_rss_goal']}/{report['compared']} within {RSS_GOAL:.0%} of the RSS training peak",
+    )
 
-    def git(*args: str) -> str:
-        result = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-        return result.stdout.strip() if result.returncode == 0 else ""
 
-    return {"commit": git("rev-parse", "HEAD"), "uncommitted": git("status", "--porcelain", "--", "layerwise_hf/plan")}
+RUN_FIELDS = ("plan_source", "torch", "python", "wall_time_s")  # what a report says of the run that made it
 
 
 def merge(paths: list[str], output_dir: str) -> dict:
     """The report in `output_dir` (if any) with the rows of the reports at `paths`: a later report's row replaces
-    the row of the same name; rows in `configurations()` order; summary as a run computes it (`summary`)."""
+    the row of the same name; rows in `configurations()` order; `measured_in` says which run each row comes from."""
     base = Path(output_dir) / "plan_accuracy.json"
-    rows: dict[str, dict] = {}
-    origin: dict[str, int] = {}
-    runs: list[dict] = []
-    models: dict = {}
+    rows, origin, runs = {}, {}, []
     for path in ([base] if base.is_file() else []) + [Path(p) for p in paths]:
         report = json.loads(path.read_text())
-        models.update(report.get("models", {}))
         names = [r["name"] for r in report["rows"]]
         # A merged report says which run each row comes from; a run's report is one run.
-        parts = report.get("measured_in") or [{"rows": names, **{k: report.get(k) for k in RUN_FIELDS}}]
-        for part in parts:
+        for part in report.get("measured_in") or [{"rows": names, **{k: report.get(k) for k in RUN_FIELDS}}]:
             runs.append({k: part.get(k) for k in RUN_FIELDS})
-            for name in part["rows"]:
-                origin[name] = len(runs) - 1
-        rows.update((r["name"], r) for r in report["rows"])
+            origin |= {name: len(runs) - 1 for name in part["rows"]}
+        rows |= {r["name"]: r for r in report["rows"]}
     order = {c.name: k for k, c in enumerate(configurations())}
     merged = sorted(rows.values(), key=lambda r: order.get(r["name"], len(order)))
-    measured_in = [{"rows": [r["name"] for r in merged if origin[r["name"]] == k], **run} for k, run in
-                   enumerate(runs)]  # fmt: skip
-    stats = summary(merged)
-    return {
-        "goal": GOAL,
-        "rss_goal": RSS_GOAL,
-        **stats,
-        "summary": stats,
-        "models": {k: v for k, v in models.items() if any(r["config"]["model"] == k for r in merged)},
-        "rows": merged,
-        "measured_in": [m for m in measured_in if m["rows"]],
-    }
-
-
-RUN_FIELDS = ("plan_source", "torch", "python", "wall_time_s")  # what a report says of the run that made it
+    measured_in = [
+        {"rows": [r["name"] for r in merged if origin[r["name"]] == k], **run} for k, run in enumerate(runs)
+    ]
+    return report_of(merged, measured_in=[m for m in measured_in if m["rows"]])
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -892,13 +655,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max_grad_norm", type=float, default=1.0, help="Trainer's default clipping")
     parser.add_argument("--rank_steps", type=int, default=RANK_STEPS, help="2-rank runs: steps, the last measured")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per configuration")
-    parser.add_argument("--merge", nargs="+", metavar="REPORT",
-                        help="put these reports' rows into the report in --output_dir (rows of the same name "
-                        "replaced); summary and figure made again, nothing run")  # fmt: skip
+    parser.add_argument("--merge", nargs="+", metavar="REPORT", help="put these reports' rows into the report in "
+                        "--output_dir (rows of the same name replaced); summary and figure made again")  # fmt: skip
+    for name in ("config", "result", "measure"):  # the launched ranks'
+        parser.add_argument(f"--{name}", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--config", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    parser.add_argument("--measure", choices=["tensor", "rss"], help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -909,40 +670,34 @@ def main(argv=None) -> int:
         return 0
     if opts.merge:
         report = merge(opts.merge, opts.output_dir)
-        print_report(report["rows"], report["summary"])
-        h.write_report(opts.output_dir, "plan_accuracy", report, plot if report["compared"] else None)
-        return 0
-    configs = selected(opts)
-    if opts.list:
-        print("\n".join(c.name for c in configs))
-        return 0
-    import torch
+    else:
+        configs = {c.name: c for c in (SMALL if opts.small else QUICK if opts.quick else configurations())
+                   if not opts.only or any(re.search(p, c.name) for p in opts.only)}  # fmt: skip
+        if not configs:
+            raise SystemExit(f"--only {opts.only}: no configuration matches (see --list)")
+        if opts.list:
+            print("\n".join(configs))
+            return 0
+        import torch
 
-    import layerwise_hf.plan.core  # noqa: F401  (imported once, before the forks)
+        import layerwise_hf.plan.core  # noqa: F401  (imported once, before the forks)
 
-    torch.set_num_threads(1)
-    started = time.perf_counter()
-    by_name = {c.name: c for c in configs}
-    with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as tmp:
-        h.fork_each(list(by_name), Path(tmp), lambda name: measure_config(by_name[name], opts), opts.timeout, "ran")
-        rows = [json.loads((Path(tmp) / f"{name}.json").read_text()) for name in by_name]
-    rows = [r if "name" in r else {"name": n, "config": c._asdict(), "real": r} for r, (n, c) in
-            zip(rows, by_name.items())]  # fmt: skip
-    stats = summary(rows)
-    print_report(rows, stats)
-    report = {
-        "goal": GOAL,
-        "rss_goal": RSS_GOAL,
-        **stats,
-        "summary": stats,
-        "models": {k: v for k, v in MODELS.items() if any(c.model == k for c in configs)},
-        "rows": rows,
-        "plan_source": plan_source(),
-        "torch": torch.__version__,
-        "python": h.python_version(),
-        "wall_time_s": time.perf_counter() - started,
-    }
-    h.write_report(opts.output_dir, "plan_accuracy", report, plot if stats["compared"] else None)
+        torch.set_num_threads(1)
+        started = time.perf_counter()
+        results = h.fork_each(list(configs), lambda n: measure_config(configs[n], opts), opts.timeout, "ran")
+        rows = [
+            r if "name" in r else {"name": n, "config": configs[n]._asdict(), "real": r} for n, r in results.items()
+        ]
+        git = lambda *a: subprocess.run(["git", *a], cwd=h.ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
+        # The commit the planner was read from, and whether its files had changes not committed yet.
+        source = {
+            "commit": git("rev-parse", "HEAD"),
+            "uncommitted": git("status", "--porcelain", "--", "layerwise_hf/plan"),
+        }
+        report = report_of(rows, plan_source=source, torch=torch.__version__, python=h.python_version(),
+                           wall_time_s=time.perf_counter() - started)  # fmt: skip
+    print_report(report)
+    h.write_report(opts.output_dir, "plan_accuracy", report, plot if report["compared"] else None)
     return 0
 
 

@@ -63,29 +63,16 @@ def test_step_time_small(tmp_path):
         "--profile_steps", "1", "--output_dir", str(tmp_path),
     )  # fmt: skip
     report = report_of(tmp_path, "step_time")
-    assert {
-        "description",
-        "model",
-        "settings",
-        "timing",
-        "ratio",
-        "track_grad_norm_passed",
-        "profile",
-    } <= report.keys()
-    assert report["model"]["tie_word_embeddings"] is False
-    assert isinstance(report["track_grad_norm_passed"], bool)
+    assert {"description", "model", "settings", "timing", "breakdown", "ratio", "profile"} <= report.keys()
     timing = report["timing"]
     assert set(timing) == {"standard", "layerwise"}
     for entry in timing.values():
         assert len(entry["times_s"]) == 2 and len(entry["paired_ratios"]) == 2 and entry["median_s"] > 0
     assert timing["standard"]["ratio"] == 1.0 and math.isfinite(report["ratio"])
-    hooks = report["profile"]["hooks"]["summary"]
     # Every trainable tensor is stepped once per step, seen by torch's step hooks on the inner optimizers.
-    assert hooks["inner_steps_per_step"] == report["num_trainable_tensors"]
-    assert hooks["layerwise_inner_step_total_s"] > 0 and hooks["steps"] == 1
-    profiler = report["profile"]["torch_profiler"]
-    assert profiler["top_self_layerwise"] and profiler["optimizer_step_ops"]
-    assert report["profile"]["cprofile_layerwise"]["top_own_time"]
+    assert report["profile"]["inner_steps_per_step"] == report["num_trainable_tensors"]
+    cprofile = report["profile"]["cprofile_layerwise"]
+    assert cprofile["steps"] == 1 and cprofile["top_own_time"] and cprofile["layerwise_hf_functions"]
     assert "layer-wise / standard" in result.stdout
 
 
@@ -108,16 +95,14 @@ def test_step_time_offload_rows_small(tmp_path):
     assert parts["layerwise_norm_pass"]["backwards_per_step"] == 2
     assert parts["offload_gradients"]["backwards_per_step"] == 1 == parts["standard_clip"]["backwards_per_step"]
     # The host worker stepped every step; held until backward returned, none of it ran during backward.
-    for kind in ("offload_optimizer", "offload_optimizer_after"):
-        assert parts[kind]["host_step_s"] > 0 and parts[kind]["host_thread_cpu_s_per_step"] is not None
-        assert parts[kind]["copy_thread_cpu_s_per_step"] is not None  # both threads found and read
+    assert parts["offload_optimizer"]["host_step_s"] > 0 and parts["offload_optimizer_after"]["host_step_s"] > 0
     assert parts["offload_optimizer_after"]["host_step_in_backward_fraction"] == 0.0
     assert "host_step_s" not in parts["offload_gradients"] and "host_step_s" not in parts["standard"]
-    assert parts["offload_gradients"]["copy_thread_cpu_s_per_step"] is not None
     assert set(report["offload_pairs"]) == {
         "offload_optimizer/offload_optimizer_after", "offload_gradients/layerwise_norm_pass"
     }  # fmt: skip
     assert report["copy_one_direction_s"] > 0 and report["trainable_bytes"] > 0
+    assert report["cost_model"]["measured_mode"] in ("gradients", "none")
     assert "where the time goes" in result.stdout and "offload_gradients/layerwise_norm_pass" in result.stdout
 
 
@@ -141,11 +126,9 @@ def test_memory_suite_small(tmp_path):
         assert analysis["state_counted_bytes"] >= 0 and analysis["grads_counted_bytes"] > 0
         assert {"discrepancy_bytes", "tolerance_bytes", "pass"} <= set(analysis["agreement"])
         assert len(c["memory"]["steps"]) == 2
+        assert len(c["timing"]["times_s"]) == 2
         if c["config"]["standard"]:
-            timing = c["timing"]
-            assert timing["ratio"] > 0 and len(timing["raw"]["times_s"]) == 2
-            # The layer-wise inner steps are timed through torch's step hooks: some optimizer time is seen.
-            assert timing["optimizer_median_s"] > 0 and timing["norm_median_s"] >= 0
+            assert c["timing"]["ratio"] > 0 and len(c["timing"]["paired_ratios"]) == 2
     # Layer-wise without accumulation holds one gradient at a time: fewer gradient bytes than its standard twin.
     by_name = {c["name"]: c for c in report["configs"]}
     lw, std = by_name["adamw_torch_layerwise"]["analysis"], by_name["adamw_torch"]["analysis"]
