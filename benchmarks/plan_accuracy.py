@@ -359,7 +359,9 @@ def host_tensors(layerwise) -> dict:
     from layerwise_hf.placement.host_step import HostStepOptimizer
 
     hosted = [inner for inner in layerwise.inner if isinstance(inner, HostStepOptimizer)]
-    grads = [*offload_of(layerwise).host.values(), *(i.host_grad for i in hosted if i.host_grad is not None)]
+    offload = offload_of(layerwise)
+    grads = [*offload.host.values(), *offload.staging.blocks]  # each parameter's buffer, the staging blocks
+    grads += [i.host_grad for i in hosted if i.host_grad is not None]
     states = [t for i in hosted for s in i.base.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     return {"copies": [i.host for i in hosted], "gradients": grads, "states": states}
 

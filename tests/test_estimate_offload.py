@@ -7,6 +7,7 @@ from helpers import TokenDataset, clone, tiny_llama, train, training_args
 
 from layerwise_hf.cli import main
 from layerwise_hf.estimate import EstimateError, estimate
+from layerwise_hf.estimate.units import format_bytes
 from layerwise_hf.optim.host_offload import offload_of
 from layerwise_hf.placement import transfer as transfer_module
 from layerwise_hf.placement.host_step import HostStepOptimizer
@@ -24,7 +25,7 @@ def _nbytes(t) -> int:
 def _real_sides(layerwise) -> tuple[int, int]:
     """(device-side optimizer-state bytes, host-side bytes) that the run's optimizer holds now."""
     offload = offload_of(layerwise)
-    host = sum(_nbytes(b) for b in offload.host.values())
+    host = sum(_nbytes(b) for b in offload.host.values()) + offload.staging_bytes()
     device_states = 0
     for inner in layerwise.inner:
         states = sum(_nbytes(v) for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor))
@@ -58,15 +59,31 @@ def test_offload_moves_the_terms_from_the_device_to_the_host():
         for m in ("none", "gradients", "optimizer")
     )
     assert none.host_bytes == 0 and none.gradient_bytes == none.all_gradient_bytes
-    assert grads.host_bytes == none.all_gradient_bytes and grads.optimizer_state_bytes == none.optimizer_state_bytes
+    # GA 4: every gradient's buffer, and two staging buffers of the largest (the 128256 x 4096 embedding, bf16).
+    staging = 2 * 128256 * 4096 * 2
+    assert grads.host_bytes == none.all_gradient_bytes + staging
+    assert grads.optimizer_state_bytes == none.optimizer_state_bytes
     assert grads.gradient_bytes < none.gradient_bytes / 5
     assert opt.optimizer_state_bytes == 0
-    assert opt.host_bytes == none.optimizer_state_bytes + 2 * none.all_gradient_bytes
+    assert opt.host_bytes == none.optimizer_state_bytes + 2 * none.all_gradient_bytes + staging
     assert opt.per_gpu_bytes == none.weight_bytes + opt.gradient_bytes
     sharded = estimate(
         "llama-3-8b", optimizer="adamw_torch_layerwise", offload="optimizer", world_size=4, sharding="fsdp2"
     )
-    assert sharded.host_bytes == opt.host_bytes // 4  # each rank offloads its own shards
+    assert sharded.host_bytes == (opt.host_bytes - staging) // 4  # each rank offloads its own shards (GA 1)
+
+
+def test_notes_say_what_is_pinned_and_what_is_pageable():
+    # On CUDA the buffers and parameter copies are pinned; the host optimizer states are pageable, not pinned.
+    for mode, ga in (("gradients", 1), ("optimizer", 4)):
+        est = estimate("llama-3-8b", optimizer="adamw_torch_layerwise", offload=mode, gradient_accumulation_steps=ga)
+        grads = estimate("llama-3-8b", optimizer="adamw_torch_layerwise").all_gradient_bytes
+        staging = 2 * 128256 * 4096 * 2 if ga > 1 else 0
+        pinned = grads * (1 if mode == "gradients" else 2) + staging
+        (note,) = [n for n in est.notes if "pinned (" in n]
+        assert f"{format_bytes(pinned)} pinned" in note, note
+        assert f"{format_bytes(est.host_bytes - pinned)} pageable" in note, note
+        assert ("optimizer states" in note) == (mode == "optimizer") and ("staging" in note) == (ga > 1)
 
 
 def test_offload_of_a_standard_optimizer_or_an_unknown_mode_is_refused():

@@ -236,7 +236,9 @@ def test_copies_back_run_on_their_own_stream_and_do_not_wait_for_compute_queued_
 @pytest.mark.parametrize("mode", ["gradients", "optimizer"])
 def test_pinned_bytes_are_what_the_plan_counts(mode, ga):
     # torch's caching host allocator rounds each pinned block up to a power of two and keeps it: the buffers are views
-    # into one registered block per dtype, so what is pinned is what the plan and host_bytes() count.
+    # into one registered block per dtype, and at GA > 1 the staging buffers are a bounded set of registered blocks,
+    # so what is pinned, at every moment of the run, is what the plan and the offload's own counts say.
+    from layerwise_hf.estimate import estimate
     from layerwise_hf.estimate.offload import pinned_bytes
     from layerwise_hf.optim.host_offload import offload_of
 
@@ -245,9 +247,27 @@ def test_pinned_bytes_are_what_the_plan_counts(mode, ga):
         torch.nn.Linear(8, 24), torch.nn.Tanh(), torch.nn.Linear(24, 12), torch.nn.Linear(12, 4)
     )
     sizes = [p.numel() * p.element_size() for p in model.parameters()]
-    with FakeCuda() as fake:
+    most = [0]
+    fake = FakeCuda()
+    track = fake._track_storage
+
+    def tracked(*args, **kwargs):
+        track(*args, **kwargs)
+        most[0] = max(most[0], fake.pinned_bytes)
+
+    fake._track_storage = tracked  # every allocation: the most pinned at once
+    with fake:
         _, optimizer = offload_loop(mode, ga, 0.5, steps=2, model=model)
         pinned = fake.pinned_bytes
     offload = offload_of(optimizer)
     copies = sum(inner.host.numel() * inner.host.element_size() for inner in optimizer.inner if mode == "optimizer")
-    assert pinned == pinned_bytes(mode, sizes) == offload.host_bytes() + copies, (pinned, pinned_bytes(mode, sizes))
+    planned = pinned_bytes(mode, sizes, ga)
+    assert most[0] == pinned == planned == offload.host_bytes() + offload.staging_bytes() + copies, (most, planned)
+    assert (offload.staging_bytes() > 0) == (ga > 1)
+    # Pageable: with "optimizer" the host optimizer states, created like any CPU tensor, outside the pinned blocks.
+    states = [t for inner in optimizer.inner for s in inner.state.values() for t in s.values()]
+    in_pinned = [t for t in states for ptr, n in fake.pinned.items() if ptr <= t.data_ptr() < ptr + n]
+    assert states and not in_pinned
+    pageable = sum(t.numel() * t.element_size() for t in states) if mode == "optimizer" else 0
+    est = estimate(model, optimizer="adamw_torch_layerwise", offload=mode, gradient_accumulation_steps=ga)
+    assert est.host_bytes == pinned + pageable, (est.host_bytes, pinned, pageable)  # the estimator's host term

@@ -54,7 +54,7 @@ def test_host_side_matches_a_real_offload_run(tmp_path, monkeypatch, mode, ga, c
     real_states = sum(_nbytes(t) for i in hosted for s in i.base.state.values() for t in s.values()
                       if isinstance(t, torch.Tensor))  # fmt: skip
     real_copies = sum(_nbytes(i.host) for i in hosted)
-    real_grads = sum(_nbytes(b) for b in offload.host.values())
+    real_grads = sum(_nbytes(b) for b in offload.host.values()) + offload.staging_bytes()
     real_grads += sum(_nbytes(i.host_grad) for i in hosted if i.host_grad is not None)
 
     config = model.config
@@ -65,13 +65,14 @@ def test_host_side_matches_a_real_offload_run(tmp_path, monkeypatch, mode, ga, c
     assert row.offload == mode
     assert row.host_categories["optimizer_state"] == real_states
     assert row.host_categories["weights"] == real_copies
-    # The persistent host gradient buffers, plus at GA > 1 one staging buffer in flight at the host peak.
-    assert real_grads <= row.host_categories["gradients"] <= real_grads + max(_nbytes(p) for p in model.parameters())
+    # The persistent host gradient buffers, and at GA > 1 the staging buffers (kept for the run, as many as the bound).
+    assert row.host_categories["gradients"] == real_grads
+    assert (offload.staging_bytes() == 2 * max(_nbytes(p) for p in model.parameters())) == (ga > 1)
     if mode == "optimizer":
         assert row.categories["optimizer_state"] == 0 and real_states > 0
     est = estimate(config, optimizer="adamw_torch_layerwise", offload=mode, gradient_accumulation_steps=ga,
                    dtype="float32")  # fmt: skip
-    assert _persistent(row) - (row.host_categories["gradients"] - real_grads) == est.host_bytes
+    assert _persistent(row) == est.host_bytes
     # Device gradients: only the copies in flight next to the one being computed (the estimator's bound).
     assert row.categories["gradients"] <= est.gradient_bytes
 
@@ -149,7 +150,9 @@ def test_gradients_offload_that_lowers_nothing_says_what_it_buys():
 
 
 def test_extrapolated_layers_equal_the_full_simulation_with_offload():
-    deep = dict(LLAMA, num_hidden_layers=5)
+    # Six layers: the extrapolation may move up to copies of 3-5 layers. With 2 the joint (device + host) peak falls in
+    # the embedding's step, with more in backward: only from 3 layers on is it one line.
+    deep = dict(LLAMA, num_hidden_layers=6)
     options = dict(seq_len=16, grad_accum=2, device="cpu", counterparts=False, offload=("gradients", "optimizer"))
     fast = plan(deep, ["adamw_torch_layerwise"], **options)
     full = plan(deep, ["adamw_torch_layerwise"], extrapolate=False, **options)

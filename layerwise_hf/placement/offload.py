@@ -11,10 +11,12 @@ The path of gradient `i` (the route has reduced it; `GradientGate.grad_ready` ha
 1. `stash`: the device gradient is copied to the host (`Transfer.copy`, beside the compute) and freed. The first
    gradient of a window lands in the buffer itself; a later micro-batch's lands in a staging buffer that the host
    worker adds into it once the copy is done (`buffer += staged`: the order autograd accumulates `.grad` in, so the
-   sum is bit-identical to the standard optimizer's). Without accumulation the gradient's norm is taken on the device
-   before the copy (the gate does it); with accumulation the norm of the sum is taken by the host worker. Under fp16
-   loss scaling the inf check and unscale go the same way: on the device before the copy, or by the host worker on
-   the sum once the window's last micro-batch is in (`found_inf`, the host's flag; GradScalerBridge gathers it).
+   sum is bit-identical to the standard optimizer's). At most `max_staged` staging buffers are in use: when the
+   host worker falls behind, the next stash waits for its oldest add (`StagingBuffers`), so pinned memory is bounded.
+   Without accumulation the gradient's norm is taken on the device before the copy (the gate does it); with
+   accumulation the norm of the sum is taken by the host worker. Under fp16 loss scaling the inf check and unscale go
+   the same way: on the device before the copy, or by the host worker on the sum once the window's last micro-batch is
+   in (`found_inf`, the host's flag; GradScalerBridge gathers it).
 2. `settle`: the end of the window's last backward waits for every copy and host task and records the host norms in
    the step window, so the global norm is known.
 3. `restore_each`: each held gradient is copied back into a fresh device tensor, the next one's copy started before
@@ -96,6 +98,82 @@ class HostWorker:
             self._pool = None
 
 
+class StagingBuffers:
+    """
+    The host buffers a later micro-batch's gradient is copied into before the host worker adds it into its sum: at
+    most `bound` in use at once. `allocate` makes them `bound` blocks of the largest gradient's bytes, kept for the
+    run (pinned to the byte by `Transfer.host_block`), so the pinned bytes are what the plan counts; a gradient that
+    does not fit, or any before `allocate`, gets a buffer of its own (`Transfer.host_empty_like`), counted against the
+    same bound.
+
+    Args:
+        bound (`int`): staging buffers in use at once.
+
+    Example:
+
+    ```python
+    >>> import concurrent.futures, torch
+    >>> from layerwise_hf.placement.offload import StagingBuffers
+    >>> from layerwise_hf.placement.transfer import ThreadTransfer
+    >>> staging, add = StagingBuffers(2), concurrent.futures.Future()
+    >>> staging.allocate(ThreadTransfer(), [torch.ones(4), torch.ones(2)])
+    >>> buffer, block = staging.take(ThreadTransfer(), torch.ones(3))
+    >>> staging.hold(block, add); buffer.shape, staging.in_use, staging.nbytes
+    (torch.Size([3]), 1, 32)
+    ```
+    """
+
+    def __init__(self, bound: int):
+        self.bound = bound
+        self.blocks: list[torch.Tensor] = []  # flat uint8 host blocks, reused
+        self.free: list[torch.Tensor] = []
+        # Buffers in use, oldest first: (its block, or None for one of its own; the add that reads it).
+        self.busy: collections.deque[tuple[torch.Tensor | None, concurrent.futures.Future]] = collections.deque()
+
+    @property
+    def in_use(self) -> int:
+        """Buffers whose add may not have run yet."""
+        return len(self.busy)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the blocks kept for the run."""
+        return sum(block.numel() for block in self.blocks)
+
+    def allocate(self, transfer: Transfer, tensors: Sequence[torch.Tensor]) -> None:
+        """Make the blocks, for gradients like `tensors` (the device-side tensors offload may hold)."""
+        largest = max((t.numel() * t.element_size() for t in tensors), default=0)
+        if largest and not self.blocks:
+            self.blocks = [transfer.host_block(largest, torch.uint8) for _ in range(self.bound)]
+            self.free = list(self.blocks)
+
+    def take(self, transfer: Transfer, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(buffer, block)`: a host buffer like `grad`, a view into `block` (or `None`: a buffer of its own), for
+        `hold`. While `bound` are in use it blocks the caller (the gradient hook) until the oldest add has run."""
+        while self.busy and (len(self.busy) >= self.bound or self.busy[0][1].done()):
+            block, add = self.busy.popleft()
+            # NOTE: result(), not a bare wait: the next copy into this block must come after the worker's read of it
+            # (on CUDA it is queued after this wait returns; the tests' fake CUDA orders it by result() too).
+            add.result()
+            if block is not None:
+                self.free.append(block)
+        nbytes = grad.numel() * grad.element_size()
+        if self.free and nbytes <= self.free[-1].numel():
+            block = self.free.pop()
+            return block[:nbytes].view(grad.dtype).view(grad.shape), block
+        return transfer.host_empty_like(grad), None
+
+    def hold(self, block: torch.Tensor | None, add: concurrent.futures.Future) -> None:
+        """The buffer `take` gave with `block` is in use until `add` has run."""
+        self.busy.append((block, add))
+
+    def reset(self) -> None:
+        """At the window's end (which waited for its adds through their buffers' waits): every block is free."""
+        concurrent.futures.wait([add for _, add in self.busy])
+        self.busy.clear()
+        self.free = list(self.blocks)
+
+
 class GradientOffload:
     """
     Gradients held in host buffers between their backward and their step (see the module docstring).
@@ -107,6 +185,10 @@ class GradientOffload:
         max_in_flight (`int`, *optional*, defaults to `2`):
             Copies out allowed in flight at once; the next stash waits for the oldest. The device side then holds at
             most this many gradients being copied, next to the one autograd is computing.
+        max_staged (`int`, *optional*, defaults to `2`):
+            Gradient accumulation: staging buffers in use at once (a later micro-batch's gradient waits in one until
+            the host worker has added it into its sum). When the worker falls behind, the next stash waits for its
+            oldest add, so the host holds at most this many, each the size of the largest gradient.
         worker (`HostWorker`, *optional*):
             The host thread for adds and norms (`layerwise_offload="optimizer"` shares its host steps' one).
         host_steps (`bool`, *optional*, defaults to `False`):
@@ -134,9 +216,12 @@ class GradientOffload:
         worker: HostWorker | None = None,
         host_steps: bool = False,
         choose: Callable[[torch.Tensor], Transfer] | None = None,
+        max_staged: int = 2,
     ):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight={max_in_flight!r}: at least one copy must be allowed in flight.")
+        if max_staged < 1:
+            raise ValueError(f"max_staged={max_staged!r}: at least one staging buffer must be allowed.")
         self.transfer = transfer
         self.choose = choose
         self.max_in_flight = max_in_flight
@@ -147,6 +232,7 @@ class GradientOffload:
         # at the first buffer: the buffers are then views into one pinned block per dtype (`HostArena`).
         self.reserve: Callable[[], Sequence[torch.Tensor]] | None = None
         self.arena: HostArena | None = None
+        self.staging = StagingBuffers(max_staged)
         self.filled: dict[int, bool] = {}  # whether this window's buffer holds a gradient (else it is stale)
         self.accumulated: set[int] = set()  # buffers holding a sum of micro-batches: norm taken on the host
         self.waits: dict[int, list[Ticket | concurrent.futures.Future]] = {}  # what must finish before reading i
@@ -191,6 +277,10 @@ class GradientOffload:
         if buffer is None:
             if self.arena is None and self.reserve is not None:
                 self.arena = HostArena(transfer, self.reserve())
+            if not final and self.reserve is not None:
+                # A window of several micro-batches: its later ones stage. Made with the buffers, before any peak of
+                # the run, and kept: what is pinned stays the same from here on.
+                self.staging.allocate(transfer, self.reserve())
             buffer = self.host[i] = (
                 transfer.host_empty_like(grad) if self.arena is None else self.arena.empty_like(grad)
             )
@@ -200,11 +290,12 @@ class GradientOffload:
             waits.append(ticket)
             self.filled[i] = True
         else:
-            staged = transfer.host_empty_like(grad)
+            staged, block = self.staging.take(transfer, grad)
             ticket = transfer.copy(staged, grad)
             before = list(waits)
             waits.clear()
             waits.append(self.worker.submit(_add_after, buffer, staged, [*before, ticket]))
+            self.staging.hold(block, waits[-1])
             self.accumulated.add(i)
         param.grad = None
         self._track(ticket, grad.numel() * grad.element_size())
@@ -320,10 +411,20 @@ class GradientOffload:
         self.accumulated.clear()
         self.final.clear()
         self.found_inf = None
+        self.staging.reset()
+
+    @property
+    def max_staged(self) -> int:
+        """Staging buffers in use at once (gradient accumulation)."""
+        return self.staging.bound
 
     def host_bytes(self) -> int:
-        """Bytes of the host buffers."""
+        """Bytes of the host buffers (each parameter's; the staging buffers apart: `staging_bytes()`)."""
         return sum(b.numel() * b.element_size() for b in self.host.values())
+
+    def staging_bytes(self) -> int:
+        """Bytes of the staging buffers kept for the run (gradient accumulation; 0 before the first is needed)."""
+        return self.staging.nbytes
 
     def close(self) -> None:
         self.end_window()
