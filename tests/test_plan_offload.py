@@ -17,6 +17,7 @@ from transformers import AutoConfig
 
 from layerwise_hf.cli import main
 from layerwise_hf.estimate import EstimateError, estimate
+from layerwise_hf.estimate.units import format_bytes
 from layerwise_hf.optim.host_offload import offload_of
 from layerwise_hf.placement import transfer as transfer_module
 from layerwise_hf.placement.host_step import HostStepOptimizer
@@ -189,6 +190,20 @@ def test_cli_table_and_json(tmp_path, capsys):
     assert set(rows) == {("adamw_torch", "none"), ("adamw_torch_layerwise", "optimizer")}
     assert rows[("adamw_torch", "none")]["host_peak_bytes"] == 0
     assert rows[("adamw_torch_layerwise", "optimizer")]["host_categories"]["optimizer_state"] > 0
+    # Pinned on CUDA: the buffers (staging too, at GA 2) and the parameter copies; the host states are pageable.
+    hosted = rows[("adamw_torch_layerwise", "optimizer")]
+    cats = hosted["host_categories"]
+    assert hosted["host_pinned_bytes"] == cats["weights"] + cats["gradients"] > 0
+    assert hosted["host_pageable_bytes"] == hosted["host_peak_bytes"] - hosted["host_pinned_bytes"]
+    assert hosted["host_pageable_bytes"] >= cats["optimizer_state"] > 0
+    assert "host_pinned_bytes" not in rows[("adamw_torch", "none")]
+    assert main([*argv, "--offload", "optimizer", "--units", "decimal"]) == 0
+    out = capsys.readouterr().out
+    pinned, pageable = (format_bytes(hosted[k], "decimal") for k in ("host_pinned_bytes", "host_pageable_bytes"))
+    kinds = "gradient buffers, staging buffers, parameter copies"
+    assert "+offload optimizer, host peak " in out
+    assert f"{pinned} pinned on CUDA ({kinds}), {pageable} pageable" in out
+    assert "pinned on a GPU" not in out  # the states are not
 
 
 def test_cli_refuses_an_unknown_mode():

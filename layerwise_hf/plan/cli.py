@@ -12,7 +12,7 @@ from ..estimate.optimizers import known_names
 from ..estimate.units import DTYPE_BYTES, SHARDINGS, EstimateError, format_bytes
 
 if TYPE_CHECKING:
-    from .core import Plan
+    from .core import Plan, PlanRow
 
 from .options import CLIP_MODES, DEVICES, OFFLOAD_MODES
 
@@ -45,6 +45,10 @@ JSON_SCHEMA = """--json prints one object:
     host_peak_bytes             the most host bytes alive at once (offload: gradient buffers; with optimizer also
                                 the states, parameter copies and host step temporaries); 0 without offload
     host_categories             {same categories}: host bytes at that peak
+    host_pinned_bytes           offload rows: of that peak, what is pinned on CUDA (gradient buffers, staging
+                                buffers, parameter copies: host_categories' weights and gradients)
+    host_pageable_bytes         offload rows: the rest, pageable (the host optimizer states, the host step's
+                                temporaries)
     combined_peak_bytes         the most device + host bytes alive at once (one memory, as on a CPU-only machine)
     host_fits, host_headroom_bytes  with --host-memory: host_peak_bytes <= host memory, and the difference
   offload_advice         with several --offload modes: per layer-wise optimizer, the mode to use and why (bytes)
@@ -229,12 +233,16 @@ def _run(args: argparse.Namespace) -> str:
     if args.json:
         payload = result.to_dict()
         for row in payload["optimizers"]:
+            if row["offload"] != "none":
+                row["host_pinned_bytes"], row["host_pageable_bytes"] = host_pinned_pageable(row["host_categories"])
             if (row["optimizer"], row["offload"]) in batches:
                 row["max_micro_batch"] = batches[(row["optimizer"], row["offload"])]
             if (row["optimizer"], row["offload"]) in times:
                 row["offload_time"] = times[(row["optimizer"], row["offload"])].to_dict()
         return json.dumps(payload, indent=2)
     text = result.format(args.units)
+    offloaded = [row for row in result.rows if row.offload != "none"]
+    text += "".join(_host_line(row, result.setup.grad_accum, args.units) for row in offloaded)
     for row in result.rows:
         timed = times.get((row.optimizer, row.offload))
         if timed is not None:
@@ -248,6 +256,36 @@ def _run(args: argparse.Namespace) -> str:
             text += (f"\n{row.label}: largest micro-batch that fits in "
                      f"{format_bytes(result.device_memory, args.units)}: {batch}")  # fmt: skip
     return text
+
+
+def host_pinned_pageable(host_categories: dict[str, int]) -> tuple[int, int]:
+    """
+    `(pinned, pageable)` bytes of an offload row's host peak: on CUDA the gradient buffers, the staging buffers and
+    the parameter copies are pinned (views into blocks registered to the byte); the host optimizer states and the host
+    step's temporaries are allocated like any CPU tensor, pageable.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.plan.cli import host_pinned_pageable
+    >>> host_pinned_pageable({"weights": 4, "gradients": 4, "optimizer_state": 8, "activations": 0, "temporaries": 1})
+    (8, 9)
+    ```
+    """
+    pinned = host_categories.get("weights", 0) + host_categories.get("gradients", 0)
+    return pinned, sum(host_categories.values()) - pinned
+
+
+def _host_line(row: PlanRow, grad_accum: int, units: str) -> str:
+    pinned, pageable = host_pinned_pageable(row.host_categories)
+    kinds = "gradient buffers" + (", staging buffers" if grad_accum > 1 else "")
+    hosted = row.offload == "optimizer"
+    kinds += ", parameter copies" if hosted else ""
+    rest = "optimizer states, the host step's temporaries" if hosted else "the host worker's temporaries"
+    return (
+        f"\n{row.label}, host peak {format_bytes(row.host_peak_bytes, units)}: {format_bytes(pinned, units)} pinned "
+        f"on CUDA ({kinds}), {format_bytes(pageable, units)} pageable ({rest})."
+    )
 
 
 def _offload_times(args: argparse.Namespace, result: Plan) -> dict:

@@ -194,8 +194,8 @@ class Plan:
             lines.append(
                 "Note: offload rows: the categories are the device's (host-side storages apart); host peak: the most "
                 "host memory alive at once (gradient buffers; with 'optimizer' also the states, a copy of each "
-                "parameter and the host step's temporaries), pinned on a GPU. The host worker is planned as keeping "
-                "pace with backward."
+                "parameter and the host step's temporaries). On a GPU the buffers and copies are pinned, the states "
+                "and temporaries pageable. The host worker is planned as keeping pace with backward."
             )
         if self.setup.sharding == "fsdp2":
             lines.append(
