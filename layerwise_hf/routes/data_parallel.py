@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from ..bases.support import check_ddp_comm_hook
 from ..platform.compat import checkpointing_kwargs_name
-from .hooks import LocalHooks
+from .hooks import HoldPlan, LocalHooks
 from .sink import GradientSink
 
 MAX_IN_FLIGHT = 1  # a bucket all-reduces while the next one fills: overlap, with memory bounded by two buckets
@@ -119,7 +119,7 @@ class _Bucket:
         self, indices: list[int], numels: list[int], dtype: torch.dtype, device: torch.device, alone: bool = False
     ):
         self.indices = indices
-        self.alone = alone  # a tensor at least as large as the cap: its step may be held (see _retire)
+        self.alone = alone  # a tensor at least as large as the cap: its step may be held (`HoldPlan`)
         self.position = 0  # its index in launch order (_set_buckets): a hold depends on the bucket after it
         self.numels = numels
         self.offsets = [sum(numels[:k]) for k in range(len(numels))]
@@ -295,7 +295,7 @@ class DataParallelReducer(LocalHooks):
         self._output_hook: Any = None
         self._next = 0  # the next bucket to launch, in the same order on every rank
         self._in_flight: collections.deque[_Bucket] = collections.deque()
-        self._held: list[_Bucket] = []  # reduced, their step waiting for fewer activations (see _retire)
+        self._held: list[_Bucket] = []  # reduced, their step waiting for fewer activations (`HoldPlan`)
         self._in_backward = False
         self._sync_module_states()
         if self.model is not None and self.config.broadcast_buffers and any(True for _ in self.model.buffers()):
@@ -338,6 +338,8 @@ class DataParallelReducer(LocalHooks):
         self.bucket_of = {i: b for b, bucket in enumerate(buckets) for i in bucket.indices}
         for b, bucket in enumerate(buckets):
             bucket.position = b
+        # Buckets go out in launch order, the same on every rank: a large one's step is held while smaller follow.
+        self._holds = HoldPlan([bucket.alone for bucket in buckets], range(len(buckets)))
 
     def detach(self) -> None:
         self._remove_plan_hooks()
@@ -351,6 +353,8 @@ class DataParallelReducer(LocalHooks):
             bucket.reset()
         self._in_flight = collections.deque()
         self._held = []
+        if hasattr(self, "_holds"):
+            self._holds.release()
         self._next = 0
         self._in_backward = False
         super().detach()
@@ -460,18 +464,19 @@ class DataParallelReducer(LocalHooks):
         bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
         self._in_flight.append(bucket)
         self._next += 1
+        if bucket.alone:
+            self._holds.hold(bucket.position)
         while len(self._in_flight) > MAX_IN_FLIGHT:
             self._retire(self._in_flight.popleft())
-        if self._held and self._next < len(self.buckets) and self.buckets[self._next].alone:
+        if not bucket.alone and self._holds.arrived(bucket.position):
             # The next gradient is a large one, not computed yet, and few activations are left: drain the smaller
             # buckets, then step the held ones (their temporaries and that gradient never coexist).
             self._drain()
 
     def _retire(self, bucket: _Bucket) -> None:
         # A large tensor's step early in backward would put its temporaries on top of the activations still alive
-        # (see the module docstring): hold it while the buckets after it are smaller.
-        after = bucket.position + 1
-        if bucket.alone and after < len(self.buckets) and not self.buckets[after].alone:
+        # (see the module docstring): held while the buckets planned after it are smaller.
+        if bucket.position in self._holds.held:
             self._held.append(bucket)
         else:
             self._step_bucket(bucket)
@@ -479,6 +484,7 @@ class DataParallelReducer(LocalHooks):
     def _drain(self) -> None:
         while self._in_flight:
             self._step_bucket(self._in_flight.popleft())
+        self._holds.release()
         while self._held:
             self._step_bucket(self._held.pop(0))
 
