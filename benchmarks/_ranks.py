@@ -1,5 +1,5 @@
 """The harness of the multi-process benchmarks: launch a benchmark's worker on CPU ranks under an Accelerate config,
-gather what every rank measured, end the ranks cleanly, and summarize a rank's profile."""
+gather what every rank measured and end the ranks cleanly."""
 
 from __future__ import annotations
 
@@ -38,26 +38,6 @@ def write_gathered_and_finish(path: str, result: dict) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def profile_summary(prof, steps: int, rows_wanted: list[tuple[str, str, str]]) -> dict:
-    """cProfile's table reduced to `rows_wanted` (label, a part of the file name, the function name): the rows that say
-    where the time goes (cumulative seconds over `steps`)."""
-    import pstats
-
-    stats = pstats.Stats(prof)
-    rows = []
-    for (filename, _, func), (_cc, nc, tt, ct, _callers) in stats.stats.items():
-        rows.append({"file": filename, "func": func, "calls": nc, "tottime": tt, "cumtime": ct})
-    total = max((r["cumtime"] for r in rows if r["func"] in ("train", "_inner_training_loop")), default=0.0)
-    top = sorted(rows, key=lambda r: r["tottime"], reverse=True)[:25]
-    picked = []
-    for label, file_part, func in rows_wanted:
-        matches = [r for r in rows if file_part in r["file"] and r["func"] == func]
-        if matches:
-            best = max(matches, key=lambda r: r["cumtime"])
-            picked.append({"label": label, "calls": best["calls"], "cumtime": best["cumtime"], "func": best["func"]})
-    return {"steps": steps, "train_cumtime_s": total, "rows": picked, "top_tottime": top}
 
 
 def free_port() -> int:
