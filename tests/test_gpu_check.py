@@ -113,7 +113,9 @@ def test_gpu_check_sh_refuses_to_start_without_cuda():
 @pytest.mark.slow
 def test_gpu_check_sh_runs_the_chosen_checks_and_skips_those_needing_bitsandbytes(tmp_path):
     # An interpreter that says it has CUDA, then really runs the check (on CPU: --device cpu), without bitsandbytes.
-    stub = executable(tmp_path / "python", f'#!/bin/sh\n{CUDA_PROBE}\nexec "{sys.executable}" "$@"\n')
+    # Its preflight (a script on stdin, which would ask CUDA for the device's name) is answered by the stub.
+    preflight = 'if [ "$1" = "-" ]; then cat >/dev/null; echo "gpu_check: preflight (stub)"; exit 0; fi'
+    stub = executable(tmp_path / "python", f'#!/bin/sh\n{CUDA_PROBE}\n{preflight}\nexec "{sys.executable}" "$@"\n')
     out = tmp_path / "gpu_check.json"
     result = subprocess.run(
         ["bash", str(SHELL), "--device", "cpu", "--tiny", "--checks", "fsdp2_8bit", "--output", str(out)],
