@@ -128,17 +128,11 @@ DOCS = ROOT / "docs" / "offload.md"
 MARKER = "host-step-floor"
 
 
-def _once(fn, clock=time.perf_counter) -> float:
-    start = clock()
+def _once(fn) -> tuple[float, float]:
+    """`fn()`'s wall time and the calling thread's CPU time."""
+    wall, cpu = time.perf_counter(), time.thread_time()
     fn()
-    return clock() - start
-
-
-def _clock(threads: int):
-    # NOTE: on one thread the calling thread's CPU time: on a shared machine the wall clock holds other processes'
-    # time slices, and more of them in a long step than in the short add it is compared with (measured here: AdamW's
-    # fused step read 2.5x the floor by the wall clock at load 1 on 2 cores, 1.3x by CPU time).
-    return time.thread_time if threads == 1 else time.perf_counter
+    return time.perf_counter() - wall, time.thread_time() - cpu
 
 
 def _nbytes(state: dict) -> int:
@@ -168,25 +162,27 @@ def floor_rows(base: str, model, repeats: int, all_threads: int) -> list[dict]:
                 torch.set_num_threads(threads)
                 # NOTE: step and floor alternate, and the ratio is the median of each pair's: on a shared machine
                 # the load moves between two separate medians.
-                moved = 0
-                steps, adds = [], []
-                clock = _clock(threads)
+                pairs = []
                 with contextlib.redirect_stdout(io.StringIO()):
                     inner.step()
                     a.add_(b, alpha=0.0)
                     for _ in range(1 if base == "muon" else repeats):
-                        steps.append(_once(inner.step, clock))
-                        adds.append(_once(lambda: a.add_(b, alpha=0.0), clock))  # 3 x the weight's bytes
+                        pairs.append((_once(inner.step), _once(lambda: a.add_(b, alpha=0.0))))  # add: 3 x weight
                 moved = 2 * (weight.numel() * weight.element_size() + _nbytes(inner.state[weight]))
                 moved += weight.grad.numel() * weight.grad.element_size()
                 scale = moved / (3 * a.numel() * a.element_size())
-                seconds, floor = statistics.median(steps), statistics.median(adds) * scale
-                ratio = statistics.median(st / (ad * scale) for st, ad in zip(steps, adds))
+                # NOTE: on one thread the thread's CPU time: on a shared machine the wall clock holds other
+                # processes' time slices, and more of them in a long step than in the short add it is compared with.
+                clock = 1 if threads == 1 else 0
+                seconds = statistics.median(st[clock] for st, _ in pairs)
+                floor = statistics.median(ad[clock] for _, ad in pairs) * scale
                 n = weight.numel()
                 rows.append({
                     "base": base, "kernel": kernel, "dtype": str(weight.dtype).removeprefix("torch."),
-                    "threads": threads, "ns_per_element": seconds / n * 1e9, "floor_ns_per_element": floor / n * 1e9,
-                    "bytes_per_element": moved / n, "x_floor": ratio,
+                    "threads": threads, "clock": "cpu" if clock else "wall", "ns_per_element": seconds / n * 1e9,
+                    "floor_ns_per_element": floor / n * 1e9, "bytes_per_element": moved / n,
+                    "x_floor": statistics.median(st[clock] / (ad[clock] * scale) for st, ad in pairs),
+                    "x_floor_wall": statistics.median(st[0] / (ad[0] * scale) for st, ad in pairs),
                 })  # fmt: skip
     finally:
         weight.grad = None
@@ -236,7 +232,7 @@ def _adamw_parts(numel: int, repeats: int) -> tuple[dict, torch.optim.Optimizer]
         fn()
     for _ in range(repeats):  # interleaved: a change of load falls on all four alike
         for k, fn in fns.items():
-            times[k].append(_once(fn, time.thread_time))
+            times[k].append(_once(fn)[1])
     seconds = {k: statistics.median(t) for k, t in times.items()}
     out = {f"{k}_ns_per_element": t / numel * 1e9 for k, t in seconds.items()}
     out["python_us_per_tensor"] = (seconds["step"] - seconds["kernel"]) * 1e6
@@ -336,12 +332,17 @@ def floor_table(result: dict) -> str:
     big = result["adamw_breakdown"]["elements"][max(result["adamw_breakdown"]["elements"], key=int)]
     small = result["adamw_breakdown"]["elements"][min(result["adamw_breakdown"]["elements"], key=int)]
     load = result.get("load_average_1min", [float("nan")] * 2)
+    wall = [
+        f"`{r['base']}` {r['x_floor']:.2f}x / {r['x_floor_wall']:.2f}x"
+        for r in result["rows"]
+        if r["kernel"] == "fast" and r["threads"] == 1 and r["dtype"] == "float32" and "x_floor_wall" in r
+    ]
     lines += [
         "",
         f"A {result['hidden']} x {result['hidden']} fp32 weight ({result['elements'] / 1e6:.1f}M elements), median of "
         f"{result['repeats']} steps after a warm-up (Muon: 1), {result['machine']}, load {load[0]:.1f} -> "
-        f"{load[1]:.1f}; 1-thread columns in the thread's CPU time, the others in wall time. ns per element of one "
-        "step, and "
+        f"{load[1]:.1f}; 1-thread columns in the thread's CPU time, the others in wall time (fast, fp32, 1 thread, "
+        f"CPU / wall time over the floor in the same steps: {', '.join(wall)}). ns per element of one step, and "
         "(x) that over the floor: the step's bytes (weight and states read and written, gradient read) at the "
         "bandwidth `a.add_(b)` reaches on the same tensors in the same run. `fast` is `layerwise_host_step=\"fast\"` "
         "(the default for a model on an accelerator), `exact` torch's per-tensor loop as Trainer builds it. A host "
@@ -482,11 +483,14 @@ def plan_check(opts) -> dict:
           f"{load[0]:.2f} -> {load[1]:.2f} on {os.cpu_count()} cores): the host worker's {clock} time, median of "
           f"{opts.repeats} passes, median of {opts.rounds} rounds; goal: planned / real within 0.8-1.2")  # fmt: skip
     print(f"{'hidden':>6} {'elements':>10} {'tensors':>7} {'real ms':>8} {'plan ms':>8} {'plan/real':>9} "
-          f"{'2-size line ms':>14} {'line/real':>9}")  # fmt: skip
+          f"{'(rounds)':>11} {'2-size line ms':>14} {'line/real':>9} {'(rounds)':>11}")  # fmt: skip
     for r in rows:
+        plan_spread = [x["planned_s"] / x["real_s"] for x in r["rounds"]]
+        line_spread = [x["line_s"] / x["real_s"] for x in r["rounds"]]
         print(f"{r['hidden']:>6} {r['elements']:>10} {r['tensors']:>7} {r['real_s'] * 1e3:>8.2f} "
-              f"{r['planned_s'] * 1e3:>8.2f} {r['planned_over_real']:>9.2f} {r['two_size_line_s'] * 1e3:>14.2f} "
-              f"{r['two_size_line_over_real']:>9.2f}")  # fmt: skip
+              f"{r['planned_s'] * 1e3:>8.2f} {r['planned_over_real']:>9.2f} "
+              f"{min(plan_spread):>5.2f}-{max(plan_spread):<5.2f} {r['two_size_line_s'] * 1e3:>14.2f} "
+              f"{r['two_size_line_over_real']:>9.2f} {min(line_spread):>5.2f}-{max(line_spread):<5.2f}")  # fmt: skip
     first = rows[0]["rounds"]
     print(f"2-size line: {med(r['line_us_per_tensor'] for r in first):.1f} us per tensor + "
           f"{med(r['line_ns_per_element'] for r in first):.2f} ns per element (medians)")  # fmt: skip
@@ -590,7 +594,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-docs", action="store_true", help="write no docs/offload.md, docs/sizing.md")
     parser.add_argument("--output_dir", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--plan-check", action="store_true", help="the plan's host seconds against a real host step")
-    parser.add_argument("--rounds", type=int, default=3, help="--plan-check: calibrate-and-measure rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="--plan-check: calibrate-and-measure rounds")
     parser.add_argument("--sizing", action="store_true", help="docs/sizing.md's step-time table (Llama-3-8B, 24 GiB)")
     opts = parser.parse_args(argv)
     if opts.sizing:
