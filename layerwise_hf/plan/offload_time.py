@@ -207,9 +207,9 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _build_inner(optimizer: str, weight: torch.nn.Parameter) -> torch.optim.Optimizer:
-    """The optimizer the plugin builds for `weight` as a hidden layer's projection (`optimizer`: a Trainer name or
-    its layer-wise form)."""
+def _builder(optimizer: str, weight: torch.nn.Parameter) -> Callable[[torch.nn.Parameter], torch.optim.Optimizer]:
+    """Builds the optimizer the plugin builds for a hidden layer's projection of `weight`'s shape, for each tensor it
+    is given (`optimizer`: a Trainer name or its layer-wise form)."""
     import tempfile
 
     from transformers import TrainingArguments
@@ -228,7 +228,7 @@ def _build_inner(optimizer: str, weight: torch.nn.Parameter) -> torch.optim.Opti
         args = TrainingArguments(tmp, optim=base or "adamw_torch", report_to="none", use_cpu=True, **extra)
     args.optim = name
     factory = resolve_factory(args, model)
-    return factory(LayerwiseParam("self_attn.q_proj.weight", weight, 0.0), args)
+    return lambda tensor: factory(LayerwiseParam("self_attn.q_proj.weight", tensor, 0.0), args)
 
 
 def worker_seconds(worker: Any, tasks: Sequence[Callable[[], Any]], threads: int, repeats: int) -> float:
@@ -271,20 +271,21 @@ def _pool_seconds(
         weight = torch.nn.Parameter(torch.rand(shape, dtype=dtype).sub_(0.5).mul_(0.04))
         weight.grad = torch.rand_like(weight).sub_(0.5).mul_(2e-3)
         weights.append(weight)
-    inner = _build_inner(optimizer, weights[0])
-    group = inner.param_groups[0]
-    group.update(host_kernel_flags(inner, torch.device("cuda"), "fast"))
+    build = _builder(optimizer, weights[0])
+    # One optimizer per tensor, as the plugin builds them: one optimizer stepping each tensor in turn would keep its
+    # Python objects warm.
+    inners = [build(w) for w in weights]
+    flags = host_kernel_flags(inners[0], torch.device("cuda"), "fast")
+    for inner in inners:
+        inner.param_groups[0].update(flags)
 
-    def step(weight: torch.nn.Parameter) -> None:
-        # One optimizer whose parameter is swapped keeps a state per tensor, as one optimizer per parameter does,
-        # and costs the same per step; building `pool` of them through Trainer's arguments would take seconds.
+    def step(inner: torch.optim.Optimizer) -> None:
         claim_thread_share(threads)
-        group["params"] = [weight]
         inner.step()
 
     worker = HostWorker()
     try:
-        tasks = [functools.partial(step, w) for w in weights]
+        tasks = [functools.partial(step, inner) for inner in inners]
         return worker_seconds(worker, tasks, threads, repeats) / pool
     finally:
         worker.close()
