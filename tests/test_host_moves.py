@@ -55,7 +55,7 @@ def test_a_host_step_moves_the_windows_clip_coefficient_to_the_host_once():
             DeviceScalar.moves += 1
             return torch.tensor(0.5, device=device)
 
-    on_host = HostCoefficient()  # what GradientGate.step_on_host moves the coefficient with
+    on_host = HostCoefficient()  # what OffloadStage.step moves the coefficient with
     coef = DeviceScalar()
     host = [on_host(coef, torch.device("cpu")) for _ in range(50)]  # 50 parameters stepped on the host
     assert DeviceScalar.moves == 1 and all(h is host[0] for h in host)

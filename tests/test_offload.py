@@ -442,3 +442,46 @@ def test_a_sum_without_a_gradient_in_the_last_micro_batch_counts_in_the_norm(mod
     end_training(optimizer)
     assert all(torch.equal(a, b) for a, b in zip(norms, expected)) and len(norms) == 2
     assert_params_equal(model, reference)
+
+
+def test_the_next_forward_waits_once_for_every_copy_back(monkeypatch):
+    # Issue 28 item 8: one host worker runs the steps in order and every copy back goes on one stream (one copy thread
+    # here), so the device waits on the last copy back's event once, not once per parameter.
+    model, optimizer, runner = _host_stepped(delay=0.02)
+    reference = clone(model)
+    x = torch.randn(5, 8)
+    reference(x).pow(2).sum().backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    model(x).pow(2).sum().backward()
+    optimizer.step()
+    waits = []
+    wait_host = transfer_module._ThreadTicket.wait_host
+    monkeypatch.setattr(
+        transfer_module._ThreadTicket, "wait_device", lambda self: (waits.append(self), wait_host(self))
+    )
+    model(x)
+    assert len(optimizer.inner) == 6 and len(waits) == 1
+    assert not runner.pending and all(_copied_back(optimizer))
+    assert_params_equal(model, reference)
+    optimizer.detach()
+    runner.close()
+
+
+def test_a_failed_host_step_is_raised_by_the_next_forward_after_the_other_copies_back(monkeypatch):
+    model, optimizer, runner = _host_stepped(delay=0.01)
+    failing = optimizer.inner[2]
+
+    def fail(*args):
+        raise RuntimeError("host step failed")
+
+    monkeypatch.setattr(failing, "_step_on_host", fail)
+    model(torch.randn(5, 8)).pow(2).sum().backward()
+    optimizer.step()
+    with pytest.raises(RuntimeError, match="host step failed"):
+        model(torch.randn(5, 8))
+    # Every other parameter's copy back was waited for: none is left in flight behind the error.
+    assert not runner.pending
+    others = [inner for inner in optimizer.inner if inner is not failing]
+    assert len(others) == 5 and all(inner.last.done() and inner.last.result().done() for inner in others)
+    optimizer.detach()
+    runner.close()

@@ -33,6 +33,7 @@ without offload (its class is saved, not the wrapper's), so a run resumes across
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -64,6 +65,7 @@ class HostRunner:
         self.reserve: Callable[[], Sequence[torch.Tensor]] | None = None
         self.arenas: dict[str, HostArena] = {}
         self.pending: dict[int, HostStepOptimizer] = {}  # id -> optimizers whose copy back the next forward awaits
+        self.latest: concurrent.futures.Future | None = None  # the last host step submitted: its copy back is last
         # id(module) -> (module, whether it holds a pending parameter), decided since `pending` last grew.
         self._verdicts: dict[int, tuple[torch.nn.Module, bool]] = {}
         runner = weakref.ref(self)
@@ -105,6 +107,7 @@ class HostRunner:
     def add(self, optimizer: HostStepOptimizer) -> None:
         """`optimizer` started a host step: the next forward that reads its parameter waits for its copy back."""
         self.pending[id(optimizer)] = optimizer
+        self.latest = optimizer.last
         self._verdicts.clear()
 
     def transfer_for(self, tensor: torch.Tensor) -> Transfer:
@@ -126,10 +129,25 @@ class HostRunner:
 
     def wait(self) -> None:
         """Make the device wait for every host step started and its copy back (before parameters are read)."""
-        while self.pending:
-            _, optimizer = self.pending.popitem()
-            optimizer.wait_device()
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, {}
         self._verdicts.clear()
+        # NOTE: one host worker runs the steps in the order they were submitted, and each issues its copy back on the
+        # one transfer's to-device stream (one copy thread on CPU), so the last copy back is ordered after every
+        # other: the device waits on its event once, not once per parameter. Every earlier step is done by then, and
+        # asking for its result raises what it raised.
+        try:
+            last = self.latest.result()
+        except Exception:
+            # The last step failed, so it issued no copy back: the device waits for each copy back that was issued.
+            for optimizer in pending.values():
+                with contextlib.suppress(Exception):
+                    optimizer.wait_device()
+            raise
+        last.wait_device()
+        for optimizer in pending.values():
+            optimizer.last.result()
 
     def close(self) -> None:
         self.wait()
