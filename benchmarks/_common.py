@@ -1,6 +1,6 @@
 """The benchmark harness: model sizes and builders, the example task, the optimizers under test, RSS / gradient /
-optimizer-state meters, forked and subprocess measurement, interleaved timing rounds and the JSON / PNG / table output.
-Each script under benchmarks/ keeps its configurations and its question.
+optimizer-state meters, forked and subprocess measurement, interleaved timing rounds, cProfile rows, tables and the
+JSON report. Each script under benchmarks/ keeps its configurations and its question.
 
 Imported as `benchmarks._common` (each script puts the repository root on `sys.path`). The optimizer is observed only
 through public names of `layerwise_hf`: `LayerwiseOptimizer.inner` (one `torch.optim.Optimizer` per trainable
@@ -19,7 +19,6 @@ import signal
 import statistics
 import sys
 import tempfile
-import textwrap
 import time
 import traceback
 import types
@@ -300,27 +299,18 @@ def storage_bytes(tensors) -> int:
     return sum(storages(tensors).values())
 
 
-def inner_param(inner):
-    """The one parameter a per-parameter inner optimizer holds."""
-    return inner.param_groups[0]["params"][0]
-
-
 class GradMeter:
     """
     Live `.grad` bytes of `params`, sampled at every post-accumulate-grad hook (once `attach()`ed) and wherever
     `sample()` is called: the largest sum of (local) `.grad` tensor bytes and of the distinct storages they keep alive
-    (an FSDP2 shard or a bucket view pins its whole buffer) since the last `start_step()`, and the sample at the first
-    hook of each backward (`first`: the first weight gradient, where a layer-wise optimizer takes its first step while
-    most activations are still alive). `attach()` it before the layer-wise optimizer's hooks, so each sample sees a
-    gradient before its step frees it. `total(storages)` may add what an engine holds for gradients beside `.grad`.
+    (an FSDP2 shard or a bucket view pins its whole buffer) since the last `start_step()`. `attach()` it before the
+    layer-wise optimizer's hooks, so each sample sees a gradient before its step frees it. `total(storages)` may add
+    what an engine holds for gradients beside `.grad`.
     """
 
-    def __init__(self, params, names: dict | None = None):
-        self.params, self.names = list(params), names or {}
-        self.handles: list = []
-        self.samples = 0
+    def __init__(self, params):
+        self.params, self.handles, self.samples = list(params), [], 0
         self.start_step()
-        self.start_backward()
 
     def attach(self) -> GradMeter:
         self.handles += [p.register_post_accumulate_grad_hook(self.sample) for p in self.params]
@@ -336,10 +326,7 @@ class GradMeter:
         self.handles = []
 
     def start_step(self) -> None:
-        self.peak_tensor = self.peak_storage = self.peak_total = self.first_max = 0
-
-    def start_backward(self) -> None:
-        self.first, self.first_name = None, None
+        self.peak_tensor = self.peak_storage = self.peak_total = 0
 
     def live(self) -> int:
         return sum(nbytes(p.grad) for p in self.params if p.grad is not None)
@@ -348,15 +335,11 @@ class GradMeter:
         return sum(grad_storages.values())
 
     def sample(self, param=None) -> None:
-        """Record the gradients alive now (`param`: the one whose hook fires). Returns None: autograd refuses a
-        post-accumulate-grad hook that returns anything else."""
+        """Record the gradients alive now. Returns None: autograd refuses a post-accumulate-grad hook that returns
+        anything else."""
         grads = [p.grad for p in self.params if p.grad is not None]
-        live = sum(nbytes(g) for g in grads)
         held = storages(grads)
-        if param is not None and self.first is None:
-            self.first, self.first_name = live, self.names.get(id(param))
-            self.first_max = max(self.first_max, live)
-        self.peak_tensor = max(self.peak_tensor, live)
+        self.peak_tensor = max(self.peak_tensor, sum(nbytes(g) for g in grads))
         self.peak_storage = max(self.peak_storage, sum(held.values()))
         self.peak_total = max(self.peak_total, self.total(held))
         self.samples += 1
@@ -485,27 +468,17 @@ def print_timing(timing: dict, key: str, ref: str, extra: list[tuple] = ()) -> N
           "CPU time (single-threaded: barely touched by other processes).")  # fmt: skip
 
 
-def cprofile_summary(prof, steps: int, wanted: list[tuple[str, str, str]] = (), top: int = 15) -> dict:
-    """cProfile's table, per step: the top functions by own time, layerwise_hf's by cumulative time, and `wanted`
-    (label, a part of the file name, the function name): the rows that say where the time goes."""
+def cprofile_summary(prof, steps: int, wanted: list[tuple[str, str, str]]) -> dict:
+    """cProfile's rows `wanted` (label, a part of the file name, the function name), per step: where the time goes."""
     import pstats
 
-    rows = [{"function": f"{'/'.join(Path(file).parts[-2:])}:{line}({func})" if line else func, "file": file,
-             "func": func, "calls_per_step": nc / steps, "own_ms_per_step": 1000 * tt / steps,
-             "cumulative_ms_per_step": 1000 * ct / steps}
-            for (file, line, func), (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items()]  # fmt: skip
-    picked = []
+    stats, picked = pstats.Stats(prof).stats.items(), []
     for label, file_part, func in wanted:
-        matches = [r for r in rows if file_part in r["file"] and r["func"] == func]
+        matches = [(ct, nc) for (file, _, name), (_, nc, _, ct, _) in stats if file_part in file and name == func]
         if matches:
-            picked.append({"label": label, **max(matches, key=lambda r: r["cumulative_ms_per_step"])})
-    ours = [r for r in rows if "layerwise_hf" in r["file"]]
-    return {
-        "steps": steps,
-        "rows": picked,
-        "top_own_time": sorted(rows, key=lambda r: -r["own_ms_per_step"])[:top],
-        "layerwise_hf_functions": sorted(ours, key=lambda r: -r["cumulative_ms_per_step"])[:top],
-    }
+            ct, nc = max(matches)
+            picked.append({"label": label, "calls_per_step": nc / steps, "cumulative_ms_per_step": 1000 * ct / steps})
+    return {"steps": steps, "rows": picked}
 
 
 # ---- output ----
@@ -540,47 +513,6 @@ def print_table(columns: list[tuple], rows: list, title: str | None = None) -> N
 def print_rows(items, columns: list[tuple], title: str | None = None) -> None:
     """`print_table` of one row per item: `columns` are (header, width, item -> cell) or (..., alignment)."""
     print_table([(c[0], c[1], *c[3:]) for c in columns], [[c[2](i) for c in columns] for i in items], title)
-
-
-def pyplot():
-    """matplotlib's pyplot on the file-only Agg backend."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig, path: Path, title: str, fontsize: int = 10) -> None:
-    fig.suptitle(textwrap.fill(title, 150), fontsize=fontsize)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot().close(fig)
-
-
-def plot_panels(path: Path, title: str, panels: list[dict]) -> None:
-    """A row of panels, each a dict: `title`, `ylabel`, `series` ({label: {x: y}} drawn as grouped bars, or with
-    `line=True` as lines over the x's), `lines` ({label: y}: dashed horizontal marks), `log` (log y scale)."""
-    fig, axes = pyplot().subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
-    for ax, p in zip(axes[0], panels):
-        series = {k: v for k, v in p["series"].items() if v}
-        xs = list(dict.fromkeys(x for values in series.values() for x in values))
-        width = 0.8 / max(1, len(series))
-        for k, (label, values) in enumerate(series.items()):
-            ys = [values.get(x, float("nan")) for x in xs]
-            if p.get("line"):
-                ax.plot(range(len(xs)), ys, marker="o" if len(xs) < 30 else None, label=label, color=f"C{k}")
-            else:
-                at = [i + (k - (len(series) - 1) / 2) * width for i in range(len(xs))]
-                ax.bar_label(ax.bar(at, ys, width, label=label, color=f"C{k}"), fmt="%.3g", fontsize=6)
-        for k, (label, y) in enumerate(p.get("lines", {}).items()):
-            ax.axhline(y, color=("red", "green", "0.4")[k % 3], ls="--", lw=1, label=label)
-        step = max(1, len(xs) // 12)
-        ax.set_xticks(range(0, len(xs), step), [str(x) for x in xs][::step], fontsize=7, rotation=20, ha="right")
-        ax.set(title=p["title"], ylabel=p.get("ylabel", ""), yscale="log" if p.get("log") else "linear")
-        ax.legend(fontsize=7)
-    save_figure(fig, path, title, fontsize=9)
 
 
 def write_report(output_dir, name: str, report: dict, plot=None) -> Path:

@@ -102,17 +102,6 @@ def time_configs(base_model, dataset, opts) -> dict:
     return out
 
 
-def plot(report: dict, path: Path) -> None:
-    def series(key, scale=1):
-        return {k: {f"GA {e['grad_accum']}": e[key] / scale for e in report["timing"].values() if e["optimizer"] == k}
-                for k in KINDS}  # fmt: skip
-
-    h.plot_panels(path, report["description"], [
-        dict(title="fp16 + GradScaler step time", ylabel="median step time (s)", series=series("median_s")),
-        dict(title="gradient bytes alive at once (peak)", ylabel="MiB", series=series("peak_grad_bytes", h.MIB)),
-    ])  # fmt: skip
-
-
 def main(argv=None) -> None:
     opts, started = parse_args(argv), time.perf_counter()
     base_model, dataset, desc = h.example_task(opts)
@@ -130,7 +119,7 @@ def main(argv=None) -> None:
           "`peak_grad_bytes`, standard: the .grad bytes alive at its step.")  # fmt: skip
     report = {"description": desc, "config": vars(opts) | {"num_params": base_model.num_parameters()},
               "torch": torch.__version__, "timing": timing, "wall_time_s": time.perf_counter() - started}  # fmt: skip
-    h.write_report(opts.output_dir, "fp16_speed", report, plot)
+    h.write_report(opts.output_dir, "fp16_speed", report)
 
 
 if __name__ == "__main__":

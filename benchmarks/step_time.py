@@ -1,10 +1,9 @@
 """Step time of `adamw_torch_layerwise` vs `torch.optim.AdamW` in a plain loop (no Trainer, one process); with
-`--offload` the host offload rows, with `--profile` where the layer-wise optimizer's extra time goes.
+`--offload` the host offload rows.
 Launch, method and last results: benchmarks/README.md."""
 
 from __future__ import annotations
 
-import cProfile
 import os
 import statistics
 import sys
@@ -38,8 +37,6 @@ SMALL = h.LLAMA_TINY | dict(seq_len=32, batch_size=2)
 def parse_args(argv=None):
     parser = h.benchmark_parser(__doc__.splitlines()[0], FULL, SMALL, rounds=8, seed=0)
     parser.add_argument("--steps_per_round", type=int, default=3, help="steps of each optimizer per round")
-    parser.add_argument("--profile", action="store_true", help="then profile a few steps: step hooks, cProfile")
-    parser.add_argument("--profile_steps", type=int, default=3, help="steps of each optimizer per profile")
     parser.add_argument("--offload", action="store_true", help="add the host offload rows")
     parser.add_argument("--offload_only", action="store_true", help="the offload rows and their references only")
     parser.add_argument("--name", default="step_time", help="the report's file name: <output_dir>/<name>.json, .png")
@@ -55,8 +52,6 @@ def parse_args(argv=None):
         opts.kinds = ["standard"] + ([] if opts.offload_only else ["layerwise"])
         if opts.offload or opts.offload_only:
             opts.kinds += [k for k in REFERENCE if k not in ("standard", "layerwise")]
-    if opts.profile and "layerwise" not in opts.kinds:
-        parser.error("--profile profiles `layerwise` against `standard`: time both")
     return opts
 
 
@@ -98,14 +93,11 @@ class Run(h.TimedRun):
         self.layerwise = not kind.startswith("standard")
         self.passes = h.count_passes(self.model)
         self.parts: list[dict] = []  # per step: forward, backward, step, wait (and the host steps with offload)
-        self.inner_steps = 0
         if self.layerwise:
             args = h.training_args(OPTIM, learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
             offload = {} if self.offload == "none" else {"offload": self.offload}
             self.optimizer = h.layerwise_optimizer(self.model, args, clip=(self.clip, "exact"),
                                                    sync_gradients=lambda: True, **offload)  # fmt: skip
-            for inner in self.optimizer.inner:
-                inner.register_step_pre_hook(lambda *a: setattr(self, "inner_steps", self.inner_steps + 1))
         else:
             from transformers import Trainer
 
@@ -221,23 +213,6 @@ def cost_model_check(runs: dict, report: dict) -> dict | None:
     }  # fmt: skip
 
 
-def profile(runs: dict, opts) -> dict:
-    """`--profile_steps` steps of `layerwise` and of `standard` under cProfile, and the inner steps torch's step hooks
-    saw per layer-wise step."""
-    out = {}
-    for kind in ("layerwise", "standard"):
-        run, prof = runs[kind], cProfile.Profile()
-        run.one_step(batches(opts, 30_000, 1)[0])  # warm
-        run.inner_steps = 0
-        prof.enable()
-        for ids in batches(opts, 30_000, opts.profile_steps):
-            run.one_step(ids)
-        prof.disable()
-        out[f"cprofile_{kind}"] = h.cprofile_summary(prof, opts.profile_steps)
-    out["inner_steps_per_step"] = runs["layerwise"].inner_steps / opts.profile_steps
-    return out
-
-
 def print_report(report: dict) -> None:
     print(f"\n{report['description']}")
     ms = lambda x: "-" if x is None else f"{1000 * x:.1f}"  # noqa: E731
@@ -263,24 +238,6 @@ def print_report(report: dict) -> None:
               f"{c['transfer_one_direction_s']} s): gradients offload {c['predicted_gradients_extra_s']} predicted / "
               f"{c['measured_gradients_extra_s']} measured, norm pass {c['predicted_norm_pass_extra_s']} / "
               f"{c['measured_norm_pass_extra_s']}; choice {c['predicted_mode']} / {c['measured_mode']}")  # fmt: skip
-    if "profile" in report:
-        p = report["profile"]
-        print(f"\ncProfile, {p['cprofile_layerwise']['steps']} steps; {p['inner_steps_per_step']:g} inner steps per "
-              "layer-wise step; layerwise_hf functions by cumulative ms per step:")  # fmt: skip
-        for r in p["cprofile_layerwise"]["layerwise_hf_functions"][:10]:
-            print(f"  {r['function'][-70:]:<70} {r['calls_per_step']:6.0f} {r['cumulative_ms_per_step']:8.2f}")
-
-
-def plot(report: dict, path: Path) -> None:
-    t = report["timing"]
-    ratios = {f"{k} / {v['reference']} ({v['ratio']:.3f})": dict(enumerate(v["paired_ratios"], 1))
-              for k, v in t.items() if v["reference"] != k}  # fmt: skip
-    h.plot_panels(path, report["description"], [
-        dict(title="step time per round", ylabel="mean step time in the round (s)", line=True,
-             series={k: dict(enumerate(v["times_s"], 1)) for k, v in t.items()}),
-        dict(title="ratio per round", ylabel="row / its reference, same round", line=True, series=ratios,
-             lines={f"layer-wise goal {GOAL}x": GOAL} if "layerwise" in t else {}),
-    ])  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -333,14 +290,12 @@ def main(argv=None) -> int:
     if any(k in OFFLOAD for k in runs):
         report["copy_one_direction_s"], report["largest_copy_s"] = copy_seconds(base_model)
         report["cost_model"] = cost_model_check(runs, report)
-    if opts.profile:
-        report["profile"] = profile(runs, opts)
     for run in runs.values():
         run.close()
     report["environment"]["loadavg_end"] = os.getloadavg()
     report["wall_time_s"] = time.perf_counter() - started
     print_report(report)
-    h.write_report(opts.output_dir, opts.name, report, plot)
+    h.write_report(opts.output_dir, opts.name, report)
     return 0
 
 

@@ -30,7 +30,7 @@ def run_script(script: str, *args: str, timeout: int = 300) -> subprocess.Comple
     return result
 
 
-def report_of(out: Path, name: str, png: bool = True) -> dict:
+def report_of(out: Path, name: str, png: bool = False) -> dict:
     if png:
         assert (out / f"{name}.png").stat().st_size > 0
     return json.loads((out / f"{name}.json").read_text())
@@ -59,20 +59,17 @@ def test_gen_readme_reads_only_the_json():
 @pytest.mark.slow
 def test_step_time_small(tmp_path):
     result = run_script(
-        "step_time.py", "--small", "--warmup", "1", "--rounds", "2", "--steps_per_round", "1", "--profile",
-        "--profile_steps", "1", "--output_dir", str(tmp_path),
+        "step_time.py", "--small", "--warmup", "1", "--rounds", "2", "--steps_per_round", "1", "--output_dir",
+        str(tmp_path),
     )  # fmt: skip
     report = report_of(tmp_path, "step_time")
-    assert {"description", "model", "settings", "timing", "breakdown", "ratio", "profile"} <= report.keys()
+    assert {"description", "model", "settings", "timing", "breakdown", "ratio"} <= report.keys()
     timing = report["timing"]
     assert set(timing) == {"standard", "layerwise"}
     for entry in timing.values():
         assert len(entry["times_s"]) == 2 and len(entry["paired_ratios"]) == 2 and entry["median_s"] > 0
     assert timing["standard"]["ratio"] == 1.0 and math.isfinite(report["ratio"])
-    # Every trainable tensor is stepped once per step, seen by torch's step hooks on the inner optimizers.
-    assert report["profile"]["inner_steps_per_step"] == report["num_trainable_tensors"]
-    cprofile = report["profile"]["cprofile_layerwise"]
-    assert cprofile["steps"] == 1 and cprofile["top_own_time"] and cprofile["layerwise_hf_functions"]
+    assert report["breakdown"]["layerwise"]["backwards_per_step"] == 1
     assert "layer-wise / standard" in result.stdout
 
 
@@ -124,7 +121,9 @@ def test_memory_suite_small(tmp_path):
         analysis = c["analysis"]
         assert analysis["peak_rss_bytes"] > 0 and analysis["floor_ratio"] > 0
         assert analysis["state_counted_bytes"] >= 0 and analysis["grads_counted_bytes"] > 0
-        assert {"discrepancy_bytes", "tolerance_bytes", "pass"} <= set(analysis["agreement"])
+        # The plan of every configuration it models, beside the measured peak.
+        modeled = not c["config"]["galore"] and c["config"]["norm_pass"] == "auto"
+        assert (analysis["plan_error"] is not None) == modeled == ("plan" in c["estimate"])
         assert len(c["memory"]["steps"]) == 2
         assert len(c["timing"]["times_s"]) == 2
         if c["config"]["standard"]:
@@ -133,7 +132,7 @@ def test_memory_suite_small(tmp_path):
     by_name = {c["name"]: c for c in report["configs"]}
     lw, std = by_name["adamw_torch_layerwise"]["analysis"], by_name["adamw_torch"]["analysis"]
     assert lw["grads_counted_bytes"] < std["grads_counted_bytes"]
-    assert {g["kind"] for g in report["goals"]} >= {"floor", "time", "agreement"}
+    assert {g["kind"] for g in report["goals"]} >= {"floor", "time", "plan"}
 
     table = load_gen_readme().results_table(tmp_path / "memory_suite.json")
     lines = table.strip().splitlines()
@@ -151,8 +150,9 @@ def test_distributed_memory_small(tmp_path, engine):
         # One optimizer's three runs, and the step-time launch (two rounds, profiled).
         args += ["--ddp_optims", "adamw_torch", "--time", "--rounds", "2", "--time_steps", "3", "--profile"]
     result = run_script("distributed_memory.py", *args, timeout=600)
-    report = report_of(tmp_path, "distributed_memory")
-    assert {"model", "environment", "runs", "fsdp2_checks", "fsdp2_goal_pass", "wall_time_s"} <= report.keys()
+    # A report of FSDP2 runs alone is a file of its own, as results/distributed_memory_fsdp2.json.
+    report = report_of(tmp_path, "distributed_memory" + ("" if engine == "ddp" else "_fsdp2"))
+    assert {"model", "environment", "runs", "wall_time_s"} <= report.keys()
     assert {"ddp_runs", "ddp_targets", "ddp_goal_pass", "estimator_check", "step_time"} <= report.keys()
     if engine == "ddp":
         runs = report["ddp_runs"]
@@ -188,8 +188,10 @@ def test_distributed_memory_small(tmp_path, engine):
     standard_samples = next(r["grad_samples"] for r in runs if r["optim"] == "adamw_torch")
     # The inner steps add samples (torch's step pre-hooks).
     assert all(r["grad_samples"] > standard_samples for r in layerwise)
-    assert len(report["fsdp2_checks"]) == 2 and report["fsdp2_goal_pass"] in (True, False)
-    assert "PASS" in result.stdout or "FAIL" in result.stdout
+    # Layer-wise holds about one local shard of gradients at a time, the standard optimizer all of them.
+    standard = next(r for r in runs if r["optim"] == "adamw_torch")
+    assert all(r["grad_storage_peak_bytes"] < standard["grad_storage_peak_bytes"] for r in layerwise)
+    assert "FSDP2, plain loop" in result.stdout
 
 
 @pytest.mark.slow
@@ -213,7 +215,7 @@ def test_fp16_speed_small(tmp_path):
 @pytest.mark.slow
 def test_soak_small(tmp_path):
     run_script("soak.py", "--steps", "20", "--segment", "10", "--output_dir", str(tmp_path))
-    report = report_of(tmp_path, "soak", png=False)
+    report = report_of(tmp_path, "soak")
     assert report["steps"] == 20 and report["segments"] == 2
     assert report["weights_identical_to_uninterrupted"] is True
     assert report["max_hooks_after_train"] == 0 and report["max_live_layerwise_optimizers"] == 0
@@ -229,7 +231,7 @@ def test_plan_accuracy_quick(tmp_path):
     # Two tiny configurations: the real run's two meters and the plan, side by side. The allocator's peak and the
     # peak of the plan's tracker run over the real tensors (--split) are two ways of measuring the same step.
     result = run_script("plan_accuracy.py", "--quick", "--split", "--output_dir", str(tmp_path), timeout=240)
-    report = report_of(tmp_path, "plan_accuracy")
+    report = report_of(tmp_path, "plan_accuracy", png=True)
     assert report["configurations"] == report["compared"] == 2
     assert "within 5% of the tensor peak" in result.stdout
     for row in report["rows"]:
