@@ -177,10 +177,12 @@ def activation_probe(model, ids) -> int:
         samples.append(proc_status_bytes("VmRSS") - h.nbytes(param.grad))
         param.grad = None
 
+    def on_logits(module, args, output) -> None:  # None: a forward hook's result would replace the output
+        output.register_hook(lambda grad: samples.append(proc_status_bytes("VmHWM")))
+
     samples = []
     handles = [p.register_post_accumulate_grad_hook(free) for p in model.parameters() if p.requires_grad]
-    logits = lambda module, args, output: output.register_hook(lambda g: samples.append(proc_status_bytes("VmHWM")))  # noqa: E731
-    handles.append(model.get_output_embeddings().register_forward_hook(logits))
+    handles.append(model.get_output_embeddings().register_forward_hook(on_logits))
     settle()
     reset_peak_rss()
     model(input_ids=ids, labels=ids).loss.backward()
