@@ -485,3 +485,39 @@ def test_a_failed_host_step_is_raised_by_the_next_forward_after_the_other_copies
     assert len(others) == 5 and all(inner.last.done() and inner.last.result().done() for inner in others)
     optimizer.detach()
     runner.close()
+
+
+def test_a_held_and_an_in_backward_host_gradient_share_one_buffer_per_parameter():
+    # Issue 28 item 11: with "optimizer", a window whose gradients wait for the step (GA 2 here) and one whose
+    # gradients step in backward (GA 1) used a host gradient buffer each: two gradient-sized pinned sets, besides the
+    # parameter copies. The two uses never overlap, so they share one.
+    model = _mlp()
+    reference = clone(model)
+    sync = [True]
+    params = [LayerwiseParam(n, p, weight_decay=0.0) for n, p in model.named_parameters()]
+    factory, runner = host_step_factory(lambda lp, _: torch.optim.AdamW([lp.param], lr=1e-2), "optimizer")
+    runner.transfer = ThreadTransfer(0.003)
+    optimizer = LayerwiseOptimizer(params, factory, sync_gradients=lambda: sync[0])
+    enable_offload(optimizer, "optimizer", transfer=runner.transfer, runner=runner)
+    optimizer.attach()
+    standard = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    windows = [[torch.randn(5, 8) for _ in range(ga)] for ga in (2, 1, 2, 1)]
+    for window in windows:
+        for x in window:
+            reference(x).pow(2).sum().backward()
+        standard.step()
+        standard.zero_grad()
+    for window in windows:
+        for k, x in enumerate(window):
+            sync[0] = k == len(window) - 1
+            model(x).pow(2).sum().backward()
+        optimizer.step()
+    end_training(optimizer)
+    offload = offload_of(optimizer)
+    assert sorted(offload.host) == list(range(6))
+    assert all(offload.host[i] is inner.host_grad for i, inner in enumerate(optimizer.inner))
+    grads_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert offload.arena is None and runner.arenas["grads"].nbytes == grads_bytes
+    assert_params_equal(model, reference)
+    runner.close()

@@ -149,6 +149,9 @@ class OffloadStage:
         inner = gate.inner[i]
         if not buffers.holds(i) and isinstance(inner, HostStepOptimizer):
             inner.wait_host()  # its last host step may still read the buffer this gradient is copied into
+            if i not in buffers.host:
+                # One host gradient buffer per parameter, whether its gradient steps at once or waits for the step.
+                buffers.host[i] = inner.host_grad_like(local_tensor(param.grad))
         meter = gate.meter
         meter.hold(i, param.grad)
         # Logged as the gradient bytes alive on the device: this one and the copies out still reading theirs.

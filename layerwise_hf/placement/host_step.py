@@ -237,12 +237,21 @@ class HostStepOptimizer(torch.optim.Optimizer):
         grad = local_tensor(param.grad)
         transfer = self.runner.transfer_for(grad)
         self.wait_host()  # the previous step still reads host_grad
+        host_grad = self.host_grad_like(grad)
+        ticket = transfer.copy(host_grad, grad)
+        # The copy back waits for this copy out: it was queued after backward's last use of the parameter.
+        self.step_host(host_grad, [ticket], None, after=ticket)
+        return None
+
+    def host_grad_like(self, grad: torch.Tensor) -> torch.Tensor:
+        """
+        The host buffer of this parameter's gradient: where a gradient stepping at once lands, and with offload where
+        a window's held gradient waits too (`OffloadStage.take`). The two uses never overlap (each waits for the last
+        host step before writing it), so one gradient-sized set is pinned for both, not two.
+        """
         if self.host_grad is None or self.host_grad.shape != grad.shape or self.host_grad.dtype != grad.dtype:
             self.host_grad = self.runner.host_buffer("grads", grad)
-        ticket = transfer.copy(self.host_grad, grad)
-        # The copy back waits for this copy out: it was queued after backward's last use of the parameter.
-        self.step_host(self.host_grad, [ticket], None, after=ticket)
-        return None
+        return self.host_grad
 
     def step_host(
         self, grad: torch.Tensor, waits: list[Any], coef: torch.Tensor | None, after: Ticket | None = None
