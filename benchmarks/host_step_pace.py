@@ -171,8 +171,8 @@ def floor_rows(base: str, model, repeats: int, all_threads: int) -> list[dict]:
                 moved = 2 * (weight.numel() * weight.element_size() + _nbytes(inner.state[weight]))
                 moved += weight.grad.numel() * weight.grad.element_size()
                 scale = moved / (3 * a.numel() * a.element_size())
-                # NOTE: on one thread the thread's CPU time: on a shared machine the wall clock holds other
-                # processes' time slices, and more of them in a long step than in the short add it is compared with.
+                # NOTE: on one thread the thread's CPU time: on a shared machine the wall clock also holds other
+                # processes' time slices, which fall unevenly on the step and the add it is compared with.
                 clock = 1 if threads == 1 else 0
                 seconds = statistics.median(st[clock] for st, _ in pairs)
                 floor = statistics.median(ad[clock] for _, ad in pairs) * scale
@@ -415,6 +415,9 @@ def _real_host_step(hidden: int, threads: int):
     return sum(p.numel() for p in model.parameters()), len(optimizer.inner), measure
 
 
+SIZE_CHECK = (4096, 65536, 262144, 2**20, 4 * 2**20, 16 * 2**20)  # elements: a small model's tensors to a large one's
+
+
 def _check_config(hidden: int) -> dict:
     return {"model_type": "llama", "vocab_size": 1024, "hidden_size": hidden, "intermediate_size": 2 * hidden,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4}  # fmt: skip
@@ -442,6 +445,7 @@ def plan_check(opts) -> dict:
     sizes = (256, 512, 768)
     load = [os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")]
     samples: dict[int, list[dict]] = {h: [] for h in sizes}
+    by_size: dict[int, list[dict]] = {n: [] for n in SIZE_CHECK}
     with tempfile.TemporaryDirectory() as tmp:
         plans, reals = {}, {}
         for hidden in sizes:
@@ -457,6 +461,9 @@ def plan_check(opts) -> dict:
             fixed = _pool_seconds("adamw_torch", torch.float32, (1,), 1, threads, 50)
             million = _pool_seconds("adamw_torch", torch.float32, (1024, 1024), 1, threads, opts.repeats)
             per_element = (million - fixed) / 2**20
+            for numel in SIZE_CHECK:  # one tensor alone, against the line's figure for it
+                one = _pool_seconds("adamw_torch", torch.float32, (numel,), 1, threads, opts.repeats)
+                by_size[numel].append({"measured_s": one, "line_s": fixed + numel * per_element})
             for hidden in sizes:
                 timed = plan_times(plans[hidden])[("adamw_torch_layerwise", "optimizer")]
                 elements, tensors, measure = reals[hidden]
@@ -494,8 +501,16 @@ def plan_check(opts) -> dict:
     first = rows[0]["rounds"]
     print(f"2-size line: {med(r['line_us_per_tensor'] for r in first):.1f} us per tensor + "
           f"{med(r['line_ns_per_element'] for r in first):.2f} ns per element (medians)")  # fmt: skip
+    singles = []
+    print(f"One tensor alone: {'elements':>10} {'measured ms':>11} {'ns / element':>12} {'line / measured':>15}")
+    for numel, runs in by_size.items():
+        single = {"elements": numel, "measured_s": med(r["measured_s"] for r in runs),
+                  "line_over_measured": med(r["line_s"] / r["measured_s"] for r in runs)}  # fmt: skip
+        singles.append(single)
+        print(f"{'':<16} {numel:>10} {single['measured_s'] * 1e3:>11.3f} "
+              f"{single['measured_s'] / numel * 1e9:>12.2f} {single['line_over_measured']:>15.2f}")  # fmt: skip
     result = {"threads": threads, "clock": clock, "load_average_1min": load, "cores": os.cpu_count(),
-              "repeats": opts.repeats, "rounds": opts.rounds, "rows": rows}  # fmt: skip
+              "repeats": opts.repeats, "rounds": opts.rounds, "rows": rows, "one_tensor": singles}  # fmt: skip
     path = Path(opts.output_dir) / "host_step_plan_check.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
@@ -587,7 +602,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--tokens", type=int, default=512, help="--pace: tokens of the layer's micro-batch")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--bases", nargs="*", default=None)
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--pace", action="store_true", help="host step vs a layer's backward (host_step_pace.json)")

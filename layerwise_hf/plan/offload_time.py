@@ -171,12 +171,13 @@ def backward_seconds(
 
 # ---- calibration ----
 
-# NOTE: one tensor's step costs a fixed part (the optimizer's Python step, the host worker's task: ~60 us here) plus
-# its elements at a rate that depends on where its bytes are: in cache for a small model's tensors, in DRAM for a
-# large one's (fused AdamW on one core: 0.6 ns per element at 64K elements, 1.2 at 16M). A line fitted through two
-# sizes misses one or the other by 40% or more on small models (benchmarks/host_step_pace.py --plan-check shows it),
-# so each of the model's own tensor shapes is measured, with as many bytes in play as the model's step has. Above
-# CALIBRATION_CAP elements a tensor's states are far beyond any cache and its step is linear in its size.
+# NOTE: one tensor's step costs a fixed part (the optimizer's Python step and the host worker's task: 40-90 us here)
+# plus its elements at a rate that depends on where its bytes are: in cache for a small model's tensors, in DRAM for a
+# large one's. A line through a 1-element and a 1M-element step (the previous calibration) put single tensors of 4096
+# and 16M elements at 0.61x and 0.82x of their measured step, and a hidden-256 Llama's host step at 0.73x
+# (benchmarks/host_step_pace.py --plan-check, one run, 2 cores at load 5). So the model's own tensor shapes are
+# measured, with as many bytes in play as the model's step has. Above CALIBRATION_CAP elements a tensor's states are
+# far beyond any cache and its step is linear in its size.
 CALIBRATION_CAP = 16 * 2**20
 POOL_TENSORS = 256  # the most tensors of one size stepped per pass (the small ones cost their fixed part)
 
