@@ -21,6 +21,10 @@ The model, as CUDA has it:
   freed block to the next allocation on its stream at once);
 - pinned allocations are counted (`pinned_bytes`) as the caching host allocator would allocate them (rounded up to a
   power of two), memory pinned by `cudaHostRegister` (`torch.cuda.cudart()`) to the byte.
+- collectives as NCCL runs them: DDP's all-reduce on a stream of its own that waits for the caller's stream, its
+  `wait()` ordering the caller's stream after it (`all_reduce_on_its_own_stream`); FSDP2's reduce-scatter is modelled
+  the same way where its tests need it (`tests/test_streams_csan.py`). Without them gloo's collectives run on the
+  current stream.
 
 A missing wait raises CSAN's own `CUDASanitizerErrors` holding its `UnsynchronizedAccessError`s.
 
@@ -46,6 +50,7 @@ from typing import Any
 
 import torch
 import torch.cuda._sanitizer as csan
+import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -558,3 +563,39 @@ def _report(errors: list) -> csan.CUDASanitizerErrors:
 def csan_report(excinfo: Any) -> str:
     """The text of CSAN's report held by a `CUDASanitizerErrors` (for asserting on it)."""
     return str(excinfo.value)
+
+
+class _CommWork:
+    # An all-reduce's work handle as NCCL's: waiting on it orders the caller's stream after the collective's.
+    def __init__(self, work, stream):
+        self.work = work
+        self.stream = stream
+
+    def wait(self):
+        self.work.wait()
+        # NOTE: NCCL's Work.wait() makes the caller's current stream wait for the collective's stream.
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return True
+
+
+@contextlib.contextmanager
+def all_reduce_on_its_own_stream():
+    """DDP's all-reduce as NCCL runs it, under the fake CUDA: on a stream of its own that first waits for the caller's
+    current stream; the bucket is written there, and `wait()` orders the caller's stream after it."""
+    original = dist.all_reduce
+    comm = torch.cuda.Stream()
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        comm.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(comm):
+            work = _CommWork(original(tensor, op=op, group=group, async_op=True), comm)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    dist.all_reduce = all_reduce
+    try:
+        yield comm
+    finally:
+        dist.all_reduce = original

@@ -8,14 +8,13 @@ has read it. Run under the fake CUDA of `tests/cuda_fake.py` (torch's CUDA sanit
 stream of its own as NCCL runs it.
 """
 
-import contextlib
 import json
 
 import pytest
 import torch
 import torch.cuda._sanitizer as csan
 import torch.distributed as dist
-from cuda_fake import FakeCuda
+from cuda_fake import FakeCuda, all_reduce_on_its_own_stream
 from helpers import assert_params_equal
 
 from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
@@ -38,41 +37,6 @@ def one_rank_group(tmp_path_factory):
     finally:
         dist.barrier()  # NOTE: gloo was seen to abort at exit without a barrier before destroy_process_group
         dist.destroy_process_group()
-
-
-class _CommWork:
-    def __init__(self, work, stream):
-        self.work = work
-        self.stream = stream
-
-    def wait(self):
-        self.work.wait()
-        # NOTE: NCCL's Work.wait() makes the caller's current stream wait for the collective's stream.
-        torch.cuda.current_stream().wait_stream(self.stream)
-        return True
-
-
-@contextlib.contextmanager
-def all_reduce_on_its_own_stream():
-    """DDP's all-reduce as NCCL runs it, under the fake CUDA: on a stream of its own that first waits for the caller's
-    current stream; the bucket is written there, and `wait()` orders the caller's stream after it."""
-    original = dist.all_reduce
-    comm = torch.cuda.Stream()
-
-    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        comm.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(comm):
-            work = _CommWork(original(tensor, op=op, group=group, async_op=True), comm)
-        if async_op:
-            return work
-        work.wait()
-        return None
-
-    dist.all_reduce = all_reduce
-    try:
-        yield comm
-    finally:
-        dist.all_reduce = original
 
 
 def _mlp():
