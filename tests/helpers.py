@@ -137,3 +137,16 @@ PLAN_LLAMA = dict(
     num_key_value_heads=4,
     tie_word_embeddings=False,
 )
+
+
+def rank_comparison(reference, model) -> dict:
+    """On each rank of a process group: the largest difference of `model`'s weights from `reference`'s, and whether
+    every rank holds the same weights (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {n: p.detach() for n, p in model.named_parameters()})
+    return {
+        "max_diff": max((p - q).abs().max().item() for p, q in zip(reference.parameters(), model.parameters())),
+        "ranks_agree": all(torch.equal(gathered[0][n], other[n]) for other in gathered[1:] for n in gathered[0]),
+    }

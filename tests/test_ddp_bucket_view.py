@@ -15,7 +15,7 @@ import torch
 import torch.cuda._sanitizer as csan
 import torch.distributed as dist
 from cuda_fake import FakeCuda, all_reduce_on_its_own_stream
-from helpers import assert_params_equal
+from helpers import assert_params_equal, rank_comparison
 
 from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
 from layerwise_hf.integrations.callback import end_training
@@ -200,14 +200,9 @@ def _two_rank_worker(rank: int, store_path: str, report: str) -> None:
             reference = stock_ddp(True, ga, clip, seed=rank)
             with FakeCuda(), all_reduce_on_its_own_stream():
                 model = layerwise_ddp(mode, True, ga, clip, seed=rank)
-            gathered = [None, None]
-            dist.all_gather_object(gathered, {n: p.detach() for n, p in model.named_parameters()})
             results[f"{mode} clip={clip}"] = {
-                "max_diff": max(
-                    (p - q).abs().max().item() for p, q in zip(reference.parameters(), model.parameters())
-                ),
+                **rank_comparison(reference, model),
                 "moved": min((p - q).abs().max().item() for p, q in zip(_mlp().parameters(), model.parameters())),
-                "ranks_agree": all(torch.equal(gathered[0][n], gathered[1][n]) for n in gathered[0]),
             }
     if rank == 0:
         with open(report, "w") as f:

@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import TokenDataset, assert_params_equal, clone, tiny_llama, train, training_args
+from helpers import TokenDataset, assert_params_equal, clone, rank_comparison, tiny_llama, train, training_args
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Trainer, TrainerCallback
 
@@ -367,13 +367,8 @@ def _two_rank_worker(rank: int, store_path: str, report: str) -> None:
                     optimizer.detach()
                 models[layerwise] = model
             standard, layerwise = models[False], models[True]
-            gathered = [None, None]
-            dist.all_gather_object(gathered, {n: p.detach() for n, p in layerwise.named_parameters()})
             results[f"ga{ga} bucket_view={bucket_view}"] = {
-                "max_diff": max(
-                    (p - q).abs().max().item() for p, q in zip(standard.parameters(), layerwise.parameters())
-                ),
-                "ranks_agree": all(torch.equal(gathered[0][n], gathered[1][n]) for n in gathered[0]),
+                **rank_comparison(standard, layerwise),
                 "unused_unchanged": torch.equal(layerwise.unused, torch.ones(4, 4)),
                 "rank0_only_stepped": not torch.equal(layerwise.used_on_rank0, torch.ones(4)),
             }
