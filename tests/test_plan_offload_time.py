@@ -137,3 +137,40 @@ def test_worker_seconds_counts_the_workers_cpu_time_on_one_thread_and_wall_time_
         assert worker_seconds(worker, [lambda: time.sleep(0.05)], threads=2, repeats=1) >= 0.05
     finally:
         worker.close()
+
+
+def real_backward_flops(config: dict, seq_len: int, checkpointing: bool) -> int:
+    """FLOPs of one backward of the model built from `config`, real tensors, counted by torch's FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, config["vocab_size"], (1, seq_len))
+    loss = model(input_ids=ids, labels=ids).loss
+    counter = FlopCounterMode(display=False)
+    with counter:
+        loss.backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("layers, checkpointing", [(2, True), (8, False)], ids=["checkpointed", "extrapolated"])
+def test_backward_seconds_are_the_counted_flops_of_the_models_backward(tmp_path, capsys, layers, checkpointing):
+    # The device's backward in the time per step: the simulated step's backward FLOPs, counted from the ops' shapes on
+    # fake tensors, equal those of a real backward of the model (activation checkpointing's recompute counted; 8
+    # layers: on the line of the 2-, 3- and 4-layer copies).
+    config = {**PLAN_LLAMA, "num_hidden_layers": layers}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    argv = ["plan", str(path), "--seq-len", "16", "--device", "cpu", "--offload", "optimizer", "--json"]
+    argv += ["--host-step-rate", "2.0", "--device-tflops", "1e-6"] + (
+        ["--gradient-checkpointing"] if checkpointing else []
+    )
+    assert main(argv) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["extrapolated_layers"] is (layers == 8)
+    row = next(r for r in payload["optimizers"] if r["offload"] == "optimizer")
+    flops = real_backward_flops(config, 16, checkpointing)
+    assert row["backward_flops"] == flops
+    assert row["offload_time"]["backward_s"] == pytest.approx(flops / 1e6)

@@ -152,8 +152,8 @@ def _add_offload_time_arguments(parser: argparse.ArgumentParser) -> None:
         "--device-tflops",
         type=float,
         default=None,
-        help="Offload rows: the device's achieved TFLOP/s, for backward's time (rule: 4 x params x tokens FLOPs, 6 x "
-        "with activation checkpointing) and whether the host step hides behind it. Without it that is not said.",
+        help="Offload rows: the device's achieved TFLOP/s, for backward's time (its FLOPs counted on the simulated "
+        "step by torch's FlopCounterMode) and whether the host step hides behind it. Without it that is not said.",
     )
 
 

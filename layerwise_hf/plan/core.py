@@ -81,6 +81,9 @@ class PlanRow:
         combined_peak_bytes (`int`): the most device + host bytes alive at once: what one memory holds where the
             device is the host (a CPU-only run).
         host_fits (`bool`, *optional*), host_headroom_bytes (`int`, *optional*): against `host_memory`, when given.
+        backward_flops (`int`): the FLOPs of the step's backwards that step (every micro-batch's; activation
+            checkpointing's recompute included; a norm pass's measuring backward not), counted by torch's
+            `FlopCounterMode` on the simulated step; 0 for a standard optimizer's row.
     """
 
     optimizer: str
@@ -99,6 +102,7 @@ class PlanRow:
     combined_peak_bytes: int = 0
     host_fits: bool | None = None
     host_headroom_bytes: int | None = None
+    backward_flops: int = 0
 
     @property
     def label(self) -> str:
@@ -533,6 +537,7 @@ def to_row(
     row.host_peak_bytes = step.host_peak.total
     row.host_categories = dict(step.host_peak.by_category)
     row.combined_peak_bytes = step.combined_peak
+    row.backward_flops = step.backward_flops
     if memory is not None:
         row.fits = peak.total <= memory
         row.headroom_bytes = memory - peak.total

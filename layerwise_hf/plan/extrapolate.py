@@ -97,6 +97,7 @@ def simulate_layers(config: Any, run: Callable[[Any], SimulatedStep]) -> tuple[S
         joint = a.combined_peak + k * (b.combined_peak - a.combined_peak)
         step = SimulatedStep(a.optimizer, peak, a.from_rule, sum(split.values()), split, offload=a.offload)
         step.host_peak, step.combined_peak = host, joint
+        step.backward_flops = a.backward_flops + k * (b.backward_flops - a.backward_flops)  # each layer adds its own
         return step, True
     return run(config), False
 

@@ -13,10 +13,12 @@ For each offload row:
   micro-batch's, or at GA 1 every one under exact clipping or fp16), and back once for the step. At `--pcie-gbps`,
   25 GB/s by default: what a pinned, non-blocking copy reaches on PCIe 4.0 x16 one way (~80% of its nominal 31.5 GB/s;
   `layerwise_hf.estimate.offload_choice.PCIE4_BYTES_PER_S`).
-- **backward**: with `--device-tflops`, the device's backward time from the rule backward = 2 x forward = 4 x
-  parameters x tokens FLOPs (6 x with activation checkpointing, which recomputes the forward), at that many TFLOP/s
-  achieved. It is a rule, not counted on the simulation's fake tensors. Without it the plan does not say whether the
-  host step hides.
+- **backward**: with `--device-tflops`, the device's backward time: the FLOPs of the simulated step's backwards,
+  counted by torch's `FlopCounterMode` from the ops' shapes on the fake tensors (every micro-batch's; the recompute
+  of activation checkpointing included; per layer on the line of the extrapolated copies), at that many TFLOP/s
+  achieved. A row whose simulation counted none falls back to the rule backward = 2 x forward = 4 x parameters x
+  tokens (6 x with activation checkpointing). Without `--device-tflops` the plan does not say whether the host step
+  hides.
 
 The host step and the copies out run during backward; the copies back finish before the next forward. The slowest of
 host step, copies and backward sets the pace, and the advice names it.
@@ -456,10 +458,6 @@ def plan_times(
     if not elements:  # no "optimizer" row: the trainable elements from a "gradients" row's buffers (GA 1: exact)
         grads = [r.host_categories.get("gradients", 0) for r in result.rows if r.offload == "gradients"]
         elements = min(grads, default=0) // size
-    backward = None
-    if device_tflops:
-        tokens = setup.seq_len * setup.micro_batch
-        backward = backward_seconds(elements, tokens, device_tflops, setup.gradient_checkpointing, setup.grad_accum)
     out = {}
     rates: dict[str, HostRate] = {}
     shapes: list[tuple[int, ...]] | None = None
@@ -476,6 +474,14 @@ def plan_times(
                 rates[row.optimizer] = calibrate(base, getattr(torch, setup.torch_dtype), shapes)
                 if not shapes:
                     rates[row.optimizer].source += ", tensor sizes unknown: large ones assumed"
+        backward = None
+        if device_tflops and row.backward_flops:
+            backward = row.backward_flops / (device_tflops * 1e12)
+        elif device_tflops:
+            tokens = setup.seq_len * setup.micro_batch
+            backward = backward_seconds(
+                elements, tokens, device_tflops, setup.gradient_checkpointing, setup.grad_accum
+            )  # fmt: skip
         waits = setup.grad_accum > 1 or setup.fp16 or (setup.max_grad_norm > 0 and setup.clip_mode == "exact")
         out[(row.optimizer, row.offload)] = offload_time(
             row.offload, elements=elements, tensors=len(shapes or ()), grad_bytes=elements * size,

@@ -92,6 +92,7 @@ class SimulatedStep:
     offload: str = "none"  # layerwise_offload: `peak` is the device side's, `host_peak` the host side's
     host_peak: Peak = dataclasses.field(default_factory=Peak)
     combined_peak: int = 0  # device + host at their joint peak (one memory, as on a CPU)
+    backward_flops: int = 0  # the step's stepping backwards (every micro-batch), counted by torch's FlopCounterMode
 
 
 def fake_mode():
@@ -343,12 +344,21 @@ def _no_packed_sequences(*args: Any, **kwargs: Any) -> None:
 
 def _labelled_backward(tracker: LiveBytes):
     def backward(loss: torch.Tensor, **kwargs) -> None:
+        from torch.utils.flop_counter import FlopCounterMode
+
         # NOTE: backward_with_norm_pass retains the graph only for its measuring pass.
-        tracker.stage = "norm pass" if kwargs.get("retain_graph") else "backward"
+        measuring = bool(kwargs.get("retain_graph"))
+        tracker.stage = "norm pass" if measuring else "backward"
+        # The stepping backward's FLOPs (the recompute of activation checkpointing included), from the ops' shapes:
+        # what the device's backward costs, for `plan --offload`'s time per step (`offload_time.plan_times`).
+        counter = contextlib.nullcontext() if measuring else FlopCounterMode(display=False)
         try:
-            loss.backward(**kwargs)
+            with counter:
+                loss.backward(**kwargs)
         finally:
             tracker.stage = "backward"
+        if not measuring:
+            tracker.backward_flops += counter.get_total_flops()
 
     return backward
 
@@ -390,6 +400,7 @@ def simulate(
             if layerwise is not None:
                 label_host_side(tracker, layerwise)
             tracker.reset_peak()
+            tracker.backward_flops = 0
             run_step(model, opt, layerwise, setup, tracker, window, rank)
             steady = tracker.current
             steady_split = dict(tracker.totals)
@@ -408,4 +419,5 @@ def simulate(
         offload,
         tracker.host_peak,
         tracker.combined_peak,
+        tracker.backward_flops,
     )
