@@ -92,7 +92,7 @@ class SimulatedStep:
     offload: str = "none"  # layerwise_offload: `peak` is the device side's, `host_peak` the host side's
     host_peak: Peak = dataclasses.field(default_factory=Peak)
     combined_peak: int = 0  # device + host at their joint peak (one memory, as on a CPU)
-    backward_flops: int = 0  # the step's stepping backwards (every micro-batch), counted by torch's FlopCounterMode
+    backward_flops: int = 0  # a step's stepping backwards (every micro-batch), counted by FlopCounterMode in the first
 
 
 def fake_mode():
@@ -351,13 +351,14 @@ def _labelled_backward(tracker: LiveBytes):
         tracker.stage = "norm pass" if measuring else "backward"
         # The stepping backward's FLOPs (the recompute of activation checkpointing included), from the ops' shapes:
         # what the device's backward costs, for `plan --offload`'s time per step (`offload_time.plan_times`).
-        counter = contextlib.nullcontext() if measuring else FlopCounterMode(display=False)
+        counting = tracker.count_flops and not measuring
+        counter = FlopCounterMode(display=False) if counting else contextlib.nullcontext()
         try:
             with counter:
                 loss.backward(**kwargs)
         finally:
             tracker.stage = "backward"
-        if not measuring:
+        if counting:
             tracker.backward_flops += counter.get_total_flops()
 
     return backward
@@ -395,12 +396,13 @@ def simulate(
                 opt = build_standard(model, base, args, setup)
                 handles += tracker.watch_optimizer(opt, "optimizer.step()")
                 rank.forward_module(model, layerwise=False)
+            tracker.count_flops = True  # in the first step: the counter's own dispatch stays out of the measured one
             run_step(model, opt, layerwise, setup, tracker, window, rank)
+            tracker.count_flops = False
             handles += rank.watch_unsharded(model)
             if layerwise is not None:
                 label_host_side(tracker, layerwise)
             tracker.reset_peak()
-            tracker.backward_flops = 0
             run_step(model, opt, layerwise, setup, tracker, window, rank)
             steady = tracker.current
             steady_split = dict(tracker.totals)

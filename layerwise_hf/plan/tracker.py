@@ -95,6 +95,7 @@ class LiveBytes(TorchDispatchMode):
         self.host_peak = Peak()
         self.combined_peak = 0  # the most device + host bytes alive at once (one memory: a CPU-only run)
         self.backward_flops = 0  # counted by the simulation's stepping backwards (`simulate._labelled_backward`)
+        self.count_flops = False  # only in the first, unmeasured step
         self._host = threading.local()  # inside on_host() (on this thread): new storages are host-side
         # NOTE: a real offload run frees device gradients on its copy thread (a storage's finalizer runs where its last
         # reference goes) and allocates on its host worker: the counts are shared, so changes hold this lock.
