@@ -92,7 +92,7 @@ class SimulatedStep:
     offload: str = "none"  # layerwise_offload: `peak` is the device side's, `host_peak` the host side's
     host_peak: Peak = dataclasses.field(default_factory=Peak)
     combined_peak: int = 0  # device + host at their joint peak (one memory, as on a CPU)
-    backward_flops: int = 0  # a step's stepping backwards (every micro-batch), counted by FlopCounterMode in the first
+    backward_flops: int = 0  # its stepping backwards (every micro-batch), counted by FlopCounterMode in step 1
 
 
 def fake_mode():
