@@ -361,7 +361,8 @@ def host_tensors(layerwise) -> dict:
     hosted = [inner for inner in layerwise.inner if isinstance(inner, HostStepOptimizer)]
     offload = offload_of(layerwise)
     grads = [*offload.host.values(), *offload.staging.blocks]  # each parameter's buffer, the staging blocks
-    grads += [i.host_grad for i in hosted if i.host_grad is not None]
+    shared = {id(g) for g in grads}  # a host step's gradient buffer is the offload's, when it has one
+    grads += [i.host_grad for i in hosted if i.host_grad is not None and id(i.host_grad) not in shared]
     states = [t for i in hosted for s in i.base.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     return {"copies": [i.host for i in hosted], "gradients": grads, "states": states}
 

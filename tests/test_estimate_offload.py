@@ -26,11 +26,13 @@ def _real_sides(layerwise) -> tuple[int, int]:
     """(device-side optimizer-state bytes, host-side bytes) that the run's optimizer holds now."""
     offload = offload_of(layerwise)
     host = sum(_nbytes(b) for b in offload.host.values()) + offload.staging_bytes()
+    shared = {id(b) for b in offload.host.values()}  # a host step's gradient buffer is the offload's, when it has one
     device_states = 0
     for inner in layerwise.inner:
         states = sum(_nbytes(v) for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor))
         if isinstance(inner, HostStepOptimizer):
-            host += _nbytes(inner.host) + states + (_nbytes(inner.host_grad) if inner.host_grad is not None else 0)
+            own_grad = inner.host_grad is not None and id(inner.host_grad) not in shared
+            host += _nbytes(inner.host) + states + (_nbytes(inner.host_grad) if own_grad else 0)
         else:
             device_states += states
     return device_states, host

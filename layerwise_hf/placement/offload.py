@@ -274,13 +274,14 @@ class GradientOffload:
         transfer = self._transfer_for(grad)
         self._make_room()
         buffer = self.host.get(i)
+        if not final and self.reserve is not None and not self.staging.blocks:
+            # A window of several micro-batches: its later ones stage. Made at its first stash, before any peak of
+            # the run, and kept: what is pinned stays the same from here on. (With "optimizer" the buffers may exist
+            # already: the host step's, shared, `OffloadStage.take`.)
+            self.staging.allocate(transfer, self.reserve())
         if buffer is None:
             if self.arena is None and self.reserve is not None:
                 self.arena = HostArena(transfer, self.reserve())
-            if not final and self.reserve is not None:
-                # A window of several micro-batches: its later ones stage. Made with the buffers, before any peak of
-                # the run, and kept: what is pinned stays the same from here on.
-                self.staging.allocate(transfer, self.reserve())
             buffer = self.host[i] = (
                 transfer.host_empty_like(grad) if self.arena is None else self.arena.empty_like(grad)
             )
