@@ -150,3 +150,26 @@ def rank_comparison(reference, model) -> dict:
         "max_diff": max((p - q).abs().max().item() for p, q in zip(reference.parameters(), model.parameters())),
         "ranks_agree": all(torch.equal(gathered[0][n], other[n]) for other in gathered[1:] for n in gathered[0]),
     }
+
+
+def spawned_results(worker, tmp_path, nprocs: int = 2) -> dict:
+    """Run `worker(rank, store_path, report_path)` on `nprocs` processes (`torch.multiprocessing.spawn`, each joining
+    a gloo group through the file store) and return the report rank 0 wrote (`write_rank_report`)."""
+    import json
+
+    report = tmp_path / "report.json"
+    torch.multiprocessing.spawn(worker, args=(str(tmp_path / "store"), str(report)), nprocs=nprocs)
+    return json.loads(report.read_text())
+
+
+def write_rank_report(rank: int, report: str, results: dict) -> None:
+    """Rank 0 writes `results` to `report` as JSON; then every rank leaves the process group together."""
+    import json
+
+    import torch.distributed as dist
+
+    if rank == 0:
+        with open(report, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()

@@ -8,14 +8,12 @@ has read it. Run under the fake CUDA of `tests/cuda_fake.py` (torch's CUDA sanit
 stream of its own as NCCL runs it.
 """
 
-import json
-
 import pytest
 import torch
 import torch.cuda._sanitizer as csan
 import torch.distributed as dist
 from cuda_fake import FakeCuda, all_reduce_on_its_own_stream
-from helpers import assert_params_equal, rank_comparison
+from helpers import assert_params_equal, rank_comparison, spawned_results, write_rank_report
 
 from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
 from layerwise_hf.integrations.callback import end_training
@@ -204,18 +202,12 @@ def _two_rank_worker(rank: int, store_path: str, report: str) -> None:
                 **rank_comparison(reference, model),
                 "moved": min((p - q).abs().max().item() for p, q in zip(_mlp().parameters(), model.parameters())),
             }
-    if rank == 0:
-        with open(report, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_rank_report(rank, report, results)
 
 
 @pytest.mark.slow
 def test_two_ranks_match_stock_ddp_with_no_unordered_access(tmp_path):
-    report = tmp_path / "report.json"
-    torch.multiprocessing.spawn(_two_rank_worker, args=(str(tmp_path / "store"), str(report)), nprocs=2)
-    results = json.loads(report.read_text())
+    results = spawned_results(_two_rank_worker, tmp_path)
     assert len(results) == 4
     for case, result in results.items():
         # Stock DDP sums each micro-batch into the bucket before it is averaged; offload adds the averaged gradients on

@@ -13,12 +13,21 @@ step count): the counts are an upper bound of the syncs, compared between layer-
 import collections
 import contextlib
 import gc
-import json
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import TokenDataset, assert_params_equal, clone, rank_comparison, tiny_llama, train, training_args
+from helpers import (
+    TokenDataset,
+    assert_params_equal,
+    clone,
+    rank_comparison,
+    spawned_results,
+    tiny_llama,
+    train,
+    training_args,
+    write_rank_report,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Trainer, TrainerCallback
 
@@ -373,18 +382,12 @@ def _two_rank_worker(rank: int, store_path: str, report: str) -> None:
                 "rank0_only_stepped": not torch.equal(layerwise.used_on_rank0, torch.ones(4)),
             }
     gc.collect()
-    if rank == 0:
-        with open(report, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_rank_report(rank, report, results)
 
 
 @pytest.mark.slow
 def test_ddp_comm_hook_on_two_ranks_skips_and_steps_what_ddp_does(tmp_path):
-    report = tmp_path / "report.json"
-    torch.multiprocessing.spawn(_two_rank_worker, args=(str(tmp_path / "store"), str(report)), nprocs=2)
-    results = json.loads(report.read_text())
+    results = spawned_results(_two_rank_worker, tmp_path)
     assert len(results) == 4
     for case, result in results.items():
         assert result == {
