@@ -1,6 +1,6 @@
 """The benchmark harness: model sizes and builders, the example task, the optimizers under test, RSS / gradient /
-optimizer-state meters, forked and subprocess measurement, interleaved timing rounds, cProfile rows, tables and the
-JSON report. Each script under benchmarks/ keeps its configurations and its question.
+optimizer-state meters, forked measurement and launched ranks, interleaved timing rounds, cProfile rows, tables and
+the JSON report. Each script under benchmarks/ keeps its configurations and its question.
 
 Imported as `benchmarks._common` (each script puts the repository root on `sys.path`). The optimizer is observed only
 through public names of `layerwise_hf`: `LayerwiseOptimizer.inner` (one `torch.optim.Optimizer` per trainable
@@ -10,19 +10,26 @@ parameter, holding exactly that parameter) and its documented methods; nothing h
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import ctypes
 import gc
 import json
 import os
+import pstats
 import random
 import signal
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 import types
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -93,7 +100,6 @@ def llama_config(opts=None, tie: bool = False, **sizes):
 
 def build_llama(opts=None, seed: int = 0, tie: bool = False, **sizes):
     """A randomly initialised `LlamaForCausalLM` of `llama_config(opts, tie, **sizes)`, the same for the same seed."""
-    import torch
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -101,8 +107,6 @@ def build_llama(opts=None, seed: int = 0, tie: bool = False, **sizes):
 
 
 def random_tokens(vocab_size: int, batch_size: int, seq_len: int, seed: int):
-    import torch
-
     return torch.randint(0, vocab_size, (batch_size, seq_len), generator=torch.Generator().manual_seed(seed))
 
 
@@ -122,8 +126,6 @@ class TokenRows:
 def example_task(opts):
     """The example task of `examples/train.py` (its model and grammar corpus) at the sizes in `opts`, torch's threads
     set: (model, dataset, a description of the run)."""
-    import torch
-
     from examples.train import ScriptArguments, build_dataset, build_model
 
     torch.set_num_threads(opts.threads)
@@ -139,8 +141,6 @@ def example_task(opts):
 
 def micro_batches(dataset, step: int, ga: int, batch_size: int) -> list[dict]:
     """The `ga` micro-batches of optimizer step `step`, the same for every configuration."""
-    import torch
-
     out = []
     for k in range(ga):
         start = ((step * ga + k) * batch_size) % (len(dataset) - batch_size + 1)
@@ -160,8 +160,6 @@ def count_passes(model) -> dict:
 
 def copy_model(base_model):
     """A deep copy of `base_model` in training mode: every configuration starts from the same weights."""
-    import copy
-
     model = copy.deepcopy(base_model)
     model.train()
     return model
@@ -201,6 +199,35 @@ def layerwise_optimizer(model, args, *, clip: tuple[float, str] = (0.0, "exact")
     return optimizer
 
 
+def build_optimizer(model, args, clip: float = 0.0, sync=None, **kwargs):
+    """The optimizer `args.optim` names, as Trainer builds it, and the `LayerwiseOptimizer` (or None): layer-wise with
+    exact clipping at `clip` and, outside Accelerate, `sync()` saying whether a micro-batch ends its window."""
+    if not args.optim.endswith("_layerwise"):
+        return trainer_optimizer(model, args), None
+    if sync is not None:
+        kwargs["sync_gradients"] = sync
+    optimizer = layerwise_optimizer(model, args, clip=(clip, "exact"), **kwargs)
+    return optimizer, optimizer
+
+
+def trainer(model, args, dataset, callbacks=()):
+    """`LayerwiseTrainer` for a layer-wise `args.optim` (`LayerwiseTrainingArguments.is_layerwise`), else `Trainer`."""
+    from transformers import Trainer
+
+    from layerwise_hf import LayerwiseTrainer
+
+    cls = LayerwiseTrainer if args.is_layerwise else Trainer
+    return cls(model=model, args=args, train_dataset=dataset, callbacks=list(callbacks))
+
+
+def norm_pass_name(layerwise) -> str | None:
+    """The way the last step measured its gradients' norm (`layerwise_hf.optim.norm_pass`), if it did."""
+    from layerwise_hf.optim.norm_pass import last_norm_pass
+
+    chosen = last_norm_pass(layerwise)
+    return None if chosen is None else chosen.value
+
+
 def check_distributed(accelerator, sharding: str) -> None:
     """Refuse a launched rank that is not in the 2-process mode it was launched for: a silent fallback would measure
     the wrong thing."""
@@ -228,6 +255,14 @@ def reset_peak_rss() -> None:
     # "5" resets VmHWM to the current RSS (Linux >= 4.0), so the peak read next belongs to what ran in between.
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def rss_at_rest() -> int:
+    """The RSS once garbage is collected (`settle`); the peak is reset to it."""
+    settle()
+    rss = proc_status_bytes("VmRSS")
+    reset_peak_rss()
+    return rss
 
 
 def settle() -> None:
@@ -259,8 +294,6 @@ def nbytes(t) -> int:
 
 def state_tensors(obj, found: dict | None = None) -> dict:
     """Every tensor in `obj` by id, also inside objects kept in an optimizer state (GaLore's projector)."""
-    import torch
-
     found = {} if found is None else found
     if isinstance(obj, torch.Tensor):
         found[id(obj)] = obj
@@ -386,18 +419,90 @@ def fork_each(names: list[str], measure, timeout: int, label: str, mmap: bool = 
 
 
 def worker_env(threads: int = 1, mmap_threshold: bool = False) -> dict:
-    """The environment of a measuring subprocess: the repository importable, offline, `threads` OpenMP threads."""
+    """The environment of launched CPU ranks: the repository importable, offline, `threads` OpenMP threads."""
     env = {
         **os.environ,
         # The caller's PYTHONPATH first: a checkout or an installed copy it points at is the one measured.
         "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])),
         "HF_HUB_OFFLINE": "1",
         "OMP_NUM_THREADS": str(threads),
+        "ACCELERATE_USE_CPU": "true",  # the multi-process launcher does not forward use_cpu
     }
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     if mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # limit_mmap_threshold, for a process started with it
     return env
+
+
+def write_gathered_and_finish(path: str, result: dict) -> None:
+    """In a launched rank: every rank's result in one JSON (written by rank 0), then the process group ends on every
+    rank."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    # A DDP reducer freed after destroy_process_group can crash or hang the rank in gloo's destructor, now and then:
+    # fail every time instead, while the group can still say so.
+    gc.collect()
+    alive = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
+    if alive:
+        raise RuntimeError(f"{alive} DistributedDataParallel model(s) still alive at the end of the worker")
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if dist.get_rank() == 0:
+        Path(path).write_text(json.dumps(gathered, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+    # Without C++ static destructors: a rank was seen to abort at interpreter teardown while gloo threads wound down
+    # (tests/helpers.finish_ranks), which would fail a run whose results are all written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (children first found, then theirs)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(stat.parent.name))
+    return children + [d for child in children for d in descendants(child)]
+
+
+def launch_ranks(script, launcher: list[str], args: list[str], result: Path, timeout: float, env: dict) -> list:
+    """
+    Run `accelerate launch <launcher> script args` (`launcher`: `--config_file` and any other option of the launcher)
+    and return what the ranks wrote to `result` (`write_gathered_and_finish`). Raises with the ranks' output on failure
+    or after `timeout` seconds, killing every rank left.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *map(str, launcher), "--main_process_port", str(port)]
+    cmd += [str(script), *args]
+    label = " ".join(args)
+    # Output goes to a file, not a pipe: ranks left behind by a killed launcher would hold a pipe open.
+    log = result.with_suffix(".log")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # The ranks run in sessions of their own: kill them by id, then the launcher.
+            for pid in [*descendants(proc.pid), proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait()
+            raise RuntimeError(f"{label} timed out after {timeout}s:\n{log.read_text()[-4000:]}") from None
+    stderr = log.read_text()
+    if proc.returncode != 0 or not result.is_file():
+        # The ranks' lines carry a Python error; a rank that died without one (a signal) shows only in the
+        # launcher's closing summary, which names each rank's exit code.
+        rank_lines = [line for line in stderr.splitlines() if line.startswith("[rank")]
+        summary = stderr[stderr.rfind("Failures:") :] if "Failures:" in stderr else stderr[-3000:]
+        detail = "\n".join(rank_lines[-60:]) + "\n" + summary
+        raise RuntimeError(f"{label} failed (exit {proc.returncode}):\n{detail}")
+    return json.loads(result.read_text())
 
 
 # ---- timing ----
@@ -406,7 +511,8 @@ def worker_env(threads: int = 1, mmap_threshold: bool = False) -> dict:
 class TimedRun:
     """One timed configuration: `times` / `cpu_times` of its steps, filled by `interleaved_rounds`."""
 
-    def __init__(self):
+    def __init__(self, name: str | None = None):
+        self.name = name
         self.times: list[float] = []
         self.cpu_times: list[float] = []
 
@@ -435,22 +541,22 @@ def interleaved_rounds(runs: list, opts, step, label: str = "round") -> None:
         print(f"  {label} {rnd + 1}/{total}{' (warm-up)' if rnd < opts.warmup else ''}", flush=True)
 
 
-def timing_stats(times: list[float], cpu_times: list[float], ref_times: list[float], ref_cpu: list[float]) -> dict:
-    """Medians of one configuration's step times and its ratios to a reference timed in the same rounds: of the
-    medians, and the median and quartiles of the same-round ratios (pairs cancel slow drifts of the machine load)."""
-    median, cpu_median = statistics.median(times), statistics.median(cpu_times)
-    paired = [t / r for t, r in zip(times, ref_times)]
+def timing_stats(run: TimedRun, ref: TimedRun) -> dict:
+    """Medians of one run's step times and its ratios to a reference timed in the same rounds: of the medians, and the
+    median and quartiles of the same-round ratios (pairs cancel slow drifts of the machine load)."""
+    median, cpu_median = statistics.median(run.times), statistics.median(run.cpu_times)
+    paired = [t / r for t, r in zip(run.times, ref.times)]
     return {
-        "times_s": times,
-        "cpu_times_s": cpu_times,
+        "times_s": run.times,
+        "cpu_times_s": run.cpu_times,
         "median_s": median,
         "cpu_median_s": cpu_median,
-        "ratio": median / statistics.median(ref_times),
+        "ratio": median / statistics.median(ref.times),
         "paired_ratios": paired,
         "paired_ratio_median": statistics.median(paired),
         "paired_ratio_quartiles": statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3,
         # Single-threaded, the process CPU time hardly sees other processes competing for the cores.
-        "cpu_ratio": cpu_median / statistics.median(ref_cpu),
+        "cpu_ratio": cpu_median / statistics.median(ref.cpu_times),
     }
 
 
@@ -470,8 +576,6 @@ def print_timing(timing: dict, key: str, ref: str, extra: list[tuple] = ()) -> N
 
 def cprofile_summary(prof, steps: int, wanted: list[tuple[str, str, str]]) -> dict:
     """cProfile's rows `wanted` (label, a part of the file name, the function name), per step: where the time goes."""
-    import pstats
-
     stats, picked = pstats.Stats(prof).stats.items(), []
     for label, file_part, func in wanted:
         matches = [(ct, nc) for (file, _, name), (_, nc, _, ct, _) in stats if file_part in file and name == func]

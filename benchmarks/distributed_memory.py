@@ -16,7 +16,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import _common as h  # noqa: E402
-from benchmarks import _ranks as ranks  # noqa: E402
 from benchmarks._common import mib, proc_status_bytes, reset_peak_rss  # noqa: E402
 
 ENGINES = {"ddp": "configs/accelerate/cpu_ddp.yaml", "fsdp2": "configs/accelerate/cpu_fsdp2.yaml"}
@@ -187,7 +186,7 @@ def trainer_worker(opts) -> None:
         # The DDP objects must die while the process group is alive (see write_gathered_and_finish).
         trainer.accelerator.free_memory()
         del trainer, model, meter
-    ranks.write_gathered_and_finish(opts.result, result)
+    h.write_gathered_and_finish(opts.result, result)
 
 
 def time_worker(opts) -> None:
@@ -235,7 +234,7 @@ def time_worker(opts) -> None:
         run(config, opts.warmup_steps + 3, profile=prof)
         if prof is not None:
             profiles[config] = h.cprofile_summary(prof, opts.warmup_steps + 3, PROFILE_ROWS)
-    ranks.write_gathered_and_finish(opts.result, {"rank": dist.get_rank(), "times": times, "profiles": profiles})
+    h.write_gathered_and_finish(opts.result, {"rank": dist.get_rank(), "times": times, "profiles": profiles})
 
 
 # ---- FSDP2, plain Accelerate loop (inside the launched ranks) ----
@@ -301,7 +300,7 @@ def loop_worker(opts) -> None:
         lw.detach()
     meter.remove()
     accelerator.free_memory()
-    ranks.write_gathered_and_finish(opts.result, result)
+    h.write_gathered_and_finish(opts.result, result)
 
 
 # ---- the driver and its report ----
@@ -314,8 +313,8 @@ def launch(opts, engine: str, worker_args: list[str], result: Path, mmap: bool =
     if engine == "fsdp2":
         env["LAYERWISE_HF_FORCE_FSDP_CPU"] = "1"
     args = [*worker_args, "--engine", engine, "--result", str(result), "--steps", str(opts.steps)]
-    return ranks.launch_ranks(Path(__file__).resolve(), h.ROOT / ENGINES[engine], [*args, *h.size_args(opts, FULL)],
-                              result, opts.timeout, env)  # fmt: skip
+    return h.launch_ranks(Path(__file__).resolve(), ["--config_file", h.ROOT / ENGINES[engine]],
+                          [*args, *h.size_args(opts, FULL)], result, opts.timeout, env)  # fmt: skip
 
 
 def most(runs: list[dict], key: str) -> int | None:

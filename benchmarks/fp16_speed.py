@@ -90,8 +90,7 @@ def time_configs(base_model, dataset, opts) -> dict:
         counted = [c for c, s in zip(run.per_step, skipped) if not s] or run.per_step
         lw = run.kind == "layerwise"
         out[f"{run.kind} ga{run.ga}"] = {
-            "optimizer": run.kind, "grad_accum": run.ga, **h.timing_stats(run.times, run.cpu_times, ref.times,
-                                                                          ref.cpu_times),
+            "optimizer": run.kind, "grad_accum": run.ga, **h.timing_stats(run, ref),
             "forwards_per_step": counted[-1][0], "backwards_per_step": counted[-1][1], "steps": len(skipped),
             "skipped_steps": sum(skipped), "scales": run.scales, "grad_norms": run.grad_norms,
             "peak_grad_bytes": run.optimizer.peak_grad_bytes if lw else run.grad_bytes_at_step,

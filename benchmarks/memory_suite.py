@@ -357,7 +357,7 @@ def time_configs(names: list[str], opts) -> dict:
     out = {}
     for name, run in runs.items():
         ref = runs.get(BY_NAME[name].standard, run)
-        out[name] = h.timing_stats(run.times, run.cpu_times, ref.times, ref.cpu_times)
+        out[name] = h.timing_stats(run, ref)
         if ref is run:
             out[name] = {k: v for k, v in out[name].items() if "ratio" not in k}
     return out

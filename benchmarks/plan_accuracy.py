@@ -422,7 +422,6 @@ def rank_worker(opts: argparse.Namespace) -> None:
     from transformers import Trainer, TrainerCallback
 
     import layerwise_hf  # noqa: F401  (applies LAYERWISE_HF_FORCE_FSDP_CPU before the first Accelerator)
-    from benchmarks import _ranks as ranks
     from benchmarks._thread_memory import CountingAllocator
 
     h.limit_mmap_threshold()
@@ -465,13 +464,12 @@ def rank_worker(opts: argparse.Namespace) -> None:
         result.update(measured[-1], step_peak_bytes=[s["peak_bytes"] for s in measured])
     trainer.accelerator.free_memory()
     del trainer
-    ranks.write_gathered_and_finish(opts.result, result)
+    h.write_gathered_and_finish(opts.result, result)
 
 
 def launch_ranks(cfg: Config, opts: argparse.Namespace) -> dict:
     """`cfg` on 2 gloo ranks under its Accelerate config, twice (tensor peak, then RSS: see `rank_worker`); the rank
     with the higher tensor peak, and both ranks."""
-    from benchmarks import _ranks as ranks
     from benchmarks import _thread_memory
 
     _thread_memory.build()  # once, here, rather than in both ranks at the same time
@@ -482,8 +480,8 @@ def launch_ranks(cfg: Config, opts: argparse.Namespace) -> dict:
             result = Path(tmp) / "ranks.json"
             args = ["--worker", "--measure", measure, "--config", json.dumps(cfg._asdict()), "--result", str(result),
                     "--max_grad_norm", str(opts.max_grad_norm), "--rank_steps", str(opts.rank_steps)]  # fmt: skip
-            config_file = h.ROOT / ACCELERATE_CONFIGS[cfg.sharding]
-            runs[measure] = ranks.launch_ranks(Path(__file__).resolve(), config_file, args, result, opts.timeout, env)
+            launcher = ["--config_file", h.ROOT / ACCELERATE_CONFIGS[cfg.sharding]]
+            runs[measure] = h.launch_ranks(Path(__file__).resolve(), launcher, args, result, opts.timeout, env)
     per_rank = [{**t, **rss_fields(r, t["end_bytes"])} for t, r in zip(runs["tensor"], runs["rss"])]
     return {**max(per_rank, key=lambda r: r["peak_bytes"]), "ranks": per_rank}
 

@@ -262,8 +262,7 @@ def main(argv=None) -> int:
 
     h.interleaved_rounds(list(runs.values()), opts, step)
     refs = {k: runs[REFERENCE[k]] for k in runs}
-    timing = {k: {"reference": REFERENCE[k], **h.timing_stats(r.times, r.cpu_times, refs[k].times, refs[k].cpu_times)}
-              for k, r in runs.items()}  # fmt: skip
+    timing = {k: {"reference": REFERENCE[k], **h.timing_stats(r, refs[k])} for k, r in runs.items()}
     report = {
         "description": desc,
         "model": {k: getattr(opts, k) for k in FULL} | {"num_params": base_model.num_parameters()},
@@ -274,9 +273,7 @@ def main(argv=None) -> int:
         "timing": timing,
         "breakdown": {k: breakdown(r, opts.rounds * opts.steps_per_round) for k, r in runs.items()},
         "offload_pairs": {
-            f"{a}/{b}": h.timing_stats(runs[a].times, runs[a].cpu_times, runs[b].times, runs[b].cpu_times)
-            for a, b in OFFLOAD_PAIRS
-            if {a, b} <= set(runs)
+            f"{a}/{b}": h.timing_stats(runs[a], runs[b]) for a, b in OFFLOAD_PAIRS if {a, b} <= set(runs)
         },
         "environment": {
             "torch": torch.__version__,
