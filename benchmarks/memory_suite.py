@@ -2,19 +2,32 @@
 process, next to the analytic floor, `layerwise_hf.estimate.estimate()` and the plan (`layerwise-hf plan`).
 Launch, method and last results: benchmarks/README.md."""
 
+# ruff: noqa: E402 - the checkout goes on sys.path first
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
+
+# NOTE: the libraries, imported once, before the forks: Trainer's create_optimizer, imported in a child after its RSS
+# at rest, put ~90 MiB of modules (accelerate, datasets, bitsandbytes) into the training peak.
+from transformers import Trainer  # noqa: F401
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import _common as h  # noqa: E402
-from benchmarks._common import MIB, mib, pct, proc_status_bytes, reset_peak_rss, settle  # noqa: E402
+from benchmarks import _common as h
+from benchmarks._common import MIB, mib, pct, proc_status_bytes, reset_peak_rss, settle
+from layerwise_hf.estimate import EstimateError, estimate
+from layerwise_hf.optim.norm_pass import backward_with_norm_pass, forward_again, run_with_norm_pass
+from layerwise_hf.plan import plan
 
 FLOOR_GOAL = 1.05
 TIME_GOAL = 1.05
@@ -106,18 +119,13 @@ def build_model(cfg: Config, opts):
 def build_optimizer(model, cfg: Config, opts, sync: dict):
     """The optimizer and, for a layer-wise one, the `LayerwiseOptimizer` (hooks not attached yet)."""
     extra = dict(GALORE) if cfg.galore else {"weight_decay": opts.weight_decay}
-    # No clipping on either side (clipping's time is clipping_speed.py's subject), except where the norm pass's
+    # No clipping on either side (clipping's time is step_time.py's norm-pass row), except where the norm pass's
     # memory is the subject.
     clip = MAX_GRAD_NORM if cfg.clip else 0.0
     args = h.training_args(cfg.optim, learning_rate=opts.learning_rate, max_grad_norm=clip,
                            gradient_accumulation_steps=cfg.ga, **extra)  # fmt: skip
-    if not cfg.layerwise:
-        return h.trainer_optimizer(model, args), None
     # Outside Accelerate the last micro-batch of a window is ours to say.
-    optimizer = h.layerwise_optimizer(
-        model, args, clip=(clip, "exact"), attach=False, sync_gradients=lambda: sync["value"]
-    )
-    return optimizer, optimizer
+    return h.build_optimizer(model, args, clip, sync=lambda: sync["value"], attach=False)
 
 
 def train_step(model, cfg: Config, optimizer, lw, batches: list, sync: dict, meter=None) -> dict:
@@ -126,10 +134,6 @@ def train_step(model, cfg: Config, optimizer, lw, batches: list, sync: dict, met
     `LayerwiseTrainer` does: `backward_with_norm_pass`, or where the package's rule asks for it (`forward_again`)
     forward and backward twice with `run_with_norm_pass`. With `meter`, the RSS peak and the gradients alive at the
     step, before and after backward's RSS peak."""
-    import torch
-
-    from layerwise_hf.optim.norm_pass import backward_with_norm_pass, forward_again, run_with_norm_pass
-
     for k, batch in enumerate(batches):
         sync["value"] = k == len(batches) - 1
 
@@ -195,8 +199,6 @@ def activation_probe(model, ids) -> int:
 def measure_memory(cfg: Config, opts) -> dict:
     """In a process of its own: the RSS at rest and the activation probe, then `opts.steps` steps with the RSS peak,
     the gradients alive (hooks) and the optimizer state (by storage and by shape)."""
-    from layerwise_hf.optim.norm_pass import last_norm_pass
-
     opts = sized(cfg, opts)
     model = build_model(cfg, opts)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -221,7 +223,7 @@ def measure_memory(cfg: Config, opts) -> dict:
         # GaLore's projection matrix is a slice of its SVD factor, which it keeps whole: count storages.
         s |= {"grads_peak_bytes": max(meter.peak_tensor, s["grads_at_step_bytes"]),
               "state_bytes": h.storage_bytes(state), "state_view_bytes": h.tensor_bytes(state),
-              "norm_pass": None if lw is None or last_norm_pass(lw) is None else last_norm_pass(lw).value}  # fmt: skip
+              "norm_pass": None if lw is None else h.norm_pass_name(lw)}  # fmt: skip
         steps.append(s)
     if lw is not None:
         lw.detach()
@@ -239,9 +241,6 @@ def measure_memory(cfg: Config, opts) -> dict:
 def estimate_for(cfg: Config, opts) -> dict:
     """The estimator's terms and the plan's peak (`layerwise-hf plan`, fake tensors, moment by moment: weights,
     activations, gradients, state and the optimizer's temporaries) for the same setup."""
-    from layerwise_hf.estimate import EstimateError, estimate
-    from layerwise_hf.plan import plan
-
     config, out = h.llama_config(sized(cfg, opts), tie=cfg.tie), {}
     lora = dict(lora_rank=LORA["r"], lora_target_modules=LORA["target_modules"], adapter_dtype="float32")
     try:
@@ -398,14 +397,6 @@ def print_report(report: dict) -> None:
 
 
 def main(argv=None) -> int:
-    import logging
-    import warnings
-
-    import torch
-    import transformers  # noqa: F401  (the libraries: imported once, before the forks)
-
-    import layerwise_hf.optim.norm_pass  # noqa: F401
-
     opts, started, load_start = parse_args(argv), time.perf_counter(), os.getloadavg()
     torch.set_num_threads(opts.threads)
     # Deprecation notices of the libraries (GaLore's own AdamW, PEFT's is_gradient_checkpointing): not results.
@@ -415,11 +406,9 @@ def main(argv=None) -> int:
     # layerwise_hf warn about once per module (48 lines per GaLore configuration).
     for name in ("transformers.trainer_optimizer", "layerwise_hf.bases.galore"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    for module in ("peft", "bitsandbytes", "galore_torch"):
-        try:
+    for module in ("peft", "bitsandbytes", "galore_torch"):  # a configuration that needs one reports its error
+        with contextlib.suppress(ImportError):
             __import__(module)
-        except ImportError:
-            pass  # the configuration that needs it reports the error
     print(f"memory: {len(opts.configs)} configurations, one forked process each", flush=True)
     memory = h.fork_each(opts.configs, lambda name: measure_memory(BY_NAME[name], opts), opts.timeout, "memory")
     timed = [n for n in opts.configs if "error" not in memory[n]]
