@@ -2,6 +2,7 @@
 real CPU trainings, against the plan of the same setup (`plan(..., device="cpu")`, fake tensors).
 Launch, method and last results: benchmarks/README.md."""
 
+# ruff: noqa: E402 - the checkout goes on sys.path first
 from __future__ import annotations
 
 import argparse
@@ -15,11 +16,30 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import NamedTuple
+from unittest import mock
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.autograd.profiler import record_function
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import _pop_mode, _push_mode
+from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import _common as h  # noqa: E402
+from benchmarks import _common as h
+from benchmarks import _thread_memory
+from layerwise_hf.optim.host_offload import offload_of
+from layerwise_hf.optim.norm_pass import forward_again
+from layerwise_hf.placement import offload as offload_module
+from layerwise_hf.placement import transfer as transfer_module
+from layerwise_hf.placement.host_step import HostStepOptimizer
+from layerwise_hf.placement.offloading import wait_for_host_steps
+from layerwise_hf.plan import plan
+from layerwise_hf.plan.tracker import GRADIENTS, OPTIMIZER_STATE, WEIGHTS, LiveBytes
+from layerwise_hf.platform.compat import enable_activation_checkpointing
 
 GOAL = 0.05  # planned peak against the tensor peak
 RSS_GOAL = 0.10  # planned peak against the RSS training peak
@@ -100,11 +120,6 @@ QUICK = [Config("tiny", "adamw_torch"), Config("tiny", "adamw_torch_layerwise", 
 
 
 def build_model(cfg: Config):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from layerwise_hf.platform.compat import enable_activation_checkpointing
-
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**MODELS[cfg.model]))
     model.config.use_cache = False
@@ -122,41 +137,21 @@ def build_model(cfg: Config):
     return model
 
 
-class Run(NamedTuple):
-    """What one real step needs: the model, the optimizer, the layer-wise one (or None), the accumulation window and
-    fp16's scaler."""
-
-    model: object
-    optimizer: object
-    layerwise: object
-    window: dict
-    scaler: object = None
-
-
-def build_run(cfg: Config, max_grad_norm: float) -> Run:
-    """The model and the optimizer, as Trainer would build them for `cfg` on one process."""
-    import torch
-
+def build_run(cfg: Config, max_grad_norm: float) -> SimpleNamespace:
+    """What one real step needs, as Trainer would build it for `cfg` on one process: the model, the optimizer, the
+    layer-wise one (or None), the accumulation window and fp16's scaler."""
     model = build_model(cfg)
     args = h.training_args(cfg.optim, max_grad_norm=max_grad_norm, gradient_accumulation_steps=cfg.grad_accum)
-    window = {"last": True}
+    window, offload = {"last": True}, {"offload": cfg.offload} if cfg.offload != "none" else {}
+    optimizer, layerwise = h.build_optimizer(model, args, max_grad_norm, sync=lambda: window["last"], **offload)
     scaler = torch.amp.GradScaler("cpu") if cfg.fp16 else None
-    if not cfg.optim.endswith("_layerwise"):
-        return Run(model, h.trainer_optimizer(model, args), None, window, scaler)
-    offload = {"offload": cfg.offload} if cfg.offload != "none" else {}
-    optimizer = h.layerwise_optimizer(model, args, clip=(max_grad_norm, "exact"),
-                                      sync_gradients=lambda: window["last"], **offload)  # fmt: skip
-    if scaler is not None:
-        optimizer.use_grad_scaler(scaler)
-    return Run(model, optimizer, optimizer, window, scaler)
+    if layerwise is not None and scaler is not None:
+        layerwise.use_grad_scaler(scaler)
+    return SimpleNamespace(model=model, optimizer=optimizer, layerwise=layerwise, window=window, scaler=scaler)
 
 
-def real_step(run: Run, cfg: Config, max_grad_norm: float) -> None:
+def real_step(run: SimpleNamespace, cfg: Config, max_grad_norm: float) -> None:
     """One optimizer step as Trainer takes it: `grad_accum` micro-batches, then clipping, `step()`, `zero_grad()`."""
-    import torch
-
-    from layerwise_hf.optim.norm_pass import forward_again
-
     model, optimizer, layerwise, scaler = run.model, run.optimizer, run.layerwise, run.scaler
     vocab = model.get_input_embeddings().num_embeddings
     dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else None
@@ -207,9 +202,6 @@ def allocator_peak(prof, marker: str) -> dict:
 
 def live_tensor_bytes() -> int:
     """The storages of every real tensor Python can reach (distinct, in full)."""
-    import torch
-    from torch._subclasses.fake_tensor import is_fake
-
     # Fake and meta tensors (a plan made earlier in this process) hold no memory and have no data pointer.
     return h.storage_bytes(
         [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type != "meta" and not is_fake(o)]
@@ -219,9 +211,8 @@ def live_tensor_bytes() -> int:
 def rss_at_rest() -> dict:
     """Before a measured step: the tensors Python reaches and the RSS; the peak is reset."""
     h.settle()
-    live, rss_rest = live_tensor_bytes(), h.proc_status_bytes("VmRSS")
-    h.reset_peak_rss()
-    return {"live": live, "rss_rest_bytes": rss_rest}
+    live = live_tensor_bytes()
+    return {"live": live, "rss_rest_bytes": h.rss_at_rest()}
 
 
 def rss_fields(rss: dict, held_bytes: int) -> dict:
@@ -236,9 +227,6 @@ def rss_fields(rss: dict, held_bytes: int) -> dict:
 def measure_real(cfg: Config, max_grad_norm: float, split: bool = False) -> dict:
     """The RSS training peak of step 3 of a first run (with `split`, its step 4 split into the plan's categories),
     then the tensor peak of step 2 of a second run, profiled from before its model existed (benchmarks/README.md)."""
-    from torch.autograd.profiler import record_function
-    from torch.profiler import ProfilerActivity, profile
-
     # NOTE: RSS first: the profiler keeps memory of its own that later steps would count (+10-20 MiB seen).
     run = build_run(cfg, max_grad_norm)
     real_step(run, cfg, max_grad_norm)
@@ -265,15 +253,13 @@ def measure_real(cfg: Config, max_grad_norm: float, split: bool = False) -> dict
     if split_out is not None:
         out["split"] = split_out
     if run.layerwise is not None:
-        out["norm_pass"] = norm_pass_name(run.layerwise)
+        out["norm_pass"] = h.norm_pass_name(run.layerwise)
         run.layerwise.detach()
     return out
 
 
-def tracked_step(run: Run, cfg: Config, max_grad_norm: float) -> dict:
+def tracked_step(run: SimpleNamespace, cfg: Config, max_grad_norm: float) -> dict:
     """One more step under the plan's `LiveBytes` on real tensors: the real peak by category and when it falls."""
-    from layerwise_hf.plan.tracker import OPTIMIZER_STATE, LiveBytes
-
     tracker, lw = LiveBytes(), run.layerwise
     if lw is not None:
         lw.detach()  # the tracker's gradient hooks must run before the ones that free `.grad`
@@ -291,7 +277,7 @@ def tracked_step(run: Run, cfg: Config, max_grad_norm: float) -> dict:
     return {"peak_bytes": tracker.peak.total, "categories": tracker.peak.by_category, "when": tracker.peak.phase}
 
 
-def offload_measure(run: Run, cfg: Config, max_grad_norm: float, rss: dict) -> dict:
+def offload_measure(run: SimpleNamespace, cfg: Config, max_grad_norm: float, rss: dict) -> dict:
     """An offload run's tensor peak: one more step under the plan's `LiveBytes` on the real tensors, on every thread.
 
     The profiler records the allocations and frees of the thread that started it only (torch 2.13: its
@@ -300,14 +286,6 @@ def offload_measure(run: Run, cfg: Config, max_grad_norm: float, rss: dict) -> d
     every storage allocated on the main thread and on the host worker (its dispatch mode is pushed there) and every
     free on any thread (a storage's finalizer): device and host sides apart, the host side being the host buffers,
     host copies and states at the start and what the worker and `host_empty_like` allocate."""
-    from unittest import mock
-
-    from torch.utils._python_dispatch import _pop_mode, _push_mode
-
-    from layerwise_hf.placement import offload as offload_module
-    from layerwise_hf.placement import transfer as transfer_module
-    from layerwise_hf.plan.tracker import GRADIENTS, OPTIMIZER_STATE, WEIGHTS, LiveBytes
-
     out = host_side(run.layerwise)
     h.settle()
     tracker, lw = LiveBytes(), run.layerwise
@@ -353,11 +331,6 @@ def offload_measure(run: Run, cfg: Config, max_grad_norm: float, rss: dict) -> d
 
 def host_tensors(layerwise) -> dict:
     """The host-side tensors of an offload run: parameter copies, gradient buffers, host states."""
-    import torch
-
-    from layerwise_hf.optim.host_offload import offload_of
-    from layerwise_hf.placement.host_step import HostStepOptimizer
-
     hosted = [inner for inner in layerwise.inner if isinstance(inner, HostStepOptimizer)]
     offload = offload_of(layerwise)
     grads = [*offload.host.values(), *offload.staging.blocks]  # each parameter's buffer, the staging blocks
@@ -370,26 +343,15 @@ def host_tensors(layerwise) -> dict:
 def host_side(layerwise) -> dict:
     """An offload run's host-side storages now: the host states, the host copies of the parameters, the gradient
     buffers (`GradientOffload.host` and each host step's `host_grad`)."""
-    from layerwise_hf.placement.offloading import wait_for_host_steps
-
     wait_for_host_steps(layerwise)
     return {f"host_{k}_bytes": h.storage_bytes(v) for k, v in
             zip(("copy", "gradient", "state"), host_tensors(layerwise).values())}  # fmt: skip
-
-
-def norm_pass_name(layerwise) -> str | None:
-    from layerwise_hf.optim.norm_pass import last_norm_pass
-
-    chosen = last_norm_pass(layerwise)
-    return None if chosen is None else chosen.value
 
 
 # ---- the plan ----
 
 
 def planned(cfg: Config, max_grad_norm: float) -> dict:
-    from layerwise_hf.plan import plan
-
     extra = {} if cfg.world_size == 1 else dict(world_size=cfg.world_size, sharding=cfg.sharding)
     extra |= {"offload": cfg.offload} if cfg.offload != "none" else {}
     result = plan(MODELS[cfg.model], [cfg.optim], seq_len=cfg.seq_len, micro_batch=cfg.micro_batch,
@@ -418,16 +380,10 @@ def rank_worker(opts: argparse.Namespace) -> None:
     """One rank of a 2-rank configuration, Trainer (or LayerwiseTrainer) for `--rank_steps` steps, the last measured:
     `--measure tensor` counts the CPU allocator on every thread from before the model exists (each step's peak is
     kept); `--measure rss` (a launch of its own, as on one process) measures by RSS."""
-    import torch
-    from transformers import Trainer, TrainerCallback
-
-    import layerwise_hf  # noqa: F401  (applies LAYERWISE_HF_FORCE_FSDP_CPU before the first Accelerator)
-    from benchmarks._thread_memory import CountingAllocator
-
     h.limit_mmap_threshold()
     torch.set_num_threads(1)
     cfg, steps = Config(**json.loads(opts.config)), opts.rank_steps
-    counter = CountingAllocator() if opts.measure == "tensor" else None
+    counter = _thread_memory.CountingAllocator() if opts.measure == "tensor" else None
     measured, rss = [], {}
 
     class Probe(TrainerCallback):
@@ -452,14 +408,13 @@ def rank_worker(opts: argparse.Namespace) -> None:
                            gradient_checkpointing_kwargs={"use_reentrant": False}, disable_tqdm=True,
                            dataloader_num_workers=0)  # fmt: skip
     data = h.TokenRows(MODELS[cfg.model]["vocab_size"], cfg.seq_len, 2 * cfg.micro_batch * cfg.grad_accum * steps)
-    trainer_cls = layerwise_hf.LayerwiseTrainer if cfg.optim.endswith("_layerwise") else Trainer
-    trainer = trainer_cls(model=build_model(cfg), args=args, train_dataset=data, callbacks=[Probe()])
+    trainer = h.trainer(build_model(cfg), args, data, [Probe()])
     h.check_distributed(trainer.accelerator, cfg.sharding)
     trainer.train()
     lw = getattr(trainer, "layerwise_optimizer", None)
     result = {"rank": trainer.accelerator.process_index, **rss, "route": None if lw is None else lw.route,
               "optimizer_state_bytes": h.storage_bytes(h.optimizer_state_tensors(trainer.optimizer)),
-              "norm_pass": None if lw is None else norm_pass_name(lw)}  # fmt: skip
+              "norm_pass": None if lw is None else h.norm_pass_name(lw)}  # fmt: skip
     if counter is not None:
         result.update(measured[-1], step_peak_bytes=[s["peak_bytes"] for s in measured])
     trainer.accelerator.free_memory()
@@ -470,8 +425,6 @@ def rank_worker(opts: argparse.Namespace) -> None:
 def launch_ranks(cfg: Config, opts: argparse.Namespace) -> dict:
     """`cfg` on 2 gloo ranks under its Accelerate config, twice (tensor peak, then RSS: see `rank_worker`); the rank
     with the higher tensor peak, and both ranks."""
-    from benchmarks import _thread_memory
-
     _thread_memory.build()  # once, here, rather than in both ranks at the same time
     env = h.worker_env(threads=1) | ({"LAYERWISE_HF_FORCE_FSDP_CPU": "1"} if cfg.sharding == "fsdp2" else {})
     runs = {}
@@ -489,10 +442,8 @@ def launch_ranks(cfg: Config, opts: argparse.Namespace) -> dict:
 def measure_config(cfg: Config, opts: argparse.Namespace) -> dict:
     """The real run (this process, or 2 launched ranks) and the plan of `cfg`."""
     started = time.perf_counter()
-    if cfg.offload != "none":
-        from layerwise_hf.placement.transfer import SIMULATE_ENV
-
-        os.environ[SIMULATE_ENV] = "1"  # a CPU run of offload as a GPU runs it (copy thread, worker, host buffers)
+    if cfg.offload != "none":  # a CPU run of offload as a GPU runs it (copy thread, worker, host buffers)
+        os.environ[transfer_module.SIMULATE_ENV] = "1"
     real = measure_real(cfg, opts.max_grad_norm, split=opts.split) if cfg.world_size == 1 else launch_ranks(cfg, opts)
     real["seconds"] = time.perf_counter() - started
     plan_ = planned(cfg, opts.max_grad_norm)
@@ -612,9 +563,8 @@ def merge(paths: list[str], output_dir: str) -> dict:
         rows |= {r["name"]: r for r in report["rows"]}
     order = {c.name: k for k, c in enumerate(configurations())}
     merged = sorted(rows.values(), key=lambda r: order.get(r["name"], len(order)))
-    measured_in = [
-        {"rows": [r["name"] for r in merged if origin[r["name"]] == k], **run} for k, run in enumerate(runs)
-    ]
+    measured_in = [{"rows": [r["name"] for r in merged if origin[r["name"]] == k], **run}
+                   for k, run in enumerate(runs)]  # fmt: skip
     return report_of(merged, measured_in=[m for m in measured_in if m["rows"]])
 
 
@@ -653,22 +603,15 @@ def main(argv=None) -> int:
         if opts.list:
             print("\n".join(configs))
             return 0
-        import torch
-
-        import layerwise_hf.plan.core  # noqa: F401  (imported once, before the forks)
-
         torch.set_num_threads(1)
         started = time.perf_counter()
         results = h.fork_each(list(configs), lambda n: measure_config(configs[n], opts), opts.timeout, "ran")
-        rows = [
-            r if "name" in r else {"name": n, "config": configs[n]._asdict(), "real": r} for n, r in results.items()
-        ]
+        rows = [r if "name" in r else {"name": n, "config": configs[n]._asdict(), "real": r}
+                for n, r in results.items()]  # fmt: skip
         git = lambda *a: subprocess.run(["git", *a], cwd=h.ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
         # The commit the planner was read from, and whether its files had changes not committed yet.
-        source = {
-            "commit": git("rev-parse", "HEAD"),
-            "uncommitted": git("status", "--porcelain", "--", "layerwise_hf/plan"),
-        }
+        source = {"commit": git("rev-parse", "HEAD"),
+                  "uncommitted": git("status", "--porcelain", "--", "layerwise_hf/plan")}  # fmt: skip
         report = report_of(rows, plan_source=source, torch=torch.__version__, python=h.python_version(),
                            wall_time_s=time.perf_counter() - started)  # fmt: skip
     print_report(report)
