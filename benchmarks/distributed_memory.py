@@ -5,8 +5,8 @@ Launch, method and last results: benchmarks/README.md."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
-import random
 import statistics
 import sys
 import tempfile
@@ -70,18 +70,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_trainer(opts, kind: str, optim: str, model, out: str, max_steps: int, callbacks=()):
     """(a) / (b): `Trainer` with `optim`; (c): `LayerwiseTrainer` with `<optim>_layerwise`."""
-    from transformers import Trainer
-
-    from layerwise_hf import LayerwiseTrainer
-
     # NOTE: TrainingArguments before any Accelerator: constructing them resets Accelerate's shared state.
     args = h.training_args(f"{optim}_layerwise" if kind == "layerwise" else optim, out, seed=0, max_steps=max_steps,
                            per_device_train_batch_size=opts.batch_size, learning_rate=1e-4, weight_decay=0.1,
                            max_grad_norm=0.0, lr_scheduler_type="constant", logging_steps=10**6, save_strategy="no",
                            disable_tqdm=True, dataloader_num_workers=0)  # fmt: skip
     dataset = h.TokenRows(opts.vocab_size, opts.seq_len, rows=max_steps * opts.batch_size * 2)
-    cls = LayerwiseTrainer if kind == "layerwise" else Trainer
-    trainer = cls(model=model, args=args, train_dataset=dataset, callbacks=list(callbacks))
+    trainer = h.trainer(model, args, dataset, callbacks)
     if kind == "bucket_view":
         # Trainer has no argument for it: set on the DDP kwargs Accelerate will wrap the model with.
         trainer.accelerator.ddp_handler.gradient_as_bucket_view = True
@@ -125,18 +120,15 @@ def train_meter(trainer, kind: str, sample_grads: bool = True):
             return sum(held.values())
 
         def mark(self, label: str) -> None:
-            self.segments.append(
-                {"label": label, "peak": proc_status_bytes("VmHWM"), "rss": proc_status_bytes("VmRSS")}
-            )
+            self.segments.append({"label": label, "peak": proc_status_bytes("VmHWM"),
+                                  "rss": proc_status_bytes("VmRSS")})  # fmt: skip
             reset_peak_rss()
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.mark("setup")
             if sample_grads:
                 lw = unwrap_layerwise_optimizer(trainer.optimizer)
-                self.watch_steps(
-                    lw.inner if lw is not None else [getattr(trainer.optimizer, "optimizer", trainer.optimizer)]
-                )
+                self.watch_steps(lw.inner if lw else [getattr(trainer.optimizer, "optimizer", trainer.optimizer)])
                 self.bucket_bytes = None if lw is not None else ddp_bucket_bytes(trainer.model_wrapped)
 
         def on_step_begin(self, args, state, control, **kwargs):
@@ -162,9 +154,7 @@ def trainer_worker(opts) -> None:
         model = h.build_llama(opts, seed=0)
         trainer = build_trainer(opts, opts.kind, opts.optim, model, out, opts.steps)
         meter = train_meter(trainer, opts.kind)
-        h.settle()
-        rss_before = proc_status_bytes("VmRSS")
-        reset_peak_rss()
+        rss_before = h.rss_at_rest()
         trainer.train()
         meter.mark("end")
         lw = trainer.layerwise_optimizer if opts.kind == "layerwise" else None
@@ -207,11 +197,8 @@ def time_worker(opts) -> None:
         with tempfile.TemporaryDirectory() as out:
             trainer = build_trainer(opts, kind, optim, h.copy_model(base), out, steps)
             meter = train_meter(trainer, kind, sample_grads=False)
-            if profile is not None:
-                profile.enable()
-            trainer.train()
-            if profile is not None:
-                profile.disable()
+            with profile or contextlib.nullcontext():
+                trainer.train()
             # Only the times leave: a DDP reducer still alive at destroy_process_group can crash or hang the rank.
             wall, cpu = meter.wall[opts.warmup_steps :], meter.cpu[opts.warmup_steps :]
             trainer.accelerator.free_memory()
@@ -219,15 +206,17 @@ def time_worker(opts) -> None:
             gc.collect()
             return wall, cpu
 
-    order_rng = random.Random(42)  # the same order on both ranks: they must run the same Trainer at once
-    for rnd in range(opts.rounds):
-        for config in order_rng.sample(configs, len(configs)):
-            wall, cpu = run(config, opts.time_steps)
-            times[config]["wall"] += wall
-            times[config]["cpu"] += cpu
-            times[config]["rounds"].append(statistics.median(wall))
-        if dist.get_rank() == 0:
-            print(f"  time round {rnd + 1}/{opts.rounds}", flush=True)
+    def timed(r, rnd):
+        wall, cpu = run(r.name, opts.time_steps)
+        times[r.name]["wall"] += wall
+        times[r.name]["cpu"] += cpu
+        return statistics.median(wall), statistics.median(cpu)
+
+    # The same order on both ranks (the same seed): they must run the same Trainer at once.
+    runs = [h.TimedRun(config) for config in configs]
+    h.interleaved_rounds(runs, argparse.Namespace(warmup=0, rounds=opts.rounds, seed=42), timed, "time round")
+    for r in runs:
+        times[r.name]["rounds"] = r.times
     profiles = {}
     for config in configs if opts.profile else []:
         prof = cProfile.Profile() if dist.get_rank() == 0 else None
@@ -255,12 +244,9 @@ def loop_worker(opts) -> None:
     accelerator = Accelerator()
     h.check_distributed(accelerator, "fsdp2")
     model = h.build_llama(opts, seed=0)
-    if opts.optim.endswith("_layerwise"):
-        # Hooks come with connect() after prepare: FSDP2 replaces the parameters. A bitsandbytes optimizer steps each
-        # rank's local shard as a plain tensor.
-        optimizer = h.layerwise_optimizer(model, args, attach=False, local_shards=True)
-    else:
-        optimizer = h.trainer_optimizer(model, args)
+    # Hooks come with connect() after prepare: FSDP2 replaces the parameters. A bitsandbytes optimizer steps each
+    # rank's local shard as a plain tensor.
+    optimizer, _ = h.build_optimizer(model, args, attach=False, local_shards=True)
     model, optimizer = accelerator.prepare(model, optimizer)
     meter = h.GradMeter([p for p in model.parameters() if p.requires_grad]).attach()  # before the layer-wise hooks
     lw = unwrap_layerwise_optimizer(optimizer)
@@ -269,8 +255,7 @@ def loop_worker(opts) -> None:
     rank = accelerator.process_index
     h.settle()
     accelerator.wait_for_everyone()
-    rss_start = proc_status_bytes("VmRSS")
-    reset_peak_rss()
+    rss_start = h.rss_at_rest()
     step_peaks, grad_peaks, step_times = [], [], []
     for step in range(opts.steps):
         meter.start_step()
@@ -310,8 +295,7 @@ def launch(opts, engine: str, worker_args: list[str], result: Path, mmap: bool =
     """Run this script's `--worker ...` on 2 ranks under `engine`'s config; the ranks' results (rank 0 writes them).
     `mmap`: freed tensors go back to the OS (`MALLOC_MMAP_THRESHOLD_`); not for timing."""
     env = h.worker_env(threads=1, mmap_threshold=mmap)
-    if engine == "fsdp2":
-        env["LAYERWISE_HF_FORCE_FSDP_CPU"] = "1"
+    env |= {"LAYERWISE_HF_FORCE_FSDP_CPU": "1"} if engine == "fsdp2" else {}
     args = [*worker_args, "--engine", engine, "--result", str(result), "--steps", str(opts.steps)]
     return h.launch_ranks(Path(__file__).resolve(), ["--config_file", h.ROOT / ENGINES[engine]],
                           [*args, *h.size_args(opts, FULL)], result, opts.timeout, env)  # fmt: skip
@@ -428,13 +412,10 @@ FSDP2_COLUMNS = cells(
 def print_report(report: dict) -> None:
     print(f"\n{report['description']}")
     if report["ddp_runs"]:
-        h.print_rows(
-            report["ddp_runs"],
-            DDP_COLUMNS,
-            "\nDDP, Trainer, 2 ranks: training peak per rank = VmHWM "
-            "during train() - RSS before it (MiB); grads live: the most gradient storage alive at once "
-            "(.grad storages + the route's buckets, or + DDP's reducer buckets); peak in: its segment",
-        )
+        h.print_rows(report["ddp_runs"], DDP_COLUMNS, "\nDDP, Trainer, 2 ranks: training peak per rank = VmHWM "
+                     "during train() - RSS before it (MiB); grads live: the most gradient storage alive at once "
+                     "(.grad storages + the route's buckets, or + DDP's reducer buckets); peak in: its "
+                     "segment")  # fmt: skip
         h.print_rows(report["ddp_targets"], TARGET_COLUMNS, "\nTarget: layer-wise training peak below (b) by >= 60% "
                      "of all gradients (max over ranks)")  # fmt: skip
         h.print_rows(report["estimator_check"], ESTIMATE_COLUMNS, "\nEstimator (gradient + state terms, --sharding "
@@ -451,13 +432,9 @@ def print_report(report: dict) -> None:
         for row in p["rows"]:
             print(f"  {row['label']:<66} {row['cumulative_ms_per_step']:9.1f} {row['calls_per_step']:7.0f} calls")
     if report["runs"]:
-        h.print_rows(
-            report["runs"],
-            FSDP2_COLUMNS,
-            "\nFSDP2, plain loop, per rank (MiB; peak RSS - RSS before step "
-            "1, for step 1 (which creates the state) and the later steps; .grad storages: what the live "
-            ".grad tensors keep allocated)",
-        )
+        h.print_rows(report["runs"], FSDP2_COLUMNS, "\nFSDP2, plain loop, per rank (MiB; peak RSS - RSS before step "
+                     "1, for step 1 (which creates the state) and the later steps; .grad storages: what the live "
+                     ".grad tensors keep allocated)")  # fmt: skip
 
 
 def main(argv=None) -> None:
