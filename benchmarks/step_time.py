@@ -2,6 +2,7 @@
 `--offload` the host offload rows.
 Launch, method and last results: benchmarks/README.md."""
 
+# ruff: noqa: E402 - the checkout goes on sys.path first
 from __future__ import annotations
 
 import os
@@ -15,7 +16,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import _common as h  # noqa: E402
+from benchmarks import _common as h
+from layerwise_hf.estimate.offload_choice import choose_clipping_offload
+from layerwise_hf.optim.host_offload import offload_of
+from layerwise_hf.placement import transfer
+from layerwise_hf.placement.host_step import unwrap_host_step
+from layerwise_hf.placement.offloading import wait_for_host_steps
 
 OPTIM = "adamw_torch_layerwise"
 # Each row and the row it is timed against, in the same rounds. Offload rows: `offload_optimizer_after` holds the host
@@ -60,8 +66,6 @@ class HostStepClock:
     optimizer; `overlap(spans, start, end)` says how much of them fell in a window."""
 
     def __init__(self, optimizer):
-        from layerwise_hf.placement.host_step import unwrap_host_step
-
         self.spans, self._started = [], {}
         for inner in optimizer.inner:
             unwrap_host_step(inner).register_step_pre_hook(self._pre)
@@ -93,20 +97,11 @@ class Run(h.TimedRun):
         self.layerwise = not kind.startswith("standard")
         self.passes = h.count_passes(self.model)
         self.parts: list[dict] = []  # per step: forward, backward, step, wait (and the host steps with offload)
-        if self.layerwise:
-            args = h.training_args(OPTIM, learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
-            offload = {} if self.offload == "none" else {"offload": self.offload}
-            self.optimizer = h.layerwise_optimizer(self.model, args, clip=(self.clip, "exact"),
-                                                   sync_gradients=lambda: True, **offload)  # fmt: skip
-        else:
-            from transformers import Trainer
-
-            decay = set(Trainer.get_decay_parameter_names(None, self.model))
-            named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-            self.optimizer = torch.optim.AdamW([
-                {"params": [p for n, p in named if n in decay], "weight_decay": WEIGHT_DECAY},
-                {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
-            ], lr=LEARNING_RATE)  # fmt: skip
+        # The standard row: torch.optim.AdamW over Trainer's decay split, as Trainer builds it.
+        args = h.training_args(OPTIM if self.layerwise else "adamw_torch", learning_rate=LEARNING_RATE,
+                               weight_decay=WEIGHT_DECAY)  # fmt: skip
+        offload = {} if self.offload == "none" else {"offload": self.offload}
+        self.optimizer, _ = h.build_optimizer(self.model, args, self.clip, sync=lambda: True, **offload)
         self.host_clock = HostStepClock(self.optimizer) if self.offload == "optimizer" else None
 
     def one_step(self, ids) -> None:
@@ -133,8 +128,6 @@ class Run(h.TimedRun):
         self.optimizer.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
         if self.offload != "none":
-            from layerwise_hf.placement.offloading import wait_for_host_steps
-
             wait_for_host_steps(self.optimizer)  # what the next forward waits for: counted in this step
         part = {"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2, "wait": time.perf_counter() - t3,
                 "backwards": self.passes["backward"] - backwards}  # fmt: skip
@@ -148,8 +141,6 @@ class Run(h.TimedRun):
         if self.layerwise:
             self.optimizer.detach()
         if self.offload != "none":
-            from layerwise_hf.optim.host_offload import offload_of
-
             offload_of(self.optimizer).close()  # the copy thread and the host worker
             if self.offload == "optimizer":
                 self.optimizer.inner[0].runner.close()  # and the global forward pre-hook that waits for the host
@@ -193,19 +184,16 @@ def cost_model_check(runs: dict, report: dict) -> dict | None:
     measured (median of the same-round differences)."""
     if not {"standard_clip", "layerwise_norm_pass", "offload_gradients"} <= set(runs):
         return None
-    from layerwise_hf.estimate.offload_choice import choose_clipping_offload
-    from layerwise_hf.placement.transfer import DELAY_ENV
-
-    delay = float(os.environ.get(DELAY_ENV, "0") or 0)
+    delay = float(os.environ.get(transfer.DELAY_ENV, "0") or 0)
     parts, grad_bytes = report["breakdown"]["standard_clip"], report["trainable_bytes"]
-    transfer = report["copy_one_direction_s"] + report["num_trainable_tensors"] * delay
-    link = grad_bytes / transfer  # bytes per second that make grad_bytes take `transfer`
+    one_way = report["copy_one_direction_s"] + report["num_trainable_tensors"] * delay
+    link = grad_bytes / one_way  # bytes per second that make grad_bytes take `one_way`
     choice = choose_clipping_offload(grad_bytes, parts["backward_s"], step_s=parts["step_s"], link_bytes_per_s=link,
                                      largest_grad_bytes=round((report["largest_copy_s"] + delay) * link))  # fmt: skip
     measured = {k: statistics.median(a - b for a, b in zip(runs[k].times, runs["standard_clip"].times))
                 for k in ("offload_gradients", "layerwise_norm_pass")}  # fmt: skip
     return {
-        "copy_delay_s": delay, "transfer_one_direction_s": transfer, "predicted_gradients_extra_s": choice.gradients_s,
+        "copy_delay_s": delay, "transfer_one_direction_s": one_way, "predicted_gradients_extra_s": choice.gradients_s,
         "predicted_norm_pass_extra_s": choice.norm_pass_s, "predicted_mode": choice.mode,
         "measured_gradients_extra_s": measured["offload_gradients"],
         "measured_norm_pass_extra_s": measured["layerwise_norm_pass"],
@@ -244,8 +232,6 @@ def main(argv=None) -> int:
     opts, started, load_start = parse_args(argv), time.perf_counter(), os.getloadavg()
     torch.set_num_threads(opts.threads)
     if any(k in OFFLOAD for k in opts.kinds):
-        from layerwise_hf.placement import transfer
-
         # The GPU path on CPU: separate host buffers, the host worker and the copy thread, no injected delay.
         os.environ.setdefault(transfer.SIMULATE_ENV, "1")
     base_model = h.build_llama(opts, seed=opts.seed)
@@ -272,16 +258,11 @@ def main(argv=None) -> int:
         "trainable_bytes": sum(h.nbytes(p) for p in base_model.parameters() if p.requires_grad),
         "timing": timing,
         "breakdown": {k: breakdown(r, opts.rounds * opts.steps_per_round) for k, r in runs.items()},
-        "offload_pairs": {
-            f"{a}/{b}": h.timing_stats(runs[a], runs[b]) for a, b in OFFLOAD_PAIRS if {a, b} <= set(runs)
-        },
-        "environment": {
-            "torch": torch.__version__,
-            "python": h.python_version(),
-            "cpus": os.cpu_count(),
-            "loadavg_start": load_start,
-        },  # fmt: skip
-    }
+        "offload_pairs": {f"{a}/{b}": h.timing_stats(runs[a], runs[b])
+                          for a, b in OFFLOAD_PAIRS if {a, b} <= set(runs)},
+        "environment": {"torch": torch.__version__, "python": h.python_version(), "cpus": os.cpu_count(),
+                        "loadavg_start": load_start},
+    }  # fmt: skip
     if "layerwise" in timing:
         report["ratio"] = timing["layerwise"]["ratio"]
     if any(k in OFFLOAD for k in runs):
