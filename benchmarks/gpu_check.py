@@ -14,7 +14,6 @@ import math
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,11 +35,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, PrinterCallback, Trainer, TrainerCallback  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, PrinterCallback, TrainerCallback  # noqa: E402
 
+from benchmarks import _common as h  # noqa: E402 - needs the standard library only until a function runs
 from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments  # noqa: E402
 
-MIB = 2**20
 # In the order they run: what issue 28 asks of a first GPU run comes first, in case the time limit cuts the rest.
 CHECKS = ("parity", "offload", "fsdp2_8bit", "sanitizer", "memory")
 NEEDS_BNB = ("fsdp2_8bit",)  # every run is 8-bit; the others skip only their 8-bit runs
@@ -131,8 +130,7 @@ def training_args(output_dir, optim: str, device: str, **overrides) -> Layerwise
 
 def make_trainer(model, args, dataset, callbacks=(), device="cuda"):
     """Trainer or LayerwiseTrainer, each callback's `trainer` set."""
-    cls = LayerwiseTrainer if args.is_layerwise else Trainer
-    trainer = cls(model=model, args=args, train_dataset=dataset, callbacks=list(callbacks))
+    trainer = h.trainer(model, args, dataset, callbacks)
     trainer.remove_callback(PrinterCallback)  # every log line is in the JSON; keep the output to the table
     for callback in callbacks:
         callback.trainer = trainer
@@ -222,13 +220,10 @@ def compare_runs(base_model, std, lw, steps: int, criterion: str, opts) -> dict:
 
 def state_bytes_by_device(trainer) -> dict[str, int]:
     """The optimizer state's bytes per device type, each storage once (bitsandbytes shares its quantization maps)."""
-    layerwise = isinstance(trainer, LayerwiseTrainer)  # else Accelerate's AcceleratedOptimizer wraps the standard one
-    optimizers = trainer.layerwise_optimizer.inner if layerwise else [trainer.optimizer.optimizer]
-    storages = {(v.device.type, v.untyped_storage().data_ptr()): v.untyped_storage().nbytes() for opt in optimizers
-                for state in opt.state.values() for v in state.values() if torch.is_tensor(v)}  # fmt: skip
+    tensors = h.optimizer_state_tensors(trainer.optimizer).values()
     out: Counter = Counter()
-    for (kind, _), nbytes in storages.items():
-        out[kind] += nbytes
+    for t in {(t.device, t.untyped_storage().data_ptr()): t for t in tensors}.values():
+        out[t.device.type] += t.untyped_storage().nbytes()
     return dict(out)
 
 
@@ -259,12 +254,12 @@ def time_left(opts) -> float:
     return math.inf if opts.deadline is None else opts.deadline - time.monotonic()
 
 
-def run_subprocess(cmd, opts, timeout: float, env=None) -> subprocess.CompletedProcess:
-    """`cmd` with its output captured, stopped at `timeout` or 10 s before `--time_limit`, whichever is first."""
-    budget = min(timeout, time_left(opts) - 10)
-    if budget < 20:
+def budget(opts, timeout: float) -> float:
+    """`timeout`, or 10 s before `--time_limit` if that comes first; a subprocess with under 20 s is not started."""
+    seconds = min(timeout, time_left(opts) - 10)
+    if seconds < 20:
         raise TimeoutError(f"not started: {max(0, round(time_left(opts)))} s left of --time_limit")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=budget, cwd=ROOT, env=env)
+    return seconds
 
 
 def enable_sanitizer(device: str) -> bool:
@@ -342,10 +337,6 @@ def check_parity(opts, sizes, device, record) -> dict:
     return result
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 class HandRun(TrainerCallback):
     """Each local shard's start and every step's local gradient and settings, replayed by hand after training.
 
@@ -365,7 +356,7 @@ class HandRun(TrainerCallback):
         param = inner.param_groups[0]["params"][0]
         if param.grad is None:
             return
-        grad = _local(param.grad)
+        grad = h.local(param.grad)
         saved = grad.clone()
         grad.zero_()
         if grad.is_cuda:
@@ -374,7 +365,7 @@ class HandRun(TrainerCallback):
             self.off_default_stream += torch.cuda.current_stream() != torch.cuda.default_stream()
         grad.copy_(saved)
         self.delayed += 1
-        record = self.records.setdefault(name, {"start": _local(param).detach().clone(), "inner": inner, "steps": []})
+        record = self.records.setdefault(name, {"start": h.local(param).detach().clone(), "inner": inner, "steps": []})
         group = {k: v for k, v in inner.param_groups[0].items() if k not in ("params", "name")}
         record["steps"].append((saved, group))
 
@@ -393,7 +384,7 @@ class HandRun(TrainerCallback):
                 by_hand.param_groups[0].update(group)
                 local.grad = grad
                 by_hand.step()
-            final = _local(record["inner"].param_groups[0]["params"][0]).detach()
+            final = h.local(record["inner"].param_groups[0]["params"][0]).detach()
             if final.numel():
                 worst = max(worst, float((final.float() - local.detach().float()).abs().max()))
                 exact = exact and torch.equal(final, local.detach())
@@ -404,9 +395,7 @@ FSDP_CASES = (("ga1 exact clip", {}), ("ga2 no clip", {"gradient_accumulation_st
 
 
 def fsdp_case(sizes: dict, device: str, report_path: str) -> None:
-    """One rank: the FSDP_CASES against the replay by hand, reduced over the ranks (GPU_CHECK_CSAN=1: under CSAN)."""
-    import torch.distributed as dist
-
+    """One rank: the FSDP_CASES against the replay by hand (GPU_CHECK_CSAN=1: under CSAN), gathered over the ranks."""
     from layerwise_hf.placement.local_shard import LocalShardOptimizer
 
     csan = enable_sanitizer(device)
@@ -428,31 +417,19 @@ def fsdp_case(sizes: dict, device: str, report_path: str) -> None:
         states = [inner.base.state.get(inner.local, {}) for inner in optimizer.inner] if wrapped else []
         cleanup(device)  # the recorded gradients were copied on the hook's stream
         worst, exact = hand.replay() if wrapped else (math.inf, False)
-        # Over the ranks (nccl reduces CUDA tensors only, each rank's on its own GPU): the largest, the least, the sum.
-        flags = [worst, exact, wrapped, hand.cuda_steps, hand.off_default_stream, len(hand.records), hand.delayed]
-        high, low, total = (torch.tensor(flags, dtype=torch.float64, device=trainer.accelerator.device) for _ in "abc")
-        for tensor, op in ((high, dist.ReduceOp.MAX), (low, dist.ReduceOp.MIN), (total, dist.ReduceOp.SUM)):
-            dist.all_reduce(tensor, op=op)
         results.append(dict(
             case=name, ga=ga, max_grad_norm=args.max_grad_norm, steps=steps, csan=csan, route=optimizer.route,
             fsdp_version=getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", None),
-            wrapped_local_shard=bool(low[2]), hand_max_diff=float(high[0]), hand_bit_exact=bool(low[1]),
-            stepped_params=int(total[5]), cuda_steps=int(total[3]), cuda_steps_off_default_stream=int(total[4]),
-            delayed_steps=int(total[6]), states_rank0=len(states),
+            wrapped_local_shard=wrapped, hand_max_diff=worst, hand_bit_exact=exact, stepped_params=len(hand.records),
+            cuda_steps=hand.cuda_steps, cuda_steps_off_default_stream=int(hand.off_default_stream),
+            delayed_steps=hand.delayed, states_rank0=len(states),
             eight_bit_states_rank0=sum(s.get("state1", torch.empty(0)).dtype == torch.uint8 for s in states),
             loss=finite(logged(trainer, "loss")), grad_norm=finite(logged(trainer, "grad_norm")),
         ))  # fmt: skip
         del trainer, optimizer, hand, states
         cleanup(device)
-    if dist.get_rank() == 0:
-        env = {k: os.environ.get(k) for k in ("ACCELERATE_USE_FSDP", "FSDP_VERSION", CSAN_ENV)}
-        Path(report_path).write_text(json.dumps(finite({"world_size": args.world_size, "env": env, "cases": results})))
-    # Every rank leaves together, without C++ static destructors (gloo was seen to abort at teardown otherwise).
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    env = {k: os.environ.get(k) for k in ("ACCELERATE_USE_FSDP", "FSDP_VERSION", CSAN_ENV)}
+    h.write_gathered_and_finish(report_path, finite({"world_size": args.world_size, "env": env, "cases": results}))
 
 
 def fsdp_launch(world: int, opts, sizes, device: str, csan: bool = False) -> dict:
@@ -465,21 +442,19 @@ def fsdp_launch(world: int, opts, sizes, device: str, csan: bool = False) -> dic
     if cpu:
         # As tests/test_fsdp2_8bit.py: accelerate keeps FSDP for accelerator devices only, gloo ranks need forcing.
         env.update(ACCELERATE_USE_CPU="true", LAYERWISE_HF_FORCE_FSDP_CPU="1", OMP_NUM_THREADS="1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    launcher = ["--config_file", config, "--num_processes", world, "--mixed_precision", "no",
+                "--fsdp_cpu_ram_efficient_loading", "false"]  # fmt: skip
+    t0, timeout = time.perf_counter(), budget(opts, sizes["sanitizer_timeout" if csan else "fsdp_timeout"])
     with tempfile.TemporaryDirectory() as d:
-        report = Path(d) / "fsdp.json"
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
-               str(world), "--main_process_port", str(port), "--mixed_precision", "no",
-               "--fsdp_cpu_ram_efficient_loading", "false", str(Path(__file__).resolve()), "--fsdp_case", str(report),
-               "--device", device] + (["--tiny"] if opts.tiny else [])  # fmt: skip
-        t0 = time.perf_counter()
-        proc = run_subprocess(cmd, opts, sizes["sanitizer_timeout" if csan else "fsdp_timeout"], env=env)
-        if proc.returncode != 0 or not report.exists():
-            raise RuntimeError(f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        out = json.loads(report.read_text())
-    out["seconds"] = round(time.perf_counter() - t0, 1)
+        args = ["--fsdp_case", str(Path(d) / "fsdp.json"), "--device", device] + ["--tiny"] * opts.tiny
+        ranks = h.launch_ranks(Path(__file__).resolve(), launcher, args, Path(d) / "fsdp.json", timeout, env)
+    # Each case over the ranks: the largest difference, whether all were wrapped and bit-exact, the counts summed.
+    out = {**ranks[0], "seconds": round(time.perf_counter() - t0, 1), "cases": [
+        {**cases[0], "hand_max_diff": max(float(c["hand_max_diff"]) for c in cases),
+         **{k: all(c[k] for c in cases) for k in ("wrapped_local_shard", "hand_bit_exact")},
+         **{k: sum(c[k] for c in cases) for k in ("stepped_params", "cuda_steps", "cuda_steps_off_default_stream",
+                                                  "delayed_steps")}}
+        for cases in zip(*(r["cases"] for r in ranks))]}  # fmt: skip
     for case in out["cases"]:
         case["name"] = f"fsdp2 adamw_8bit x{world} {case['case']}" + (" sanitizer run" * csan)
         # Whether a missing wait could show: the hook ran off the default stream, where bitsandbytes launches.
@@ -625,7 +600,8 @@ def launch_cases(specs: list[dict], opts, timeout: float, env: dict | None = Non
     timed (the median step after `warmup` steps); a run it did not reach reads as an error."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--cases", json.dumps(specs), "--device", opts.device]
     try:
-        proc = run_subprocess(cmd + ["--tiny"] * opts.tiny, opts, timeout, env={**os.environ, **(env or {})})
+        proc = subprocess.run(cmd + ["--tiny"] * opts.tiny, capture_output=True, text=True, cwd=ROOT,
+                              timeout=budget(opts, timeout), env={**os.environ, **(env or {})})  # fmt: skip
         stdout, stderr, why = proc.stdout, proc.stderr, f"exit {proc.returncode}"
     except subprocess.TimeoutExpired as e:
         decode = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
@@ -662,7 +638,7 @@ def offload_summary(trainer, mode: str) -> dict:
     runner = hosted[0].runner if hosted else None
     arenas = [offload.arena, *(runner.arenas.values() if runner else ())]
     transfers = {type(t).__name__ for t in (offload.transfer, runner and runner.transfer) if t is not None}
-    sizes = [_local(p).numel() * _local(p).element_size() for p in layerwise.params]
+    sizes = [h.nbytes(p) for p in layerwise.params]
     out.update(host_gradient_buffer_bytes=offload.host_bytes(), transfer=",".join(sorted(transfers)) or None,
                pinned_planned_bytes=pinned_bytes(mode, sizes),
                pinned_arena_bytes=sum(a.nbytes for a in arenas if a))  # fmt: skip
@@ -849,7 +825,7 @@ def show(key: str, value) -> str:
     """A value in the table: bytes in MiB (dicts of them too), floats to 4 digits."""
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}: {show(key, v)}" for k, v in sorted(value.items())) + "}"
-    return f"{value / MIB:.1f}MiB" if "_bytes" in key and isinstance(value, (int, float)) else f"{value:.4g}" if (
+    return f"{value / h.MIB:.1f}MiB" if "_bytes" in key and isinstance(value, (int, float)) else f"{value:.4g}" if (
         isinstance(value, float)) else str(value)  # fmt: skip
 
 

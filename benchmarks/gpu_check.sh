@@ -1,22 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check: layer-wise vs standard optimizers on one CUDA device, under 6 minutes in all on one H200.
-#
-#   bash benchmarks/gpu_check.sh                      # from anywhere; extra arguments go to gpu_check.py
-#   bash benchmarks/gpu_check.sh --checks offload,sanitizer
-#   PYTHON=/path/to/python bash benchmarks/gpu_check.sh
-#   GPU_CHECK_TIMEOUT=300 bash benchmarks/gpu_check.sh
-#
+#   bash benchmarks/gpu_check.sh [gpu_check.py arguments]    # from anywhere; GPU_CHECK_TIMEOUT=300, PYTHON=...
 # Interpreter: $PYTHON if set (that one only); else the first of this checkout's .venv/bin/python, python3 and python
-# on PATH whose torch imports and sees CUDA. It says which one it chose and why it passed over the others: a .venv
-# that scripts/setup.sh left without torch (no package access) or with the CPU build is passed over, not fatal.
-#
-# It needs torch (CUDA build), transformers and accelerate in that interpreter, nothing else: layerwise_hf is imported
-# from this checkout (PYTHONPATH) unless installed. bitsandbytes is optional: without it the checks that need it are
-# skipped, each with a line saying so (benchmarks/README.md says how to carry its wheel to a machine without package
-# access).
-#
-# Checks, criteria and the JSON (benchmarks/results/gpu_check.json, rewritten after every check): benchmarks/README.md.
-# Installs nothing and downloads nothing (models are built from configs).
+# whose torch sees CUDA (a .venv without torch or with the CPU build is passed over, saying why). It needs torch,
+# transformers and accelerate, nothing else (layerwise_hf from this checkout; bitsandbytes optional: its checks are
+# skipped without it). Installs and downloads nothing. Checks, criteria, the JSON: benchmarks/README.md.
 # Exit status: 0 every check that ran passed, 1 a check failed, 2 no CUDA interpreter / missing package, 124 time limit.
 set -euo pipefail
 
@@ -74,10 +62,7 @@ import sys
 import torch
 
 try:
-    import accelerate
-    import transformers
-
-    import layerwise_hf
+    import accelerate, layerwise_hf, transformers
 except Exception as e:
     print(f"gpu_check: FAILED TO START: cannot import what the check needs: {type(e).__name__}: {e}", file=sys.stderr)
     sys.exit(2)
@@ -85,7 +70,6 @@ print(f"gpu_check: transformers {transformers.__version__}, accelerate {accelera
       f"{layerwise_hf.__path__[0]}; device 0 = {torch.cuda.get_device_name(0)}, {torch.cuda.device_count()} visible")
 try:
     import bitsandbytes
-
     print(f"gpu_check: bitsandbytes {bitsandbytes.__version__}")
 except Exception as e:
     print(f"gpu_check: bitsandbytes not importable ({type(e).__name__}: {e}): the checks that need it are SKIPPED "
