@@ -7,23 +7,11 @@ where the profiler is enabled (`c10::ProfiledCPUMemoryReporter` checks a thread-
 on a worker thread that frees its tensors once the caller has dropped them, so the profiler's running sum only grows
 (+20 MiB on one DDP rank, +3-20 MiB per step under FSDP2, while RSS stays flat). On one process the two agree.
 
-`CountingAllocator()` puts a counting allocator in front of the CPU allocator (`c10::SetCPUAllocator`): it passes
-every allocation on, adds the bytes to an atomic counter and its high-water mark, and subtracts them in the deleter,
-on whichever thread that runs. Storages allocated before it is installed count neither way. The C++ below is built
-once per torch version with `torch.utils.cpp_extension.load` (a C++ compiler is needed) and called through ctypes.
-
-Example:
-
-```python
->>> import torch
->>> from benchmarks._thread_memory import CountingAllocator
->>> counter = CountingAllocator()  # before the model exists; one per process
->>> before = counter.current()
->>> counter.reset_peak()
->>> x = torch.empty(2**20)
->>> counter.current() - before, counter.peak() >= counter.current()
-(4194304, True)
-```
+`CountingAllocator()` (one per process, made before the model exists) puts a counting allocator in front of the CPU
+allocator (`c10::SetCPUAllocator`): it passes every allocation on, adds the bytes to an atomic counter and its
+high-water mark, and subtracts them in the deleter, on whichever thread that runs. Storages allocated before it is
+installed count neither way. The C++ below is built once per torch version with `torch.utils.cpp_extension.load` (a
+C++ compiler is needed) and called through ctypes; tests/test_thread_memory.py shows its use.
 """
 
 from __future__ import annotations
