@@ -487,12 +487,14 @@ def launch_ranks(script, launcher: list[str], args: list[str], result: Path, tim
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
             proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except BaseException as stopped:  # the timeout, or this process stopped (gpu_check's time limit)
             # The ranks run in sessions of their own: kill them by id, then the launcher.
             for pid in [*descendants(proc.pid), proc.pid]:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             proc.wait()
+            if not isinstance(stopped, subprocess.TimeoutExpired):
+                raise
             raise RuntimeError(f"{label} timed out after {timeout}s:\n{log.read_text()[-4000:]}") from None
     stderr = log.read_text()
     if proc.returncode != 0 or not result.is_file():
