@@ -9,6 +9,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message=".*max_grad_norm.*")
 
+from helpers import freeze_imported_objects  # noqa: E402  (imports Trainer and layerwise_hf)
+
+freeze_imported_objects()
+
 
 @pytest.fixture(autouse=True)
 def _same_environment_for_every_test():

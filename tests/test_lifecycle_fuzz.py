@@ -129,24 +129,40 @@ def optimizer_covers_trainable_set(run) -> bool:
     return in_optimizer == {id(p) for p in run.model.parameters() if p.requires_grad}
 
 
+def sequence(seed: int, names: list[str]) -> tuple[list[str], list[dict]]:
+    rng = random.Random(seed)
+    ops = [rng.choice(OPERATIONS) for _ in range(4)]
+    choices = [{"clip": rng.choice([0.0, 0.05, 1.0]), "param": rng.choice(names)} for _ in ops]
+    return ops, choices
+
+
+def tensor_names() -> list[str]:
+    return [n for n, _ in tiny_llama().named_parameters() if "embed" not in n]
+
+
+def test_every_operation_is_drawn():
+    drawn = {op for seed in range(SEQUENCES) for op in sequence(seed, tensor_names())[0]}
+    assert drawn == set(OPERATIONS)
+
+
+# The sequences in PARTS tests, so that the test workers share them.
+PARTS = 5
+
+
 @pytest.mark.slow
-def test_lifecycle_sequences_match_stock_trainer(tmp_path):
-    names = [n for n, _ in tiny_llama().named_parameters() if "embed" not in n]
-    tried = {op: 0 for op in OPERATIONS}
-    for seed in range(SEQUENCES):
-        rng = random.Random(seed)
-        ops = [rng.choice(OPERATIONS) for _ in range(4)]
-        choices = [{"clip": rng.choice([0.0, 0.05, 1.0]), "param": rng.choice(names)} for _ in ops]
+@pytest.mark.parametrize("part", range(PARTS))
+def test_lifecycle_sequences_match_stock_trainer(tmp_path, part):
+    names = tensor_names()
+    for seed in range(part, SEQUENCES, PARTS):
+        ops, choices = sequence(seed, names)
         base = tiny_llama(seed=seed)
         runs = {kind: Run(kind, clone(base), tmp_path / f"s{seed}" / kind) for kind in KINDS}
         for op, choice in zip(ops, choices):
             for run in runs.values():
                 apply(op, run, choice)
-            tried[op] += 1
         for run in runs.values():
             run.trainer.train()  # every sequence ends with a step, so a stale state would show
         try:
             assert_params_equal(runs["stock"].model, runs["layerwise"].model)
         except AssertionError as err:
             raise AssertionError(f"sequence {seed}: {ops}: {err}") from err
-    assert all(tried.values()), tried

@@ -10,7 +10,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from helpers import finish_ranks, tiny_llama  # noqa: E402, F401  (re-exported for the scripts)
+from helpers import finish_ranks, freeze_imported_objects, tiny_llama  # noqa: E402, F401  (re-exported)
+
+freeze_imported_objects()
 
 VOCAB = 64  # as helpers.tiny_llama
 SEQ = 8
