@@ -520,7 +520,8 @@ def _save_final(trainer, output_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    from helpers import finish_ranks
+    from helpers import finish_ranks, freeze_imported_objects
 
+    freeze_imported_objects()
     _crash_main(sys.argv[1:])
     finish_ranks()

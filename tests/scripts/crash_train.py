@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from helpers import TokenDataset, finish_ranks, tiny_llama, training_args  # noqa: E402
+from helpers import TokenDataset, finish_ranks, freeze_imported_objects, tiny_llama, training_args  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from layerwise_hf import LayerwiseTrainer  # noqa: E402
@@ -78,5 +78,6 @@ def main():
 
 
 if __name__ == "__main__":
+    freeze_imported_objects()
     main()
     finish_ranks()
