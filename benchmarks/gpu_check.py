@@ -69,8 +69,7 @@ SANITIZER_CASES = (("optimizer", 1, 0.0), ("gradients", 2, MAX_GRAD_NORM))  # sh
 # Sizes of the full (CUDA) run and of --tiny (CPU dry run). The small model keeps every decoder matrix >= 4096
 # elements so bitsandbytes really keeps 8-bit state for them (its embeddings stay 32-bit either way). Timeouts are
 # per subprocess, and never past --time_limit.
-TINY_MODEL = dict(vocab_size=1024, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2)  # fmt: skip
+TINY_MODEL = h.LLAMA_TINY | dict(num_key_value_heads=2)
 SIZES = {
     "full": dict(
         small_model=dict(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
@@ -221,10 +220,7 @@ def compare_runs(base_model, std, lw, steps: int, criterion: str, opts) -> dict:
 def state_bytes_by_device(trainer) -> dict[str, int]:
     """The optimizer state's bytes per device type, each storage once (bitsandbytes shares its quantization maps)."""
     tensors = h.optimizer_state_tensors(trainer.optimizer).values()
-    out: Counter = Counter()
-    for t in {(t.device, t.untyped_storage().data_ptr()): t for t in tensors}.values():
-        out[t.device.type] += t.untyped_storage().nbytes()
-    return dict(out)
+    return {d: h.storage_bytes(t for t in tensors if t.device.type == d) for d in {t.device.type for t in tensors}}
 
 
 def cleanup(device: str) -> None:
@@ -921,6 +917,7 @@ def run_check(name: str, opts, sizes, check: dict, write) -> int:
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
+    gc.freeze()  # the imported libraries are never garbage: every collection (cleanup, train()'s end) skips them
     sizes = SIZES["tiny" if opts.tiny else "full"]
     if opts.device.startswith("cuda") and not torch.cuda.is_available():
         why = f"torch.cuda.is_available() is False (torch {torch.__version__} at {sys.executable})"
