@@ -160,9 +160,7 @@ def count_passes(model) -> dict:
 
 def copy_model(base_model):
     """A deep copy of `base_model` in training mode: every configuration starts from the same weights."""
-    model = copy.deepcopy(base_model)
-    model.train()
-    return model
+    return copy.deepcopy(base_model).train()
 
 
 # ---- the optimizers under test ----
@@ -514,9 +512,7 @@ class TimedRun:
     """One timed configuration: `times` / `cpu_times` of its steps, filled by `interleaved_rounds`."""
 
     def __init__(self, name: str | None = None):
-        self.name = name
-        self.times: list[float] = []
-        self.cpu_times: list[float] = []
+        self.name, self.times, self.cpu_times = name, [], []  # wall and process CPU seconds of each timed step
 
     @staticmethod
     def clock(fn, *args, **kwargs) -> tuple[float, float]:

@@ -58,10 +58,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup_steps", type=int, default=2, help="--time: steps dropped at each train()'s start")
     parser.add_argument("--profile", action="store_true", help="--time: cProfile rank 0 for a few steps of each")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per launched configuration")
+    parser.add_argument("--one_launch", action="store_true", help="smoke run: an engine's memory runs in one launch")
     # Internal: set by the driver for the launched ranks.
     parser.add_argument("--worker", default=None, choices=("loop", "trainer", "time"), help=argparse.SUPPRESS)
-    for name in ("engine", "optim", "kind", "result"):
-        parser.add_argument(f"--{name}", default=None, help=argparse.SUPPRESS)
+    for name in ("engine", "optim", "kind", "result"):  # --optim, --kind: each run of the launch
+        parser.add_argument(f"--{name}", nargs=None if name in ("engine", "result") else "+", help=argparse.SUPPRESS)
     return h.parse(parser, argv)
 
 
@@ -144,7 +145,7 @@ def train_meter(trainer, kind: str, sample_grads: bool = True):
     return meter
 
 
-def trainer_worker(opts) -> None:
+def trainer_worker(opts, optim: str, kind: str) -> dict:
     """One DDP memory run: (a), (b) or (c) for one optimizer, `opts.steps` Trainer steps."""
     import torch
     import torch.distributed as dist
@@ -152,16 +153,16 @@ def trainer_worker(opts) -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as out:
         model = h.build_llama(opts, seed=0)
-        trainer = build_trainer(opts, opts.kind, opts.optim, model, out, opts.steps)
-        meter = train_meter(trainer, opts.kind)
+        trainer = build_trainer(opts, kind, optim, model, out, opts.steps)
+        meter = train_meter(trainer, kind)
         rss_before = h.rss_at_rest()
         trainer.train()
         meter.mark("end")
-        lw = trainer.layerwise_optimizer if opts.kind == "layerwise" else None
+        lw = trainer.layerwise_optimizer if kind == "layerwise" else None
         params = meter.params
         peak = max(s["peak"] for s in meter.segments)
         result = {
-            "engine": "ddp", "kind": opts.kind, "optim": trainer.args.optim, "base_optim": opts.optim,
+            "engine": "ddp", "kind": kind, "optim": trainer.args.optim, "base_optim": optim,
             "rank": dist.get_rank(), "world_size": dist.get_world_size(),
             "wrapped": type(trainer.model_wrapped).__name__,
             "route": lw.route if lw is not None else None, "num_params": model.num_parameters(),
@@ -176,10 +177,10 @@ def trainer_worker(opts) -> None:
         # The DDP objects must die while the process group is alive (see write_gathered_and_finish).
         trainer.accelerator.free_memory()
         del trainer, model, meter
-    h.write_gathered_and_finish(opts.result, result)
+    return result
 
 
-def time_worker(opts) -> None:
+def time_worker(opts) -> dict:
     """(a) and (c) for each of `--time_optims`, one `train()` of `--time_steps` steps per configuration and round, in
     an order shuffled alike on both ranks; then, with `--profile`, cProfile of a few steps of each on rank 0."""
     import cProfile
@@ -223,13 +224,13 @@ def time_worker(opts) -> None:
         run(config, opts.warmup_steps + 3, profile=prof)
         if prof is not None:
             profiles[config] = h.cprofile_summary(prof, opts.warmup_steps + 3, PROFILE_ROWS)
-    h.write_gathered_and_finish(opts.result, {"rank": dist.get_rank(), "times": times, "profiles": profiles})
+    return {"rank": dist.get_rank(), "times": times, "profiles": profiles}
 
 
 # ---- FSDP2, plain Accelerate loop (inside the launched ranks) ----
 
 
-def loop_worker(opts) -> None:
+def loop_worker(opts, optim: str, kind=None) -> dict:
     """One FSDP2 run: `accelerator.prepare(model, optimizer)`, then for layer-wise `connect(model)`; per step the RSS
     peak, the live `.grad` tensors and storages (sampled in every gradient hook, at every inner step and at the end of
     backward)."""
@@ -240,7 +241,7 @@ def loop_worker(opts) -> None:
 
     torch.set_num_threads(1)
     # NOTE: built before the Accelerator: constructing TrainingArguments resets Accelerate's shared state.
-    args = h.training_args(opts.optim, learning_rate=1e-4, weight_decay=0.1, max_grad_norm=0.0)
+    args = h.training_args(optim, learning_rate=1e-4, weight_decay=0.1, max_grad_norm=0.0)
     accelerator = Accelerator()
     h.check_distributed(accelerator, "fsdp2")
     model = h.build_llama(opts, seed=0)
@@ -271,7 +272,7 @@ def loop_worker(opts) -> None:
         grad_peaks.append([meter.peak_tensor, meter.peak_storage])
         reset_peak_rss()
     result = {
-        "engine": "fsdp2", "optim": opts.optim, "rank": rank, "world_size": accelerator.num_processes, "route": route,
+        "engine": "fsdp2", "optim": optim, "rank": rank, "world_size": accelerator.num_processes, "route": route,
         "num_params": sum(p.numel() for p in model.parameters()), "rss_start_bytes": rss_start,
         "step_peak_rss_bytes": step_peaks, "peak_rss_bytes": max(step_peaks),
         "steady_peak_rss_bytes": max(step_peaks[1:] or step_peaks),
@@ -285,7 +286,7 @@ def loop_worker(opts) -> None:
         lw.detach()
     meter.remove()
     accelerator.free_memory()
-    h.write_gathered_and_finish(opts.result, result)
+    return result
 
 
 # ---- the driver and its report ----
@@ -439,17 +440,22 @@ def print_report(report: dict) -> None:
 
 def main(argv=None) -> None:
     opts = parse_args(argv)
-    if opts.worker:
-        {"loop": loop_worker, "trainer": trainer_worker, "time": time_worker}[opts.worker](opts)
-        return
+    if opts.worker:  # write_gathered_and_finish ends the process
+        from transformers import Trainer  # noqa: F401 - imported here, then frozen with the rest
+
+        gc.freeze()  # the imported libraries are never garbage: every collection (each train()'s end) skips them
+        worker = {"loop": loop_worker, "trainer": trainer_worker}.get(opts.worker)  # each run of the launch in turn
+        runs = [worker(opts, o, k) for o in opts.optim for k in opts.kind or [None]] if worker else time_worker(opts)
+        h.write_gathered_and_finish(opts.result, runs)
     started = time.perf_counter()
     runs, ddp_runs, timed = [], [], None
+    each = lambda names: [names] if opts.one_launch else [[n] for n in names]  # noqa: E731 - the runs of each launch
     with tempfile.TemporaryDirectory() as tmp:
         for engine in opts.engines:
-            jobs = [(f"{engine} {o}", ["--worker", "loop", "--optim", o], True) for o in opts.optims]
+            jobs = [(f"{engine} {' '.join(o)}", ["--worker", "loop", "--optim", *o], True) for o in each(opts.optims)]
             if engine == "ddp":
-                jobs = [(f"ddp {o} {k}", ["--worker", "trainer", "--optim", o, "--kind", k], True)
-                        for o in opts.ddp_optims for k in opts.kinds]  # fmt: skip
+                jobs = [(f"ddp {' '.join(o + k)}", ["--worker", "trainer", "--optim", *o, "--kind", *k], True)
+                        for o in each(opts.ddp_optims) for k in each(opts.kinds)]  # fmt: skip
                 time_args = [*h.size_args(opts, ("rounds", "time_steps", "warmup_steps")), "--time_optims",
                              *opts.time_optims, *(["--profile"] if opts.profile else [])]  # fmt: skip
                 jobs += [("ddp step time", ["--worker", "time", *time_args], False)] if opts.time else []
@@ -459,13 +465,13 @@ def main(argv=None) -> None:
                 if args[1] == "time":
                     timed = out
                 else:
-                    (ddp_runs if engine == "ddp" else runs).extend(out)
+                    (ddp_runs if engine == "ddp" else runs).extend(r for run in zip(*out) for r in run)
                 print(f"{label:<40} done in {time.perf_counter() - t0:.0f}s", flush=True)
     num_params = (runs or ddp_runs or [{"num_params": h.build_llama(opts).num_parameters()}])[0]["num_params"]
     report = {
         "description": f"Llama {num_params / 1e6:.1f}M params (vocab {opts.vocab_size}, hidden {opts.hidden_size}, "
         f"{opts.num_hidden_layers} layers), batch {opts.batch_size}x{opts.seq_len} per rank, {opts.steps} steps, "
-        "fp32, 2 gloo ranks",
+        f"fp32, 2 gloo ranks{', one launch per engine (a smoke run)' * opts.one_launch}",
         "model": {k: getattr(opts, k) for k in FULL} | {"num_params": num_params, "steps": opts.steps},
         "environment": {"malloc_mmap_threshold": "65536", "omp_num_threads": 1, "backend": "gloo", "world_size": 2},
         "ddp_runs": ddp_runs, "ddp_targets": ddp_targets(ddp_runs), "estimator_check": estimator_check(opts, ddp_runs),

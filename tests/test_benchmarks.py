@@ -147,8 +147,10 @@ def test_memory_suite_small(tmp_path):
 def test_distributed_memory_small(tmp_path, engine):
     args = ["--small", "--steps", "2", "--engines", engine, "--output_dir", str(tmp_path)]
     if engine == "ddp":
-        # One optimizer's three runs, and the step-time launch (two rounds, profiled).
-        args += ["--ddp_optims", "adamw_torch", "--time", "--rounds", "2", "--time_steps", "3", "--profile"]
+        # One optimizer's three runs in one launch (FSDP2's launch one run each, as a full run does), and the step-time
+        # launch (two rounds, profiled).
+        args += ["--ddp_optims", "adamw_torch", "--one_launch"]
+        args += ["--time", "--rounds", "2", "--time_steps", "3", "--profile"]
     result = run_script("distributed_memory.py", *args, timeout=600)
     # A report of FSDP2 runs alone is a file of its own, as results/distributed_memory_fsdp2.json.
     report = report_of(tmp_path, "distributed_memory" + ("" if engine == "ddp" else "_fsdp2"))
