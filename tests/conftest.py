@@ -7,10 +7,17 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread per test worker, and for what the tests launch unless they say otherwise: xdist runs a worker per
+# core, and two threads of tiny ops per worker wait on each other (test_clipping's fast tests at load 5: 23.0 s on
+# torch's 2 default threads, 2.1 s on one). The launched 2-rank scripts already run on one thread each, so an
+# in-process reference and a launched run now share the thread count.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 warnings.filterwarnings("ignore", message=".*max_grad_norm.*")
 
+import torch  # noqa: E402
 from helpers import freeze_imported_objects  # noqa: E402  (imports Trainer and layerwise_hf)
 
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # torch may have been imported before (a plugin)
 freeze_imported_objects()
 
 

@@ -28,17 +28,6 @@ CUDA_PROBE = (
 )
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """The checks run in this process on one torch thread, as those in subprocesses here do (OMP_NUM_THREADS=1): beside
-    another test worker on 2 cores, two threads of tiny ops wait on each other (the clip test's 8 Trainer runs: 23 s at
-    load 5 instead of 0.9 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def env(**extra):
     path = os.pathsep.join(filter(None, [extra.pop("PYTHONPATH", None), os.environ.get("PYTHONPATH"), str(ROOT)]))
     return {
