@@ -54,10 +54,11 @@ def test_counts_frees_and_allocations_of_other_threads_that_the_profiler_misses(
     assert counter.current() == base
     # The profiler never saw the 2 MiB allocated on another thread, so its peak is wrong. Whether it records the free
     # made elsewhere is not fixed even within one torch version (torch 2.13 missed it here and recorded it on CI's
-    # machine), so its running sum at the end is either 0 or the missed 1 MiB.
+    # machine), so its running sum at the end is 0 or the missed 1 MiB, less what threads left by earlier tests in
+    # this worker freed meanwhile (seen once in a full run: 64 KiB; the counter saw no net change).
     running, highest = profiler_sum(prof)
     assert highest == MIB
-    assert running in (0, MIB)
+    assert running <= MIB
 
 
 def test_agrees_with_the_profiler_to_the_byte_on_one_thread():
