@@ -125,18 +125,14 @@ class TokenRows:
 
 def example_task(opts):
     """The example task of `examples/train.py` (its model and grammar corpus) at the sizes in `opts`, torch's threads
-    set: (model, dataset, a description of the run)."""
+    set: (model, dataset)."""
     from examples.train import ScriptArguments, build_dataset, build_model
 
     torch.set_num_threads(opts.threads)
     # Every size of EXAMPLE_FULL but the batch is a field of the example's ScriptArguments.
     script_args = ScriptArguments(**{k: getattr(opts, k) for k in EXAMPLE_FULL if k != "batch_size"}, num_samples=512)
     torch.manual_seed(opts.seed)
-    model = build_model(script_args)
-    desc = (f"Llama {model.num_parameters() / 1e6:.2f}M params (hidden {opts.hidden_size}, {opts.num_hidden_layers} "
-            f"layers), batch {opts.batch_size}x{opts.seq_len}, {opts.threads} thread(s), {opts.rounds} timed rounds "
-            f"after {opts.warmup} warm-up")  # fmt: skip
-    return model, build_dataset(script_args), desc
+    return build_model(script_args), build_dataset(script_args)
 
 
 def micro_batches(dataset, step: int, ga: int, batch_size: int) -> list[dict]:
@@ -556,20 +552,6 @@ def timing_stats(run: TimedRun, ref: TimedRun) -> dict:
         # Single-threaded, the process CPU time hardly sees other processes competing for the cores.
         "cpu_ratio": cpu_median / statistics.median(ref.cpu_times),
     }
-
-
-def print_timing(timing: dict, key: str, ref: str, extra: list[tuple] = ()) -> None:
-    """The table of `timing_stats` entries (`key`: the entry's name field, `ref`: the reference's name), with `extra`
-    columns (header, width, entry -> cell) after the GA, and each timed step's wall seconds."""
-    print_table(
-        [(key, 10), ("GA", 3), *[c[:2] for c in extra], ("wall med s", 10), (f"vs {ref}", 8), ("paired", 7),
-         ("cpu med s", 9), (f"vs {ref}", 8), (" wall seconds of each timed step", 0, "<")],
-        [[e[key], e["grad_accum"], *[c[2](e) for c in extra], f"{e['median_s']:.4f}", f"{e['ratio']:.3f}x",
-          f"{e['paired_ratio_median']:.3f}", f"{e['cpu_median_s']:.4f}", f"{e['cpu_ratio']:.3f}x",
-          " " + " ".join(f"{t:.3f}" for t in e["times_s"])] for e in timing.values()],
-    )  # fmt: skip
-    print(f"vs {ref}: median step time / {ref}'s at the same GA; paired: median of same-round ratios; cpu: process "
-          "CPU time (single-threaded: barely touched by other processes).")  # fmt: skip
 
 
 def cprofile_summary(prof, steps: int, wanted: list[tuple[str, str, str]]) -> dict:

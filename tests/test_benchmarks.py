@@ -197,21 +197,22 @@ def test_distributed_memory_small(tmp_path, engine):
 
 
 @pytest.mark.slow
-def test_fp16_speed_small(tmp_path):
-    run_script("fp16_speed.py", "--small", "--warmup", "1", "--rounds", "2", "--output_dir", str(tmp_path))
-    report = report_of(tmp_path, "fp16_speed")
-    assert {"config", "timing", "wall_time_s"} <= report.keys()
-    timing = report["timing"]
-    assert set(timing) == {f"{kind} ga{ga}" for kind in ("standard", "layerwise") for ga in (1, 4)}
-    for entry in timing.values():
+def test_step_time_fp16_small(tmp_path):
+    run_script("step_time.py", "--fp16", "--small", "--warmup", "1", "--rounds", "2", "--output_dir", str(tmp_path))
+    report = report_of(tmp_path, "step_time_fp16")
+    timing, parts = report["timing"], report["breakdown"]
+    rows = {f"{kind} ga{ga}" for kind in ("standard_clip", "layerwise_norm_pass") for ga in (1, 4)}
+    assert set(timing) == set(parts) == rows and report["settings"]["fp16"] is True
+    for name, entry in timing.items():
+        assert entry["reference"] == name.replace("layerwise_norm_pass", "standard_clip")
         assert len(entry["times_s"]) == 2 and math.isfinite(entry["median_s"]) and entry["median_s"] > 0
-        assert math.isfinite(entry["ratio"]) and entry["steps"] == 3 and 0 <= entry["skipped_steps"] <= 3
+        assert math.isfinite(entry["ratio"]) and 0 <= parts[name]["skipped_steps"] <= 3
     # Without accumulation the inf check runs a second backward over the same forward.
-    layerwise = timing["layerwise ga1"]
-    assert layerwise["forwards_per_step"] == 1
-    assert 0 < layerwise["peak_grad_bytes"] < layerwise["full_grad_bytes"]
-    assert layerwise["full_grad_bytes"] == timing["standard ga1"]["full_grad_bytes"]
-    assert timing["layerwise ga4"]["forwards_per_step"] == 4
+    layerwise, standard = parts["layerwise_norm_pass ga1"], parts["standard_clip ga1"]
+    assert layerwise["forwards_per_step"] == 1 and layerwise["backwards_per_step"] == 2
+    assert 0 < layerwise["peak_grad_bytes"] < standard["peak_grad_bytes"] == report["trainable_bytes"]
+    ga4 = parts["layerwise_norm_pass ga4"]
+    assert ga4["forwards_per_step"] == 4 == ga4["backwards_per_step"]
 
 
 @pytest.mark.slow
