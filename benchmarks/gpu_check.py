@@ -34,11 +34,15 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, PrinterCallback, TrainerCallback  # noqa: E402
+try:  # what the check needs besides torch (bitsandbytes is optional: its checks are skipped without it)
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PrinterCallback, TrainerCallback
 
-from benchmarks import _common as h  # noqa: E402 - needs the standard library only until a function runs
-from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments  # noqa: E402
+    from benchmarks import _common as h
+    from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments
+except ImportError as e:
+    print(f"gpu_check: FAILED TO START: cannot import what the check needs: {type(e).__name__}: {e}", file=sys.stderr)
+    sys.exit(2)
 
 # In the order they run: what issue 28 asks of a first GPU run comes first, in case the time limit cuts the rest.
 CHECKS = ("parity", "offload", "fsdp2_8bit", "sanitizer", "memory")
@@ -937,6 +941,7 @@ def main(argv=None) -> int:
         import bitsandbytes  # noqa: F401
     except Exception as e:
         opts.no_bnb = f"bitsandbytes not importable ({type(e).__name__}: {e}); benchmarks/README.md: how to carry it"
+        print(f"gpu_check: {opts.no_bnb}: the checks that need it are SKIPPED", flush=True)
     output.parent.mkdir(parents=True, exist_ok=True)
     report = {"script": "benchmarks/gpu_check.py", "tiny": opts.tiny, "argv": sys.argv[1:] if argv is None else argv,
               "environment": environment(opts.device, opts.no_bnb), "sizes": sizes, "checks_selected": opts.checks,

@@ -54,30 +54,6 @@ if [[ -z "$PY" ]]; then
     exit 2
 fi
 
-# The chosen interpreter's packages: transformers and accelerate are needed, bitsandbytes is optional.
-set +e
-"$PY" - <<'EOF'
-import sys
-
-import torch
-
-try:
-    import accelerate, layerwise_hf, transformers
-except Exception as e:
-    print(f"gpu_check: FAILED TO START: cannot import what the check needs: {type(e).__name__}: {e}", file=sys.stderr)
-    sys.exit(2)
-print(f"gpu_check: transformers {transformers.__version__}, accelerate {accelerate.__version__}, layerwise_hf from "
-      f"{layerwise_hf.__path__[0]}; device 0 = {torch.cuda.get_device_name(0)}, {torch.cuda.device_count()} visible")
-try:
-    import bitsandbytes
-    print(f"gpu_check: bitsandbytes {bitsandbytes.__version__}")
-except Exception as e:
-    print(f"gpu_check: bitsandbytes not importable ({type(e).__name__}: {e}): the checks that need it are SKIPPED "
-          "(benchmarks/README.md: how to carry its wheel)")
-EOF
-rc=$?
-set -e
-[[ $rc -eq 0 ]] || exit 2
 # The checks run on one device (with several visible, Trainer would wrap the model in DataParallel).
 export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"
 export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES%%,*}"

@@ -78,19 +78,19 @@ def test_gpu_check_sh_is_valid_bash():
 
 def test_gpu_check_sh_passes_over_a_venv_without_torch(tmp_path):
     # What scripts/setup.sh leaves on a machine without package access: a .venv whose python has no torch. The
-    # machine's own python3 has a CUDA torch; its preflight stops the run here (exit 2) once it is chosen.
+    # machine's own python3 has a CUDA torch; once chosen it runs gpu_check.py, which the stub ends here (exit 2).
     shutil.copy(SHELL, executable(tmp_path / "benchmarks" / "gpu_check.sh", ""))
     venv = executable(
         tmp_path / ".venv" / "bin" / "python",
         "#!/bin/sh\necho \"ModuleNotFoundError: No module named 'torch'\" >&2\nexit 1\n",
     )
-    cuda = executable(tmp_path / "bin" / "python3", f'#!/bin/sh\n{CUDA_PROBE}\necho "preflight of $0"\nexit 2\n')
+    cuda = executable(tmp_path / "bin" / "python3", f'#!/bin/sh\n{CUDA_PROBE}\necho "check run by $0"\nexit 2\n')
     path = f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"
     result = run_shell(tmp_path, tmp_path / "bin", PATH=path)
     assert result.returncode == 2, result.stdout + result.stderr
     assert f"not {venv}: ModuleNotFoundError: No module named 'torch'" in result.stdout
     assert f"using {cuda}: torch 2.13.0 (CUDA 12.8 build)" in result.stdout
-    assert f"preflight of {cuda}" in result.stdout  # the chosen one runs the rest, not the .venv
+    assert f"check run by {cuda}" in result.stdout  # the chosen one runs the rest, not the .venv
 
     # PYTHON names the only candidate: without CUDA there, nothing else is tried.
     result = run_shell(tmp_path, tmp_path, PATH=path, PYTHON=str(venv))
@@ -113,9 +113,7 @@ def test_gpu_check_sh_refuses_to_start_without_cuda():
 @pytest.mark.slow
 def test_gpu_check_sh_runs_the_chosen_checks_and_skips_those_needing_bitsandbytes(tmp_path):
     # An interpreter that says it has CUDA, then really runs the check (on CPU: --device cpu), without bitsandbytes.
-    # Its preflight (a script on stdin, which would ask CUDA for the device's name) is answered by the stub.
-    preflight = 'if [ "$1" = "-" ]; then cat >/dev/null; echo "gpu_check: preflight (stub)"; exit 0; fi'
-    stub = executable(tmp_path / "python", f'#!/bin/sh\n{CUDA_PROBE}\n{preflight}\nexec "{sys.executable}" "$@"\n')
+    stub = executable(tmp_path / "python", f'#!/bin/sh\n{CUDA_PROBE}\nexec "{sys.executable}" "$@"\n')
     out = tmp_path / "gpu_check.json"
     result = subprocess.run(
         ["bash", str(SHELL), "--device", "cpu", "--tiny", "--checks", "fsdp2_8bit", "--output", str(out)],
@@ -140,6 +138,21 @@ def test_gpu_check_sh_runs_the_chosen_checks_and_skips_those_needing_bitsandbyte
     assert environment["gpu_check_sh_interpreter"] == str(stub)
     assert environment["layerwise_hf_from"] == str(ROOT / "layerwise_hf")  # the checkout's, through PYTHONPATH
     assert report["argv"][report["argv"].index("--time_limit") + 1] == "290"
+
+
+def test_a_missing_package_stops_the_check_before_it_starts(tmp_path):
+    # transformers, accelerate and the checkout are needed (bitsandbytes is not): without one, exit 2 as without CUDA.
+    executable(tmp_path / "gone" / "transformers.py", "raise ImportError(\"No module named 'transformers'\")\n")
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny"],
+        cwd=ROOT,
+        env=env(PYTHONPATH=str(tmp_path / "gone")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "FAILED TO START: cannot import what the check needs: ImportError" in result.stderr
 
 
 def test_checks_run_in_their_order_and_unknown_ones_are_refused(capsys):
