@@ -412,16 +412,19 @@ def fork_each(names: list[str], measure, timeout: int, label: str, mmap: bool = 
     return out
 
 
-def worker_env(threads: int = 1, mmap_threshold: bool = False) -> dict:
-    """The environment of launched CPU ranks: the repository importable, offline, `threads` OpenMP threads."""
+def worker_env(threads: int = 1, mmap_threshold: bool = False, sharding: str = "ddp", cpu: bool = True) -> dict:
+    """The environment of launched ranks: the repository importable, offline, `threads` OpenMP threads; CPU ranks
+    (`cpu`) told so, and forced into FSDP2 for `sharding="fsdp2"`."""
     env = {
         **os.environ,
         # The caller's PYTHONPATH first: a checkout or an installed copy it points at is the one measured.
         "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])),
         "HF_HUB_OFFLINE": "1",
         "OMP_NUM_THREADS": str(threads),
-        "ACCELERATE_USE_CPU": "true",  # the multi-process launcher does not forward use_cpu
     }
+    if cpu:
+        # The multi-process launcher does not forward use_cpu, and accelerate keeps FSDP for accelerator devices.
+        env |= {"ACCELERATE_USE_CPU": "true"} | ({"LAYERWISE_HF_FORCE_FSDP_CPU": "1"} if sharding == "fsdp2" else {})
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     if mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # limit_mmap_threshold, for a process started with it

@@ -295,8 +295,7 @@ def loop_worker(opts, optim: str, kind=None) -> dict:
 def launch(opts, engine: str, worker_args: list[str], result: Path, mmap: bool = True) -> list:
     """Run this script's `--worker ...` on 2 ranks under `engine`'s config; the ranks' results (rank 0 writes them).
     `mmap`: freed tensors go back to the OS (`MALLOC_MMAP_THRESHOLD_`); not for timing."""
-    env = h.worker_env(threads=1, mmap_threshold=mmap)
-    env |= {"LAYERWISE_HF_FORCE_FSDP_CPU": "1"} if engine == "fsdp2" else {}
+    env = h.worker_env(threads=1, mmap_threshold=mmap, sharding=engine)
     args = [*worker_args, "--engine", engine, "--result", str(result), "--steps", str(opts.steps)]
     return h.launch_ranks(Path(__file__).resolve(), ["--config_file", h.ROOT / ENGINES[engine]],
                           [*args, *h.size_args(opts, FULL)], result, opts.timeout, env)  # fmt: skip

@@ -437,11 +437,8 @@ def fsdp_launch(world: int, opts, sizes, device: str, csan: bool = False) -> dic
     judged: every rank's shards equal the replay by hand of the same optimizer on the same (late) gradients."""
     cpu = not device.startswith("cuda")
     config = ROOT / "configs" / "accelerate" / ("cpu_fsdp2.yaml" if cpu else "gpu_fsdp2.yaml")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    env |= {CSAN_ENV: "1"} if csan else {}
-    if cpu:
-        # As tests/test_fsdp2_8bit.py: accelerate keeps FSDP for accelerator devices only, gloo ranks need forcing.
-        env.update(ACCELERATE_USE_CPU="true", LAYERWISE_HF_FORCE_FSDP_CPU="1", OMP_NUM_THREADS="1")
+    # One OpenMP thread a rank, as torchrun sets by default; gloo ranks forced into FSDP2, as tests/test_fsdp2_8bit.py.
+    env = h.worker_env(threads=1, sharding="fsdp2", cpu=cpu) | ({CSAN_ENV: "1"} if csan else {})
     launcher = ["--config_file", config, "--num_processes", world, "--mixed_precision", "no",
                 "--fsdp_cpu_ram_efficient_loading", "false"]  # fmt: skip
     t0, timeout = time.perf_counter(), budget(opts, sizes["sanitizer_timeout" if csan else "fsdp_timeout"])

@@ -426,7 +426,7 @@ def launch_ranks(cfg: Config, opts: argparse.Namespace) -> dict:
     """`cfg` on 2 gloo ranks under its Accelerate config, twice (tensor peak, then RSS: see `rank_worker`); the rank
     with the higher tensor peak, and both ranks."""
     _thread_memory.build()  # once, here, rather than in both ranks at the same time
-    env = h.worker_env(threads=1) | ({"LAYERWISE_HF_FORCE_FSDP_CPU": "1"} if cfg.sharding == "fsdp2" else {})
+    env = h.worker_env(threads=1, sharding=cfg.sharding)
     runs = {}
     for measure in ("tensor", "rss"):
         with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as tmp:
