@@ -571,7 +571,12 @@ def test_trl_sft_script_through_launcher_matches_layerwise_sft_trainer(tmp_path,
 
         monkeypatch.setattr(script, "SFTTrainer", LayerwiseSFTTrainer)
         parser = TrlParser((ScriptArguments, LayerwiseSFTConfig, ModelConfig))
-        script.main(*parser.parse_args_into_dataclasses([*argv, "--output_dir", str(tmp_path / "explicit")]))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as the launched process (OMP_NUM_THREADS=1), whatever the shell gave the tests
+        try:
+            script.main(*parser.parse_args_into_dataclasses([*argv, "--output_dir", str(tmp_path / "explicit")]))
+        finally:
+            torch.set_num_threads(threads)
     for name in ("checkpoint-2", "checkpoint-3", "."):
         assert_same_files(tmp_path / "explicit" / name, tmp_path / "launched" / name)
 
