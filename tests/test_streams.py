@@ -196,6 +196,63 @@ def test_an_8bit_step_is_held_only_in_a_backward_and_off_the_default_stream(reco
     assert not [e for e in log if e[0].startswith("wait")]
 
 
+def cut_short_backward(holder, optimizers, params, log):
+    """One FSDP2 group's hooks (their gradients views of one reduce-scatter output), then an exception (an OOM):
+    the backward ends without its end-of-backward callback."""
+    flat = torch.randn(sum(p.numel() for p in params))
+    grads = flat.split([p.numel() for p in params])
+
+    def hooks():
+        for i, (optimizer, param, grad) in enumerate(zip(optimizers, params, grads)):
+
+            def ready(_, optimizer=optimizer, param=param, grad=grad):
+                param.grad = grad.view_as(param)
+                optimizer.step()
+                param.grad = None
+
+            holder.around(ready)(i)
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        in_backward(hooks)
+
+
+@pytest.mark.parametrize("between", ["step", "nothing"])
+def test_steps_held_by_a_backward_cut_short_never_run(recorded, between):
+    # An out-of-memory batch skipped by the loop: the 8-bit steps FSDP2's hooks handed over before the error belong to
+    # the aborted backward. Run in the next backward, they would step those parameters twice, with stale gradients.
+    params = [torch.nn.Parameter(torch.randn(64, 128)) for _ in range(3)]
+    optimizers = [LocalShardOptimizer(bnb.optim.AdamW8bit([p], lr=1e-3)) for p in params]
+    end = BackwardEnd()
+    holder = streams.GroupSteps(end)
+    cut_short_backward(holder, optimizers, params, recorded.log)
+    assert len(holder.held) == 3 and ("kernel", "default") not in recorded.log
+    if between == "step":
+        end.outside_backward()  # what LayerwiseOptimizer.step() and zero_grad() call
+        assert not holder.held
+    recorded.log.clear()
+    # The next backward: the same group's hooks again, completed; its end runs its own three steps, and only those.
+    in_backward(lambda: [fsdp2_hook(holder, optimizer, param, []) for optimizer, param in zip(optimizers, params)])
+    assert recorded.log.count(("kernel", "default")) == 3 and not holder.held
+    assert [optimizer.base.state[optimizer.local]["step"] for optimizer in optimizers] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("call", ["step", "zero_grad"])
+def test_the_layerwise_optimizer_drops_steps_held_by_a_backward_cut_short(recorded, call):
+    from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
+
+    params = [torch.nn.Parameter(torch.randn(64, 128)) for _ in range(2)]
+    layerwise = LayerwiseOptimizer(
+        [LayerwiseParam(f"w{i}", p, weight_decay=0.0) for i, p in enumerate(params)],
+        lambda lp, _: torch.optim.SGD([lp.param], lr=0.1),
+    )
+    optimizers = [LocalShardOptimizer(bnb.optim.AdamW8bit([p], lr=1e-3)) for p in params]
+    holder = streams.GroupSteps(layerwise.backward_end)  # as the FSDP2 route makes it, on the optimizer's end
+    cut_short_backward(holder, optimizers, params, recorded.log)
+    getattr(layerwise, call)()
+    assert not holder.held and ("kernel", "default") not in recorded.log
+
+
 def test_on_cpu_an_8bit_step_runs_in_its_hook():
     param = torch.nn.Parameter(torch.randn(64, 128))
     optimizer = LocalShardOptimizer(bnb.optim.AdamW8bit([param], lr=1e-3))

@@ -144,12 +144,14 @@ class LayerwiseOptimizer(MemoryReport, torch.optim.Optimizer):
         with torch.enable_grad():
             loss = closure() if closure is not None else None
         self.rebind()
+        self.backward_end.outside_backward()
         self.gate.step_pending()
         self.steps_taken += 1
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
+        self.backward_end.outside_backward()
         self.gate.reset_window() if self.gate.offload.enabled else self.gate.meter.clear()
 
     def state_dict(self) -> dict[str, Any]:

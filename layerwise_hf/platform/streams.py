@@ -236,6 +236,7 @@ class GroupSteps:
         self.group: int | None = None
         self.event: Any = None
         self.device: torch.device | None = None
+        backward_end.when_cut_short(self.drop)
 
     def around(self, ready: Callable[[int], None]) -> Callable[[int], None]:
         """`ready`, run with this holder taking the steps it makes through `step_in_backward`."""
@@ -250,6 +251,10 @@ class GroupSteps:
         if current == streams.default_stream(param.device):
             return False  # nothing to overlap: the hook runs on the stream the update runs on
         group = grad.untyped_storage().data_ptr()
+        if any(o is optimizer for o, _ in self.held):
+            # The same parameter's step a second time: the backward that held the first ended without its callback
+            # (cut short by an exception, and no step() or zero_grad() came between); its gradient is stale.
+            self.drop()
         if self.held and group != self.group:
             self.flush()  # another group's gradient: the backward after the held group is queued now
         if not self.backward_end.queue(self.STAGE, self.flush):
@@ -261,6 +266,11 @@ class GroupSteps:
         self.event.record(current)
         self.held.append((optimizer, run))
         return True
+
+    def drop(self) -> None:
+        """Forget the held steps without running them: their backward was cut short (`BackwardEnd.forget`), and a
+        later backward's hooks must not step the parameters again with the aborted gradients."""
+        self.held, self.group, self.event = [], None, None
 
     def flush(self) -> None:
         """Run the held steps on the default stream, after the event of their group; the current stream's later work

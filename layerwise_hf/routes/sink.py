@@ -11,6 +11,7 @@ callback per backward and runs the registered work in the order of `BackwardEnd.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -86,11 +87,29 @@ class BackwardEnd:
     ORDER = ("route", "hold", "shard_steps", "offload_flags", "agree_flags")
 
     def __init__(self) -> None:
+        self._dropped: list[weakref.WeakMethod] = []
         self.forget()
 
     def forget(self) -> None:
-        """Drop what was queued: a backward cut short by an exception never runs its callback."""
+        """Drop what was queued: a backward cut short by an exception never runs its callback. Whoever holds work for
+        the end of a backward (`when_cut_short`) drops it too."""
         self._pending: dict[int, dict[str, Callable[[], None]]] = {}
+        self._dropped = [ref for ref in self._dropped if ref() is not None]
+        for ref in list(self._dropped):
+            drop = ref()
+            if drop is not None:
+                drop()
+
+    def when_cut_short(self, drop: Callable[[], None]) -> None:
+        """Call `drop` (a bound method, held weakly) when a backward's queued work is forgotten."""
+        self._dropped.append(weakref.WeakMethod(drop))
+
+    def outside_backward(self) -> None:
+        """Called between backwards (the optimizer's `step` and `zero_grad`): work still queued belongs to a backward
+        that ended without its callback, cut short by an exception (an out-of-memory batch a loop skipped), and must
+        not run in the next backward with that backward's gradients."""
+        if self._pending and torch._C._current_graph_task_id() == -1:
+            self.forget()
 
     def queue(self, stage: str, work: Callable[[], None]) -> bool:
         """Run `work` at the end of the current backward (once per stage; a later `queue` of the same stage replaces
