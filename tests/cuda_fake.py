@@ -121,11 +121,17 @@ class FakeStream:
         return event
 
     def synchronize(self) -> None:
-        FakeCuda.active.host_waits_for_stream(self.id)
+        fake = FakeCuda.active
+        fake.use_device(self.device.index, "stream.synchronize")  # CUDAStream::synchronize guards the stream's device
+        fake.host_waits_for_stream(self.id)
 
     def query(self) -> bool:
         self.synchronize()
         return True
+
+    def is_capturing(self) -> bool:
+        FakeCuda.active.use_device(self.device.index, "stream.is_capturing")
+        return False
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, FakeStream) and other.id == self.id
@@ -161,6 +167,9 @@ class FakeEvent:
     def synchronize(self) -> None:
         fake = FakeCuda.active
         if self.recorded:
+            # NOTE: cudaEventSynchronize / cudaEventQuery run under no device guard: the calling thread's current
+            # device, whose context the runtime creates if the thread has none (a thread that never set one: device 0).
+            fake.use_device(fake.current_device(), "event.synchronize")
             with fake.lock:
                 fake.handler.syncs.stream_wait_for_event(fake.host_stream(), self.id)
 
@@ -187,6 +196,10 @@ class FakeCuda:
     Attributes:
         handler: CSAN's `EventHandler`.
         touched (`dict[str, set[int]]`): thread name -> devices it set (as `cudaSetDevice` would).
+        device_uses (`list[tuple[str, int, str]]`): (thread name, device, what) for every device a thread used: set
+            (`set_device`, `torch.cuda.stream`) or used implicitly, on its current device (an event's synchronize or
+            query, `torch.cuda.synchronize()`, a capture check, torch.optim's included) or under a device guard (a
+            stream's synchronize). Each opens a context on that device on a GPU; `devices_used()` sums them up.
         pinned_bytes (`int`): pinned host bytes alive, as the host holds them: a `pin_memory=True` allocation rounded
             up to a power of two (torch's caching host allocator), memory pinned by `cudaHostRegister` to the byte.
         pinned_blocks (`list[int]`): each pinned allocation's requested bytes.
@@ -206,6 +219,7 @@ class FakeCuda:
         self.defaults: dict[int, FakeStream] = {}
         self.host_streams: dict[int, int] = {}
         self.touched: dict[str, set[int]] = {}
+        self.device_uses: list[tuple[str, int, str]] = []
         self.pinned: dict[int, int] = {}  # storage data_ptr -> bytes
         self.pinned_blocks: list[int] = []
         self.host_ptrs: set[int] = set()  # storages standing in for host memory
@@ -255,6 +269,32 @@ class FakeCuda:
             raise RuntimeError(f"fake CUDA: device {index} of {self.device_count}")
         self.local.device = index
         self.touched.setdefault(threading.current_thread().name, set()).add(index)
+        self.use_device(index, "set_device")
+
+    def use_device(self, index: int, what: str) -> None:
+        """Record that the calling thread used device `index` (`device_uses`)."""
+        self.device_uses.append((threading.current_thread().name, index, what))  # NOTE: list.append is atomic
+
+    def devices_used(self) -> dict[str, set[int]]:
+        """Thread name -> every device it used (`device_uses`): where each thread has a CUDA context on a GPU."""
+        used: dict[str, set[int]] = {}
+        for name, index, _ in list(self.device_uses):
+            used.setdefault(name, set()).add(index)
+        return used
+
+    def is_current_stream_capturing(self) -> bool:
+        # NOTE: torch.cuda.is_current_stream_capturing asks the current device's current stream (no context is made
+        # where none exists; the caller had one or is about to make one with its next call).
+        return self.current_stream().is_capturing()
+
+    def capture_health_check(self, optimizer: torch.optim.Optimizer) -> None:
+        # torch.optim's Optimizer._accelerator_graph_capture_health_check, as it runs where CUDA is available: every
+        # Adam/AdamW/... step asks whether the current device's current stream is capturing (cudaStreamIsCapturing,
+        # under a guard of that device): a host thread stepping a host optimizer uses its current device.
+        if torch.compiler.is_compiling():
+            return
+        if self.current_stream().is_capturing() and not all(g.get("capturable") for g in optimizer.param_groups):
+            raise RuntimeError("fake CUDA: graph capture of step() without capturable")
 
     def host_stream(self) -> int:
         tid = threading.get_ident()
@@ -285,6 +325,7 @@ class FakeCuda:
             self.handler.syncs._state_wait_for_other(self.handler.syncs.current_sync_states[self.host_stream()], state)
 
     def synchronize(self, device: Any = None) -> None:
+        self.use_device(self.as_device(device).index, "torch.cuda.synchronize")
         with self.lock:
             for sid in list(self.handler.syncs.current_sync_states):
                 self.host_waits_for_stream(sid)
@@ -500,8 +541,17 @@ class FakeCuda:
             "synchronize": fake.synchronize,
             "cudart": lambda: _FakeCudart(fake),
             "check_error": lambda res: None,
+            "is_current_stream_capturing": fake.is_current_stream_capturing,
         }.items():
             patch(mock.patch.object(cuda, name, value))
+        patch(mock.patch.object(torch.cuda.graphs, "is_current_stream_capturing", fake.is_current_stream_capturing))
+        patch(
+            mock.patch.object(
+                torch.optim.Optimizer,
+                "_accelerator_graph_capture_health_check",
+                lambda optimizer: fake.capture_health_check(optimizer),
+            )
+        )
         # NOTE: a CUDA build of torch on a machine without a GPU (CI's newest combination) would take the fake CUDA
         # for the accelerator and ask the real driver for its current stream (Optimizer.step's graph-capture check);
         # the CPU build answers no accelerator, as here.
@@ -533,6 +583,7 @@ class FakeCuda:
         patch(mock.patch.object(concurrent.futures.Future, "result", result_after))
         self.set_device(0)
         self.touched.clear()
+        self.device_uses.clear()
         patch(_Mode(self))
         return self
 

@@ -66,3 +66,33 @@ def test_threads_keep_their_own_device_and_stream():
         # leaving torch.cuda.stream sets the thread's device back: 0 for a thread that never set one
         assert fake.touched["other"] == {0, 1}
         assert torch.cuda.is_available() and not torch.empty(2, pin_memory=True).is_cuda
+
+
+def test_implicit_device_uses_are_recorded_on_the_calling_threads_current_device():
+    # cudaEventSynchronize and torch.optim's capture check run on the calling thread's current device: a thread that
+    # never set one opens a context on device 0 with them, though its work is on device 1.
+    import threading
+
+    with FakeCuda() as fake:
+        torch.cuda.set_device(1)
+        side = torch.cuda.Stream(device=1)
+        done = torch.cuda.Event()
+        done.record(side)
+        weight = torch.nn.Parameter(torch.ones(3))
+        weight.grad = torch.ones(3)
+        adam = torch.optim.AdamW([weight])
+
+        def worker():
+            done.synchronize()
+            adam.step()
+
+        thread = threading.Thread(target=worker, name="worker")
+        thread.start()
+        thread.join()
+        side.synchronize()  # under a guard of the stream's device
+        torch.cuda.synchronize()
+    assert "worker" not in fake.touched  # it set no device ...
+    assert fake.devices_used()["worker"] == {0}  # ... yet used device 0, twice
+    whats = [what for name, _, what in fake.device_uses if name == "worker"]
+    assert whats == ["event.synchronize", "stream.is_capturing"], whats
+    assert fake.devices_used()[threading.current_thread().name] == {1}
