@@ -12,6 +12,7 @@ import torch
 
 from ..bases.support import check_max_grad_norm
 from ..platform.norms import grad_norm_kernel as grad_norm_kernel
+from ..platform.norms import mesh_of, whole
 from ..platform.norms import total_norm as total_norm
 
 
@@ -164,6 +165,9 @@ class _PreviousClip(Clipper):
     def coef(self, window, norm, last_norm):
         sq = norm.float().square()
         running = window.running_sq
+        if running is not None and mesh_of(running) != mesh_of(sq):
+            # Norms on two meshes (tensor parallel x FSDP2) or a DTensor's and a plain one cannot be added.
+            running, sq = whole(running), whole(sq)
         window.running_sq = sq if running is None else running + sq.to(running.device)
         bound = window.running_sq.sqrt()
         if last_norm is not None:

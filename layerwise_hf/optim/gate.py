@@ -21,6 +21,7 @@ import torch
 from ..bases.support import check_fp16_clip_mode, check_fp16_weights
 from ..placement.host_step import unwrap_host_step
 from ..platform.compat import checkpointing_kwargs_name
+from ..platform.norms import scale_grad
 from ..platform.streams import step_in_backward
 from ..routes.sink import BackwardEnd
 from .clipping import ClipMode, make_clipper
@@ -136,7 +137,7 @@ class GradientGate:
         norm = window.norms[i]
         coef = clipper.coef(window, None if norm is None else norm[2], self.last_grad_norm)
         if coef is not None:
-            grad.mul_(coef.to(grad.device))
+            scale_grad(grad, coef)
         step_in_backward(self.inner[i], p)
         self.note_step(i)
         p.grad = None

@@ -1,4 +1,4 @@
-"""Picking the route for a prepared model, and FSDP2 on CPU for tests.
+"""Picking the route for a prepared model, and FSDP2 and meshes on CPU for tests.
 
 The routes themselves live in `layerwise_hf.routes.hooks` (local hooks, FSDP2), `layerwise_hf.routes.data_parallel`
 (the bucketed reducer) and `layerwise_hf.routes.ddp` (the DDP comm hook); what is allowed under FSDP2 is decided in
@@ -121,5 +121,66 @@ def force_fsdp_on_cpu() -> None:
     AcceleratorState.__init__ = __init__
 
 
-if os.environ.get(FORCE_FSDP_CPU_ENV, "").lower() in ("1", "true", "yes"):
+# ---- meshes (ParallelismConfig) on CPU (tests and CPU demos) ----
+
+FORCE_MESH_CPU_ENV = "LAYERWISE_HF_FORCE_MESH_CPU"
+
+
+class _MultiDeviceView:
+    # What `ParallelismConfig._validate_accelerator` reads of the Accelerator, with gloo CPU ranks counted as the
+    # multi-device case; every other attribute is the Accelerator's own.
+    multi_device = True
+
+    def __init__(self, accelerator: Any):
+        self._accelerator = accelerator
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._accelerator, name)
+
+
+def force_mesh_on_cpu() -> None:
+    """
+    Let Accelerate take a `ParallelismConfig` (HSDP, tensor parallel, a model loaded with transformers'
+    `DistributedConfig`) on CPU / gloo ranks: accelerate 1.15's `ParallelismConfig._validate_accelerator` accepts
+    FSDP2, DeepSpeed and multi-device runs only, and refuses `DistributedType.MULTI_CPU`. This widens that one check
+    (the CPU ranks count as the multi-device case there) and changes nothing else: Accelerate's wrapping, its meshes
+    and its other checks run as on GPUs. Call before the first `Accelerator` / `Trainer` of the process, or set
+    `LAYERWISE_HF_FORCE_MESH_CPU=1` (applied on import); with the FSDP2 config, `force_fsdp_on_cpu` (or
+    `LAYERWISE_HF_FORCE_FSDP_CPU=1`) too. Meant for CPU tests of meshes; GPUs need none of this.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.routes.distributed import force_mesh_on_cpu
+    >>> force_mesh_on_cpu()  # before the first Accelerator / Trainer of the process
+    >>> # 4 gloo ranks: TrainingArguments(parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2))
+    >>> # under the FSDP2 config (with force_fsdp_on_cpu), or a model from `from_pretrained(...,
+    >>> # distributed_config=DistributedConfig(tp_size=2, fsdp_size=2))`, now trains instead of raising ValueError
+    ```
+    """
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DistributedType
+
+    if getattr(ParallelismConfig._validate_accelerator, "_layerwise_mesh_cpu", False):
+        return
+    original = ParallelismConfig._validate_accelerator
+
+    @functools.wraps(original)
+    def _validate_accelerator(self, accelerator):
+        # A config of size 1 is what Accelerate makes itself for plain DDP: left as CPU runs always saw it.
+        if accelerator.distributed_type == DistributedType.MULTI_CPU and self.total_size > 1:
+            accelerator = _MultiDeviceView(accelerator)
+        return original(self, accelerator)
+
+    _validate_accelerator._layerwise_mesh_cpu = True
+    ParallelismConfig._validate_accelerator = _validate_accelerator
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+if _env_flag(FORCE_FSDP_CPU_ENV):
     force_fsdp_on_cpu()
+if _env_flag(FORCE_MESH_CPU_ENV):
+    force_mesh_on_cpu()

@@ -1,0 +1,132 @@
+"""4 gloo ranks on meshes past flat FSDP2: LayerwiseTrainer + X_layerwise equals stock Trainer + X (every parameter,
+the logged grad_norm and lr) in the same launch, under tensor parallel x FSDP2 and tensor parallel alone (a model
+sharded at load by transformers' `DistributedConfig`) and HSDP 2x2 (Accelerate's `ParallelismConfig` with FSDP2).
+
+    LAYERWISE_HF_FORCE_FSDP_CPU=1 LAYERWISE_HF_FORCE_MESH_CPU=1 ACCELERATE_USE_CPU=true accelerate launch \
+        --config_file configs/accelerate/cpu_ddp.yaml --num_processes 4 tests/distributed/meshes.py REPORT.json [CASES]
+
+CASES (comma-separated prefixes, default all) picks cases by name. The launch config is the DDP one: each case brings
+its own mesh (the model's load, or `parallelism_config` and `fsdp` in its TrainingArguments), so one launch runs them
+all; the FSDP2 cases run last because Accelerate leaves `ACCELERATE_USE_FSDP=true` in the environment behind it.
+"""
+
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+from common import SEQ, VOCAB, dataset, finish_ranks, max_diff, params, ranks_agree, training_args, write_report
+from torch.distributed.tensor import DTensor
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer
+
+# applies LAYERWISE_HF_FORCE_FSDP_CPU and LAYERWISE_HF_FORCE_MESH_CPU
+from layerwise_hf import LayerwiseTrainer
+
+torch.set_num_threads(1)
+
+
+def save_model(folder: str) -> str:
+    """A tiny Llama written by every rank to its own folder (same seed, same weights), for `from_pretrained`; before
+    any process group exists, since `save_pretrained` then writes from the main process only."""
+    path = os.path.join(folder, f"model-rank{os.environ['RANK']}")
+    if not os.path.exists(path):
+        torch.manual_seed(0)
+        # 4 key/value heads: tensor parallel over all 4 ranks splits every projection.
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=SEQ,
+        )
+        LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def model_for(mesh: str, path: str):
+    from transformers import DistributedConfig
+
+    if mesh == "hsdp":
+        return LlamaForCausalLM.from_pretrained(path)
+    sizes = {"tp_fsdp": dict(tp_size=2, fsdp_size=2), "tp": dict(tp_size=4)}[mesh]
+    return LlamaForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(**sizes))
+
+
+def mesh_args(mesh: str) -> dict:
+    if mesh != "hsdp":
+        return {}
+    from accelerate import ParallelismConfig
+
+    return dict(
+        parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2),
+        fsdp="full_shard",
+        fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+    )
+
+
+def run(trainer_cls, mesh, optim, folder, model_path, *, ga=1, max_grad_norm=0.0):
+    environ = dict(os.environ)
+    model = model_for(mesh, model_path)
+    args = training_args(
+        os.path.join(folder, "out"), optim, ga=ga, max_grad_norm=max_grad_norm, max_steps=3, **mesh_args(mesh)
+    )
+    trainer = trainer_cls(model=model, args=args, train_dataset=dataset())
+    trainer.train()
+    wrapped = trainer.model_wrapped
+    meshes = {tuple(p.device_mesh.mesh_dim_names) if isinstance(p, DTensor) else () for p in wrapped.parameters()}
+    logs = [h for h in trainer.state.log_history if "grad_norm" in h]
+    optimizer = getattr(trainer, "layerwise_optimizer", None)
+    result = {
+        "params": params(wrapped),
+        "grad_norm": [float(h["grad_norm"]) for h in logs],
+        "loss": [float(h["loss"]) for h in logs],
+        "lr": [h["learning_rate"] for h in logs],
+        "route": optimizer.route if optimizer is not None else None,
+        "meshes": sorted(meshes),
+    }
+    os.environ.clear()
+    os.environ.update(environ)
+    return result
+
+
+CASES = [
+    (f"{mesh} {optim} ga{ga} clip{clip}", mesh, optim, ga, clip)
+    for mesh in ("tp_fsdp", "tp", "hsdp")
+    for optim, ga, clip in (("adamw_torch", 1, 0.0), ("adamw_torch", 2, 1.0), ("adamw_torch", 1, 1.0))
+]
+
+
+def main(report_path, selected=None):
+    results = []
+    model_path = save_model(os.path.join(os.path.dirname(os.path.abspath(report_path)), "model"))
+    for name, mesh, optim, ga, clip in CASES:
+        if selected and not any(name.startswith(s) for s in selected):
+            continue
+        with tempfile.TemporaryDirectory() as d:
+            standard = run(Trainer, mesh, optim, d, model_path, ga=ga, max_grad_norm=clip)
+            layerwise = run(LayerwiseTrainer, mesh, f"{optim}_layerwise", d, model_path, ga=ga, max_grad_norm=clip)
+        results.append(
+            {
+                "case": name,
+                "max_diff": max_diff(standard["params"], layerwise["params"]),
+                "grad_norm": [standard["grad_norm"], layerwise["grad_norm"]],
+                "grad_norm_equal": standard["grad_norm"] == layerwise["grad_norm"],
+                "loss_equal": standard["loss"] == layerwise["loss"],
+                "lr_equal": standard["lr"] == layerwise["lr"],
+                "ranks_agree": ranks_agree(layerwise["params"]),
+                "route": layerwise["route"],
+                "meshes": [standard["meshes"], layerwise["meshes"]],
+                "steps_logged": len(layerwise["grad_norm"]),
+            }
+        )
+        if dist.get_rank() == 0:
+            print(results[-1], flush=True)
+    write_report(report_path, {"results": results})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2].split(",") if len(sys.argv) > 2 else None)
+    finish_ranks()
