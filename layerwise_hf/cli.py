@@ -10,10 +10,10 @@ import argparse
 import sys
 
 from .estimate import cli as estimate_cli
-from .integrations import checkpoint
+from .integrations import assets, checkpoint
 from .plan import cli as plan_cli
 
-SUBCOMMANDS = (estimate_cli, plan_cli, checkpoint)
+SUBCOMMANDS = (estimate_cli, plan_cli, checkpoint, assets)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,13 +6,19 @@ import logging
 
 import torch
 from transformers import TrainerCallback
+from transformers.utils import logging as hf_logging
 
 from ..bases.support import check_no_new_trainable
 from ..optim.optimizer import unwrap_layerwise_optimizer
 from ..placement.offloading import wait_for_host_steps
 from .preflight import Preflight, check_preflight_argument
+from .report import describe_training, memory_summary
 
 logger = logging.getLogger(__name__)
+# NOTE: the run's own account goes through Trainer's logger, so it shows wherever Trainer's "***** Running training
+# *****" shows (axolotl and LLaMA-Factory turn transformers' INFO on; other processes than the main one stay at
+# log_level_replica) and nowhere else.
+trainer_logger = hf_logging.get_logger("transformers.trainer")
 
 MIB = 2**20
 
@@ -79,6 +85,7 @@ class LayerwiseCallback(TrainerCallback):
             )
             # fp16: Accelerate's GradScaler decides skips and the scale from what the hooks find (None otherwise).
             self.optimizer.use_grad_scaler(getattr(accelerator, "scaler", None))
+            trainer_logger.info(describe_training(self.optimizer, args))
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.preflight is not None:
@@ -86,6 +93,8 @@ class LayerwiseCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._end_preflight()
+        if self.optimizer is not None:
+            trainer_logger.info(memory_summary(self.optimizer, args))
         end_training(self.optimizer)
 
     def _end_preflight(self) -> None:

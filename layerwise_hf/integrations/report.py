@@ -1,0 +1,146 @@
+"""What a layer-wise run says about itself: one line at the start (the optimizer, how gradients reach it, the clipping
+mode and whether gradients are held for the step) and a memory summary at the end (gradients alive at once and the
+optimizer state, against what the standard optimizer holds). `LayerwiseCallback` logs both in every Trainer run,
+axolotl's and LLaMA-Factory's included; a plain Accelerate loop can print them itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..optim.norm_pass import NormPass
+
+MIB = 2**20
+
+ROUTES = {
+    "local": "steps each parameter in its post-accumulate-grad hook",
+    "data_parallel": "all-reduces each gradient itself and steps it (DDP config; the model is not wrapped in DDP)",
+    "ddp": "steps each bucket in DDP's comm hook, after its all-reduce",
+    "fsdp2": "steps each shard after FSDP2's reduce-scatter",
+}
+
+
+def _settings(args: Any) -> tuple[float, str, int, str, str, bool]:
+    max_grad_norm = getattr(args, "max_grad_norm", None) or 0.0
+    clip = str(getattr(args, "layerwise_clip", "exact"))
+    accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+    offload = str(getattr(args, "layerwise_offload", "none"))
+    norm_pass = str(getattr(args, "layerwise_norm_pass", "auto"))
+    return max_grad_norm, clip, accumulation, offload, norm_pass, bool(getattr(args, "fp16", False))
+
+
+def why_held(args: Any) -> str:
+    """Whether this run's settings hold gradients until the step, and why (the part of `describe_training` that says
+    so)."""
+    max_grad_norm, clip, accumulation, offload, norm_pass, fp16 = _settings(args)
+    clips = max_grad_norm > 0 and clip != "off"
+    if accumulation > 1 and offload == "none":
+        return (
+            f"gradient accumulation ({accumulation} micro-batches a step) holds every gradient until the window's "
+            "last micro-batch, as the standard optimizer does (layerwise_offload='gradients' keeps them in host "
+            "memory)"
+        )
+    if offload != "none":
+        return f"layerwise_offload={offload!r}: gradients that wait for the step wait in host memory"
+    if (clips and clip == "exact") or fp16:
+        measured = "the global norm" + (" and fp16's inf/nan check" if fp16 else "")
+        if norm_pass == NormPass.HOLD.value:
+            how = "by holding every gradient until the step (layerwise_norm_pass='hold'), as the standard optimizer"
+        elif norm_pass == NormPass.AUTO.value:
+            how = (
+                "by a second backward or forward+backward, or by holding every gradient when activations outweigh "
+                "them (layerwise_norm_pass='auto' picks the lowest peak; the memory summary at the end says which)"
+            )
+        else:
+            how = f"by layerwise_norm_pass={norm_pass!r}, holding no gradient"
+        alternative = "" if fp16 else "; layerwise_clip='previous' clips in one backward and holds none"
+        return f"{measured} is measured before any layer steps, {how}{alternative}"
+    what = "clips each step with the previous step's norm" if clips and clip == "previous" else None
+    what = "clips each gradient on its own" if clips and clip == "per_param" else what
+    return f"no gradient is held: {what or 'no clipping'}, so at most about one gradient is alive at a time"
+
+
+def describe_training(optimizer: Any, args: Any) -> str:
+    """
+    One line saying what trains: the layer-wise optimizer, how gradients reach it, the clipping mode and whether
+    gradients are held for the step (`why_held`). Call it once the route is connected.
+
+    Args:
+        optimizer (`LayerwiseOptimizer`):
+            The optimizer, connected (`route` set).
+        args (`TrainingArguments` or any object with its fields):
+            `max_grad_norm`, `gradient_accumulation_steps`, `fp16` and the `layerwise_*` fields are read; missing
+            ones take their defaults.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.integrations.report import describe_training
+    >>> print(describe_training(trainer.layerwise_optimizer, trainer.args))
+    Training layer-wise: adamw_torch_layerwise, one AdamW per trainable parameter (21 parameters, 1.380 MiB of
+    gradients, the largest 0.126 MiB); it steps each parameter in its post-accumulate-grad hook. max_grad_norm=1.0,
+    layerwise_clip='exact': the global norm is measured before any layer steps, ...
+    ```
+    """
+    max_grad_norm, clip, *_ = _settings(args)
+    kinds = "/".join(sorted({type(getattr(inner, "host_base", inner)).__name__ for inner in optimizer.inner}))
+    sizes = [p.numel() * p.element_size() for p in optimizer.params] or [0]
+    route = ROUTES.get(optimizer.route or "", f"gradients arrive by route {optimizer.route!r}")
+    clipping = f"max_grad_norm={max_grad_norm}, layerwise_clip={clip!r}" if max_grad_norm > 0 else "max_grad_norm off"
+    return (
+        f"Training layer-wise: {optimizer.optimizer_name or kinds}, one {kinds} per trainable parameter "
+        f"({len(sizes)} parameters, {sum(sizes) / MIB:.3f} MiB of gradients, the largest {max(sizes) / MIB:.3f} MiB); "
+        f"it {route}. {clipping}: {why_held(args)}."
+    )
+
+
+def memory_summary(optimizer: Any, args: Any) -> str:
+    """
+    The memory a layer-wise run held, against the standard optimizer's: the most gradient bytes alive at once, the
+    optimizer state, and their sum (the same figures as `examples/train.py`'s table, on this process). When every
+    gradient was held, it says why and which setting holds none.
+
+    Args:
+        optimizer (`LayerwiseOptimizer`):
+            The optimizer after training.
+        args (`TrainingArguments` or any object with its fields):
+            As for `describe_training`.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.integrations.report import memory_summary
+    >>> print(memory_summary(trainer.layerwise_optimizer, trainer.args))
+    Layer-wise memory (adamw_torch_layerwise): gradients alive at once 0.126 MiB at most (standard optimizer: all
+    1.380 MiB at its step); optimizer state 2.761 MiB (the same); gradients + state 2.887 MiB against 4.141 MiB:
+    30.3% less.
+    ```
+    """
+    max_grad_norm, clip, accumulation, offload, norm_pass, fp16 = _settings(args)
+    peak, full, state = optimizer.peak_grad_bytes, optimizer.full_grad_bytes(), optimizer.state_bytes()
+    saving = 100 * (full - peak) / (full + state) if full + state else 0.0
+    name = optimizer.optimizer_name or "layer-wise"
+    line = (
+        f"Layer-wise memory ({name}): gradients alive at once {peak / MIB:.3f} MiB "
+        f"at most (standard optimizer: all {full / MIB:.3f} MiB at its step); optimizer state {state / MIB:.3f} MiB "
+        f"(the same); gradients + state {(peak + state) / MIB:.3f} MiB against {(full + state) / MIB:.3f} MiB: "
+        + (f"{saving:.1f}% less." if saving > 0 else "no less.")
+    )
+    if peak < full or full == 0:
+        return line
+    if accumulation > 1 and offload == "none":
+        return f"{line} Gradient accumulation held every gradient until each window's last micro-batch."
+    choice = getattr(getattr(optimizer, "norm_pass_choice", None), "way", None)
+    if (max_grad_norm > 0 and clip == "exact") or fp16:
+        if choice is NormPass.HOLD or norm_pass == NormPass.HOLD.value:
+            why = (
+                "the activations outweigh the gradients, so holding them is the lowest peak"
+                if norm_pass == NormPass.AUTO.value
+                else "layerwise_norm_pass='hold'"
+            )
+            instead = "" if fp16 else " layerwise_clip='previous' clips with the previous step's norm and holds none."
+            return (
+                f"{line} Exact clipping held every gradient until the step to measure the global norm ({why}), as "
+                f"the standard optimizer holds them.{instead}"
+            )
+    return line
