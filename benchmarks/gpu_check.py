@@ -40,6 +40,7 @@ try:  # what the check needs besides torch (bitsandbytes is optional: its checks
 
     from benchmarks import _common as h
     from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments
+    from layerwise_hf.platform.compat import checkpointing_kwargs
 except ImportError as e:
     print(f"gpu_check: FAILED TO START: cannot import what the check needs: {type(e).__name__}: {e}", file=sys.stderr)
     sys.exit(2)
@@ -553,8 +554,8 @@ def run_case(spec: dict, sizes: dict, device: str) -> dict:
         extra |= {"layerwise_offload": spec["offload"]} if spec.get("offload") else {}
         args = training_args(out, optim, device, learning_rate=1e-4, max_steps=steps,
                              max_grad_norm=spec["max_grad_norm"], per_device_train_batch_size=batch,
-                             gradient_accumulation_steps=ga, activation_checkpointing=True,
-                             activation_checkpointing_kwargs={"use_reentrant": False}, **extra)  # fmt: skip
+                             gradient_accumulation_steps=ga,
+                             **checkpointing_kwargs(True, {"use_reentrant": False}), **extra)  # fmt: skip
         trainer = make_trainer(model, args, token_dataset(batch * ga * steps, seq, config.vocab_size), [timer], device)
         cleanup(device)
         if cuda:
@@ -806,13 +807,18 @@ def environment(device: str, no_bnb: str | None) -> dict:
     import transformers
 
     cuda = device.startswith("cuda")
-    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    try:  # a bare GPU machine may have no git, or a copy of the tree without .git: the checks still run
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
     return {"device": device, "device_name": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
             "torch": torch.__version__, "cuda": torch.version.cuda, "torch_build": "CUDA" if torch.version.cuda
             else "CPU", "transformers": transformers.__version__, "accelerate": accelerate.__version__,
             "bitsandbytes": no_bnb or __import__("bitsandbytes").__version__, "python_executable": sys.executable,
             "layerwise_hf_from": str(Path(sys.modules["layerwise_hf"].__file__).parent),
-            "git_commit": git.stdout.strip() or None, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "git_commit": commit or os.environ.get("GPU_CHECK_COMMIT"),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "gpu_check_sh_interpreter": os.environ.get("GPU_CHECK_PYTHON"),
             "gpu_total_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
             }  # fmt: skip

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..platform.compat import parse_optim_args
 from ..platform.streams import keeps_device_sync
-from .params import LayerwiseParam, isolate_bnb_overrides
+from .params import LayerwiseParam, isolate_bnb_overrides, share_quantization_maps
 from .support import LOW_RANK_BASES
 
 logger = logging.getLogger(__name__)
@@ -415,6 +415,7 @@ class LowRankFactory:
         self.group_kwargs = group_kwargs
         self.target_names = frozenset(target_names)
         self.seeds = dict(seeds or {})
+        self.quantization_maps: dict = {}
 
     def is_target(self, name: str) -> bool:
         """
@@ -444,6 +445,7 @@ class LowRankFactory:
             # NOTE: APOLLOAdamW seeds a projector with the parameter's position in the optimizer, 1 for every
             # per-parameter optimizer; the projector is made at the first step, from this value.
             optimizer.state[lp.param]["seed"] = self.seeds[lp.name]
+        share_quantization_maps(optimizer, lp.param.device, self.quantization_maps)
         return isolate_bnb_overrides(optimizer)
 
     def __repr__(self) -> str:

@@ -19,7 +19,7 @@ from transformers.training_args import OptimizerNames
 from ..platform.compat import is_optimizer_factory, optimizer_base_requirements
 from .galore import low_rank_factory
 from .muon import muon_factory
-from .params import LayerwiseFactory, LayerwiseParam, isolate_bnb_overrides
+from .params import LayerwiseFactory, LayerwiseParam, isolate_bnb_overrides, share_quantization_maps
 from .support import LOW_RANK_BASES, REFUSED_BASES, SUFFIX, not_per_tensor_error, refused_base_error
 
 # Low-rank projection optimizers (GaLore, APOLLO) are served by layerwise_hf.bases.galore: transformers defines their
@@ -288,12 +288,14 @@ class _ClassFactory:
         self.optimizer_cls = optimizer_cls
         self.kwargs = kwargs
         self.bnb_8bit = bnb_8bit
+        self.quantization_maps: dict = {}
 
     def __call__(self, lp: LayerwiseParam, args: TrainingArguments) -> torch.optim.Optimizer:
         kwargs = dict(self.kwargs)
         if self.bnb_8bit and lp.is_embedding:
             kwargs["optim_bits"] = 32
         optimizer = self.optimizer_cls([{"params": [lp.param], "weight_decay": lp.weight_decay}], **kwargs)
+        share_quantization_maps(optimizer, lp.param.device, self.quantization_maps)
         return isolate_bnb_overrides(optimizer)
 
     def __repr__(self) -> str:

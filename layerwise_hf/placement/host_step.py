@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ..bases.params import LayerwiseFactory, LayerwiseParam
+from ..bases.params import LayerwiseFactory, LayerwiseParam, share_quantization_maps
 from ..platform.dtensor import local_tensor
 from .host_kernel import claim_thread_share, host_kernel_flags, host_threads_for
 from .offload import HostWorker
@@ -64,6 +64,7 @@ class HostRunner:
         # first host buffer: the host copies, and the host gradients, are then views into one pinned block per dtype.
         self.reserve: Callable[[], Sequence[torch.Tensor]] | None = None
         self.arenas: dict[str, HostArena] = {}
+        self.quantization_maps: dict = {}  # bitsandbytes' maps on the host, shared by the host-stepped optimizers
         self.pending: dict[int, HostStepOptimizer] = {}  # id -> optimizers whose copy back the next forward awaits
         self.latest: concurrent.futures.Future | None = None  # the last host step submitted: its copy back is last
         # id(module) -> (module, whether it holds a pending parameter), decided since `pending` last grew.
@@ -198,6 +199,8 @@ class HostStepOptimizer(torch.optim.Optimizer):
         # lr 0, before loading one) must write back the weights it found, not the ones the optimizer was built with.
         self.host = torch.nn.Parameter(torch.empty(0, dtype=local.dtype), requires_grad=False)
         base.param_groups[0]["params"] = [self.host]
+        # bitsandbytes' quantization maps go where its states are made: on the host, as the host copy.
+        share_quantization_maps(base, self.host.device, runner.quantization_maps)
         # NOTE: Adagrad creates its state in __init__, on the device parameter; its step creates it lazily too, so
         # dropping it lets the first host step build it on the host (and frees the device copy).
         base.state.pop(param, None)
