@@ -60,6 +60,8 @@ class HostRunner:
     def __init__(self, transfer: Transfer | None = None):
         self.transfer = transfer
         self.worker = HostWorker()
+        if transfer is not None:
+            self.worker.use(transfer)
         # The device-side tensors the host steps are for (`enable_offload`: the parameters' local shards), asked at the
         # first host buffer: the host copies, and the host gradients, are then views into one pinned block per dtype.
         self.reserve: Callable[[], Sequence[torch.Tensor]] | None = None
@@ -116,6 +118,7 @@ class HostRunner:
         copies a gradient or into a parameter)."""
         if self.transfer is None:
             self.transfer = make_transfer(device_of(tensor))
+            self.worker.use(self.transfer)
         return self.transfer
 
     def host_buffer(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -82,14 +82,27 @@ def shard_norm(param: torch.Tensor, local_norm: torch.Tensor) -> torch.Tensor:
 
 
 class HostWorker:
-    """One host thread that runs tasks in the order they were submitted (host adds, norms, host optimizer steps)."""
+    """One host thread that runs tasks in the order they were submitted (host adds, norms, host optimizer steps).
+    `use(transfer)` binds the thread to the transfer's device before its first task (or, once running, before the
+    next one)."""
 
     def __init__(self) -> None:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._bind: Callable[[], None] | None = None
+
+    def use(self, transfer: Transfer) -> None:
+        """Run the worker's tasks on `transfer`'s device (`Transfer.bind_thread`)."""
+        if self._bind == transfer.bind_thread:
+            return
+        self._bind = transfer.bind_thread
+        if self._pool is not None:
+            self._pool.submit(self._bind)  # FIFO: before any task submitted from now on
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerwise-host")
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="layerwise-host", initializer=self._bind or (lambda: None)
+            )
         return self._pool.submit(fn, *args)
 
     def close(self) -> None:
@@ -226,6 +239,8 @@ class GradientOffload:
         self.choose = choose
         self.max_in_flight = max_in_flight
         self.worker = worker or HostWorker()
+        if transfer is not None:
+            self.worker.use(transfer)
         self.host_steps = host_steps  # layerwise_offload="optimizer": step() steps from the host buffers
         self.host: dict[int, torch.Tensor] = {}  # persistent host buffers, one per parameter that was offloaded
         # The device-side tensors whose buffers `host` may hold (`enable_offload`: the parameters' local shards), asked
@@ -261,6 +276,7 @@ class GradientOffload:
         # Chosen at the first copy, for the device of a device-side tensor (a gradient, or the parameter copied into).
         if self.transfer is None:
             self.transfer = make_transfer(device_of(tensor)) if self.choose is None else self.choose(tensor)
+            self.worker.use(self.transfer)
         return self.transfer
 
     @torch.no_grad()

@@ -96,6 +96,9 @@ class Transfer:
     def close(self) -> None:
         """Wait for every copy started and release what runs them."""
 
+    def bind_thread(self) -> None:
+        """Make the calling thread use this transfer's device for what it does next (a host thread's first call)."""
+
 
 class HostArena:
     """
@@ -176,6 +179,11 @@ class CudaTransfer(Transfer):
             # NOTE: the current device is per thread, 0 in a thread that never set it (the host worker), and leaving
             # torch.cuda.stream sets it back: without this every rank's host worker opens a context on GPU 0.
             torch.cuda.set_device(self.device)
+
+    def bind_thread(self) -> None:
+        # NOTE: the host worker's first CUDA call may be an event's synchronize or torch.optim's capture check, which
+        # use the thread's current device (0 until set) before any copy would set it: set it when the thread starts.
+        self._own_device()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Ticket] | None = None) -> Ticket:
         self._own_device()
