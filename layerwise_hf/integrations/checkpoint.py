@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "layerwise_complete.json"
 OPTIMIZER_NAME = "optimizer.pt"
+FSDP_FULL_OPTIMIZER_NAME = "optimizer.bin"  # accelerate's save_fsdp_optimizer, FULL_STATE_DICT
 SCHEDULER_NAME = "scheduler.pt"
 
 
@@ -43,7 +44,9 @@ SCHEDULER_NAME = "scheduler.pt"
 def mark_complete(checkpoint_dir: str, info: dict[str, Any] | None = None) -> None:
     """
     Write `layerwise_complete.json` into `checkpoint_dir`, last and atomically: a checkpoint without it was
-    interrupted while being written. `LayerwiseTrainer` calls it after each save.
+    interrupted while being written, or cannot be loaded from this folder. `LayerwiseTrainer` calls it after each save
+    (on every rank that saves, once every rank has written); it writes nothing, with a warning, where the checkpoint's
+    DCP folders are not whole here (`unloadable_dcp_parts`: an output folder per node without a shared file system).
 
     Args:
         checkpoint_dir (`str`):
@@ -62,12 +65,73 @@ def mark_complete(checkpoint_dir: str, info: dict[str, Any] | None = None) -> No
     True
     ```
     """
+    problems = unloadable_dcp_parts(checkpoint_dir)
+    if problems:
+        logger.warning(
+            "Not marking %s complete: it cannot be resumed from this folder (%s). %s",
+            checkpoint_dir,
+            "; ".join(problems),
+            PER_NODE_ADVICE,
+        )
+        return
     tmp = os.path.join(checkpoint_dir, COMPLETE_MARKER + ".tmp")
     with open(tmp, "w") as f:
         json.dump(info or {}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(checkpoint_dir, COMPLETE_MARKER))
+
+
+# NOTE: DCP (FSDP's SHARDED_STATE_DICT) writes each rank's `.distcp` file where that rank runs and `.metadata` from
+# global rank 0 only (torch 2.13), so a folder per node (save_on_each_node=True, no shared file system) is never whole.
+DCP_METADATA = ".metadata"
+PER_NODE_ADVICE = (
+    "FSDP's sharded checkpoints (DCP) write .metadata from global rank 0 only and each rank's .distcp file on its own "
+    "node, so with an output folder per node (save_on_each_node=True without a shared file system) no node's folder "
+    "holds the whole checkpoint. Save to a file system every node shares, or merge every node's copy of the folder "
+    "into one that all ranks read before resuming."
+)
+
+
+def unloadable_dcp_parts(checkpoint_dir: str) -> list[str]:
+    """
+    What keeps the DCP folders of `checkpoint_dir` (`pytorch_model_fsdp_0`, `optimizer_0`) from loading here: a
+    missing or unreadable `.metadata`, or `.distcp` files it lists that this folder lacks; `[]` when nothing does (no
+    DCP folder at all included).
+
+    Example:
+
+    ```python
+    >>> import tempfile
+    >>> from layerwise_hf.integrations.checkpoint import unloadable_dcp_parts
+    >>> unloadable_dcp_parts(tempfile.mkdtemp())
+    []
+    ```
+    """
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    problems = []
+    for entry in sorted(os.listdir(checkpoint_dir)):
+        folder = os.path.join(checkpoint_dir, entry)
+        if not os.path.isdir(folder):
+            continue
+        files = set(os.listdir(folder))
+        if DCP_METADATA not in files:
+            if any(f.endswith(".distcp") for f in files):
+                problems.append(f"{entry}/ has no {DCP_METADATA}")
+            continue
+        from torch.distributed.checkpoint import FileSystemReader
+
+        try:
+            metadata = FileSystemReader(folder).read_metadata()
+        except Exception as err:  # a truncated or foreign pickle raises several types
+            problems.append(f"{entry}/{DCP_METADATA} cannot be read ({err})")
+            continue
+        listed = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+        missing = sorted(name for name in listed - files if name)
+        if missing:
+            problems.append(f"{entry}/ lacks {len(missing)} file(s) its {DCP_METADATA} lists ({', '.join(missing)})")
+    return problems
 
 
 def is_complete(checkpoint_dir: str) -> bool:
@@ -221,6 +285,9 @@ def check_checkpoint(checkpoint_dir: str, accept_nonfinite: bool = False) -> Non
             f"{checkpoint_dir} is incomplete or corrupt ({os.path.basename(state_file)}: {err}); it was probably "
             f"interrupted while being written. {advice}"
         ) from err
+    problems = unloadable_dcp_parts(checkpoint_dir)
+    if problems:
+        raise ValueError(f"{checkpoint_dir} cannot be resumed from: {'; '.join(problems)}. {PER_NODE_ADVICE}")
     optimizer_file = os.path.join(checkpoint_dir, OPTIMIZER_NAME)
     if os.path.isfile(optimizer_file):
         _check_finite(optimizer_file, load_optimizer_file(optimizer_file), accept_nonfinite)
@@ -269,8 +336,11 @@ def warn_missing_optimizer_state(checkpoint_dir: str) -> None:
     ```
     """
     entries = set(os.listdir(checkpoint_dir)) if os.path.isdir(checkpoint_dir) else set()
-    # FSDP writes its optimizer state as a directory (optimizer_0), DeepSpeed inside global_step*.
-    has_optimizer = OPTIMIZER_NAME in entries or any(e.startswith(("optimizer_", "global_step")) for e in entries)
+    # FSDP writes its optimizer state as a directory (optimizer_0, SHARDED_STATE_DICT) or as optimizer.bin
+    # (FULL_STATE_DICT; optimizer_N.bin for more optimizers), DeepSpeed inside global_step*.
+    has_optimizer = bool({OPTIMIZER_NAME, FSDP_FULL_OPTIMIZER_NAME} & entries) or any(
+        e.startswith(("optimizer_", "global_step")) for e in entries
+    )
     missing = [
         name for name, ok in ((OPTIMIZER_NAME, has_optimizer), (SCHEDULER_NAME, SCHEDULER_NAME in entries)) if not ok
     ]

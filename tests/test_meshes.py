@@ -1,0 +1,160 @@
+"""Meshes past flat FSDP2: global norms over DTensors of several meshes (as Trainer's `_mixed_mesh_grad_norm`), the
+clip coefficient on plain and DTensor gradients, the CPU shim for Accelerate's `ParallelismConfig` check, and real
+4-rank launches (tensor parallel x FSDP2, tensor parallel alone, HSDP 2x2) against stock Trainer."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from test_distributed import ROOT, launch
+
+from layerwise_hf.platform.norms import grad_norm_kernel, scale_grad, total_norm
+
+
+@pytest.mark.slow
+def test_tensor_parallel_and_hsdp_match_stock_trainer_on_four_ranks(tmp_path):
+    report = launch(
+        "configs/accelerate/cpu_ddp.yaml",
+        "tests/distributed/meshes.py",
+        tmp_path / "r.json",
+        {"LAYERWISE_HF_FORCE_FSDP_CPU": "1", "LAYERWISE_HF_FORCE_MESH_CPU": "1"},
+        launch_args=["--num_processes", "4"],
+    )
+    assert report["world_size"] == 4
+    compared = [c for c in report["results"] if "max_diff" in c]
+    assert len(compared) == 12, [c["case"] for c in compared]
+    meshes = {
+        "tp_fsdp": [("fsdp",), ("fsdp", "tp")],  # norm weights on (fsdp,), projections on (fsdp, tp)
+        "tp": [(), ("tp",)],  # norm weights stay plain tensors
+        "hsdp": [("dp_replicate", "dp_shard_cp")],
+    }
+    for case in compared:
+        standard_norms, layerwise_norms = case["grad_norm"]
+        assert case["max_diff"] == 0.0, case
+        assert standard_norms == layerwise_norms and len(layerwise_norms) == 3, case
+        assert case["loss_equal"] and case["lr_equal"] and case["ranks_agree"], case
+        expected = meshes[case["case"].split()[0]]
+        assert case["meshes"] == [[list(m) for m in expected]] * 2, case
+        if case["max_grad_norm"]:
+            # The clip coefficient really scaled the gradients (a norm above max_grad_norm) in every case that clips.
+            assert max(standard_norms) > case["max_grad_norm"], case
+    previous = next(c for c in report["results"] if c["case"] == "previous tp_fsdp")
+    assert previous["ranks_agree"] and len(previous["loss"]) == 3, previous
+    assert all(torch.isfinite(torch.tensor(previous["loss"] + previous["grad_norm"]))), previous
+
+
+def test_norms_on_two_meshes_are_totalled_per_mesh_as_trainer_does(tmp_path):
+    # One process stands in for a mesh: DTensors on two 1-rank meshes of one gloo group are still two meshes.
+    script = textwrap.dedent(
+        """
+        import json, sys
+        import torch, torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.nn.utils import get_total_norm
+        from layerwise_hf.platform.norms import grad_norm_kernel, scale_grad, total_norm
+
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+        two_d = init_device_mesh("cpu", (1, 1), mesh_dim_names=("fsdp", "tp"))
+        one_d = two_d["fsdp"]
+        g = torch.Generator().manual_seed(0)
+        plain = [torch.randn(5, generator=g), torch.randn(3, 2, generator=g)]
+        grads = [
+            DTensor.from_local(torch.randn(4, 4, generator=g), two_d, [Shard(0), Shard(1)]),
+            DTensor.from_local(torch.randn(4, generator=g), one_d, [Shard(0)]),
+            plain[0],
+            DTensor.from_local(torch.randn(2, 4, generator=g), two_d, [Shard(0), Replicate()]),
+            plain[1],
+        ]
+        cpu = torch.device("cpu")
+        ours = total_norm([(cpu, t.dtype, grad_norm_kernel(t)) for t in grads])
+        # transformers 5.24's Trainer._mixed_mesh_grad_norm, written out: meshes in first-gradient order.
+        groups = {}
+        for t in grads:
+            groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+        norms = [get_total_norm(ts) for ts in groups.values()]
+        norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+        theirs = torch.linalg.vector_norm(torch.stack(norms))
+        coef = torch.clamp(1.0 / (ours + 1e-6), max=1.0)
+        for t in grads:
+            scale_grad(t, coef)
+        # A DTensor coefficient (one mesh's) on a plain gradient and on another mesh's gradient.
+        one_mesh = total_norm([(cpu, t.dtype, grad_norm_kernel(t)) for t in grads[:1]])
+        scale_grad(plain[0], one_mesh)
+        scale_grad(grads[1], one_mesh)
+        json.dump({
+            "ours": ours.item(), "theirs": theirs.item(), "plain_result": type(ours).__name__,
+            "plain_grad_still_plain": not isinstance(plain[0], DTensor),
+        }, open(sys.argv[2], "w"))
+        dist.destroy_process_group()
+        """
+    )
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "r.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(port), str(out)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["ours"] == report["theirs"], report
+    assert report["plain_result"] == "Tensor" and report["plain_grad_still_plain"], report
+
+
+def test_one_mesh_keeps_clip_grad_norm_order_and_scale_grad_matches_mul():
+    grads = [torch.randn(7), torch.randn(3, 3).bfloat16(), torch.randn(2)]
+    cpu = torch.device("cpu")
+    ours = total_norm([(cpu, t.dtype, grad_norm_kernel(t)) for t in grads])
+    copies = [t.clone().requires_grad_() for t in grads]
+    for c, t in zip(copies, grads):
+        c.grad = t.clone()
+    assert torch.equal(ours, torch.nn.utils.clip_grad_norm_(copies, 1.0))
+    coef = torch.clamp(1.0 / (ours + 1e-6), max=1.0)
+    for c, t in zip(copies, grads):
+        scale_grad(t, coef)
+        assert torch.equal(t, c.grad)
+
+
+def test_mesh_shim_lets_parallelism_config_through_on_cpu_ranks_only_for_a_mesh(tmp_path):
+    # Accelerate refuses a ParallelismConfig on MULTI_CPU; the shim widens that check alone, in a fresh process (it
+    # patches a class for the process's life).
+    script = textwrap.dedent(
+        """
+        import types
+        from accelerate.parallelism_config import ParallelismConfig
+        from accelerate.utils import DistributedType
+
+        def accelerator():
+            return types.SimpleNamespace(
+                distributed_type=DistributedType.MULTI_CPU, multi_device=False, is_fsdp2=False, num_processes=4,
+                is_main_process=True,
+            )
+
+        config = ParallelismConfig(dp_shard_size=2, tp_size=2)
+        try:
+            config._validate_accelerator(accelerator())
+            print("stock accepted")
+        except ValueError as err:
+            print("stock refused:", "MULTI_CPU" in str(err))
+        from layerwise_hf.routes.distributed import force_mesh_on_cpu
+        force_mesh_on_cpu(); force_mesh_on_cpu()
+        config._validate_accelerator(accelerator())
+        print("shim accepted", config.dp_shard_size, config.tp_size)
+        single = ParallelismConfig()
+        single._validate_accelerator(accelerator())
+        print("size 1 untouched", single.dp_replicate_size)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = result.stdout.splitlines()
+    assert lines == ["stock refused: True", "shim accepted 2 2", "size 1 untouched 1"], result.stdout
