@@ -45,6 +45,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import itertools
+import os
+import random
 import threading
 from typing import Any
 
@@ -126,7 +128,13 @@ class FakeStream:
         fake.host_waits_for_stream(self.id)
 
     def query(self) -> bool:
-        self.synchronize()
+        fake = FakeCuda.active
+        fake.use_device(self.device.index, "stream.query")
+        with fake.lock:
+            position = fake.handler.syncs.current_sync_states[self.id].get(self.id, 0)
+        if fake.still_running(("stream", self.id, position)):
+            return False
+        self.synchronize()  # True means done: the host may rely on it
         return True
 
     def is_capturing(self) -> bool:
@@ -150,16 +158,27 @@ class FakeEvent:
         fake = FakeCuda.active
         self.id = next(_ids)
         self.recorded = False
+        self.records = 0
+        self.device: torch.device | None = None  # CUDA creates an event on the device of the stream it first records
+        self.key = fake.creation_key()
         with fake.lock:
             fake.handler._handle_event_creation(self.id)
 
     def record(self, stream: FakeStream | None = None) -> None:
         fake = FakeCuda.active
         stream = stream or fake.current_stream()
+        if self.device is None:
+            self.device = stream.device
+        elif self.device != stream.device:
+            raise RuntimeError(
+                f"Event device {self.device.index} does not match recording stream's device {stream.device.index}"
+            )
+        fake.use_device(stream.device.index, "event.record")  # under a guard of the event's device
         with fake.lock:
             fake.order_after_host(stream.id)
             fake.handler._handle_event_record(self.id, stream.id)
         self.recorded = True
+        self.records += 1
 
     def wait(self, stream: FakeStream | None = None) -> None:
         (stream or FakeCuda.active.current_stream()).wait_event(self)
@@ -174,6 +193,11 @@ class FakeEvent:
                 fake.handler.syncs.stream_wait_for_event(fake.host_stream(), self.id)
 
     def query(self) -> bool:
+        fake = FakeCuda.active
+        if self.recorded:
+            fake.use_device(fake.current_device(), "event.query")
+            if not fake.host_after_event(self.id) and fake.still_running(("event", *self.key, self.records)):
+                return False
         self.synchronize()  # True means done: the host may rely on it
         return True
 
@@ -208,11 +232,18 @@ class FakeCuda:
 
     active: FakeCuda | None = None
 
-    def __init__(self, device_count: int = 2, check_reuse: bool = False) -> None:
+    def __init__(self, device_count: int = 2, check_reuse: bool = True, seed: Any = None) -> None:
         self.device_count = device_count
-        # Off by default: whether a freed CPU block is reused depends on malloc, and one reuse was reported
-        # intermittently in the offload runs without a diagnosis yet (see the issue's closing note).
+        # Checked when a storage dies (at the next op), not when malloc happens to reuse its block: deterministic.
         self.check_reuse = check_reuse
+        # The schedule of `query()` answers: by default the running test's id, so each test sees the same answers.
+        self.seed = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0] if seed is None else seed
+        self.queries: dict[tuple, int] = {}
+        self.created: dict[str, int] = {}  # thread name -> events it created (an event's key in the schedule)
+        self.devices: dict[int, int] = {}  # storage data_ptr -> the fake device it lives on (device memory only)
+        self.kernel_devices: set[tuple[str, int]] = set()
+        self.registered: dict[int, int] = {}  # cudaHostRegister'ed pointer -> bytes
+        self.errors: list[Exception] = []  # found where nothing can raise (a finalizer): raised at exit
         self.handler = csan.EventHandler()
         self.lock = threading.RLock()
         self.local = threading.local()
@@ -341,18 +372,30 @@ class FakeCuda:
         pin = kwargs.get("pin_memory") is True
         if pin:
             kwargs = {**kwargs, "pin_memory": False}
+        # `device="cuda:1"` (a factory) or `.to("cuda:1")`: CPU memory standing in for that device's.
+        target = kwargs.get("device")
+        asked = None
+        if target is not None and torch.device(target).type == "cuda":
+            asked = self.as_device(target).index
+            kwargs = {**kwargs, "device": torch.device("cpu")}
         is_factory = bool(csan.FACTORY_FUNCTION_REGEX.match(func._schema.name))
         seen: list[torch.Tensor] = []
         handler = CpuArgumentHandler(seen)
         handler.parse_inputs(func._schema, args, kwargs, is_factory=is_factory)
         inputs = list(seen)
         input_ids = {id(t) for t in inputs}
+        with self.lock:
+            self._sweep()
+            if func is aten.copy_.default:
+                self._check_pinned(args, kwargs)
         outputs = func(*args, **kwargs)
         handler.parse_outputs(func._schema, outputs, is_factory=is_factory)
         with self.lock:
             host_thread = threading.get_ident() != self.main
             explicit = self._explicit_stream()
-            if pin or getattr(self.local, "force_host", False):
+            if asked is not None:
+                host = False
+            elif pin or getattr(self.local, "force_host", False):
                 host = True
             elif explicit:
                 host = False
@@ -362,7 +405,25 @@ class FakeCuda:
                 host = all(self._storage_ptr(t) in self.host_ptrs for t in inputs)
             else:
                 host = False
-            stream = self.host_stream() if host else self.current_stream().id
+            device = peer = None
+            if not host:
+                # NOTE: a kernel runs on its tensors' device (a copy between host and device: the device side's), on
+                # the calling thread's current stream of that device, whatever stream of another device is current.
+                device = asked if asked is not None else self._op_device(inputs)
+                peer = self._copy_peer(func, args, device)
+                if peer is not None:
+                    device, peer = peer, device  # a copy between devices runs on the source's
+                name = threading.current_thread().name
+                if (name, device) not in self.kernel_devices:
+                    self.kernel_devices.add((name, device))
+                    self.use_device(device, "kernel")
+            stream = self.host_stream() if host else self.current_stream(device).id
+            if peer is not None:
+                # NOTE: torch's copy between two devices runs on the source device's current stream after the
+                # destination's current stream, which then waits for it (copy_device_to_device).
+                syncs = self.handler.syncs
+                other = self.current_stream(peer).id
+                syncs._state_wait_for_other(syncs.current_sync_states[stream], syncs.current_sync_states[other])
             if host and host_thread:
                 # NOTE: a host thread cannot read device memory: on a GPU a device tensor it uses (a clip coefficient)
                 # was copied to the host synchronously, which waits for the stream that wrote it.
@@ -372,7 +433,10 @@ class FakeCuda:
                         if info is not None and info.write is not None:
                             self.host_waits_for_stream(info.write.stream)
             for tensor in seen:
-                self._track_storage(tensor, stream, new_host=host and id(tensor) not in input_ids, pinned=pin)
+                new_host = host and id(tensor) not in input_ids
+                self._track_storage(tensor, stream, new_host=new_host, pinned=pin, device=device)
+                if asked is not None and id(tensor) not in input_ids:
+                    self.devices[self._storage_ptr(tensor)] = asked
             if not host:
                 if is_factory:
                     # NOTE: CSAN reads `empty` as a write of its output but `empty_like` / `new_*` as metadata only. An
@@ -391,24 +455,69 @@ class FakeCuda:
                 func._schema,
                 handler.tensor_aliases,
             )
+        if peer is not None:
+            with self.lock:
+                syncs = self.handler.syncs
+                other = self.current_stream(peer).id
+                syncs._state_wait_for_other(syncs.current_sync_states[other], syncs.current_sync_states[stream])
         if errors:
             raise _report(errors)
         if func is aten._local_scalar_dense.default and not host:
             self.host_waits_for_stream(stream)  # .item() waits for the stream that computed it
         return outputs
 
+    def _op_device(self, inputs: list[torch.Tensor]) -> int:
+        for tensor in inputs:
+            ptr = self._storage_ptr(tensor)
+            if ptr not in self.host_ptrs:
+                return self.devices.get(ptr, self.current_device())
+        return self.current_device()
+
+    def _copy_peer(self, func: Any, args: tuple, device: int) -> int | None:
+        # The source's device of a copy between two devices (`device` is the destination's), else None.
+        if func is aten._to_copy.default:
+            src = args[0]
+        elif func is aten.copy_.default:
+            src = args[1]
+        else:
+            return None
+        ptr = self._storage_ptr(src)
+        if ptr in self.host_ptrs:
+            return None
+        source = self.devices.get(ptr, self.current_device())
+        return source if source != device else None
+
+    def _check_pinned(self, args: tuple, kwargs: dict) -> None:
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        if not non_blocking:
+            return
+        dst, src = args[0], args[1]
+        kinds = [self._storage_ptr(t) in self.host_ptrs for t in (dst, src)]
+        if kinds[0] == kinds[1]:
+            return
+        host = dst if kinds[0] else src
+        if self._storage_ptr(host) not in self.pinned:
+            # NOTE: CUDA stages a copy from or to pageable memory through a pinned buffer and returns only once the
+            # host side has been read or written: non_blocking then overlaps nothing.
+            raise RuntimeError(
+                "fake CUDA: a non_blocking copy between device memory and pageable (unpinned) host memory "
+                f"({tuple(host.shape)} {host.dtype}); pin the host side"
+            )
+
     @staticmethod
     def _storage_ptr(tensor: torch.Tensor) -> int:
         return tensor.untyped_storage().data_ptr()
 
-    def _track_storage(self, tensor: torch.Tensor, stream: int, new_host: bool, pinned: bool) -> None:
+    def _track_storage(
+        self, tensor: torch.Tensor, stream: int, new_host: bool, pinned: bool, device: int | None = None
+    ) -> None:
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         if not ptr:
             return
         known = self.storages.get(ptr)
         if known is not None and known[0].expired():
-            self._free(ptr, known, stream)
+            self._forget(ptr, known, stream)
             known = None
         if known is None:
             self.storages[ptr] = (StorageWeakRef(storage), storage.nbytes(), stream, set())
@@ -416,25 +525,54 @@ class FakeCuda:
             self.pinned.pop(ptr, None)
             if new_host:
                 self.host_ptrs.add(ptr)
+            else:
+                self.devices[ptr] = self.current_device() if device is None else device
             if pinned:
                 # NOTE: the caching host allocator rounds each pinned block up to a power of two (and keeps it).
                 self.pinned[ptr] = _power_of_two(storage.nbytes())
                 self.pinned_blocks.append(storage.nbytes())
 
-    def _free(self, ptr: int, known: tuple, stream: int) -> None:
+    def _sweep(self) -> None:
+        # Storages that died since the last op: freed now, before this op can allocate their memory again.
+        dead = [(ptr, known) for ptr, known in self.storages.items() if known[0].expired()]
+        for ptr, known in dead:
+            self._forget(ptr, known, known[2])
+
+    def _forget(self, ptr: int, known: tuple, stream: int) -> None:
+        self.storages.pop(ptr, None)
+        try:
+            self._free(ptr, known)
+        finally:
+            self.host_ptrs.discard(ptr)
+            self.pinned.pop(ptr, None)
+            self.devices.pop(ptr, None)
+
+    def _free(self, ptr: int, known: tuple) -> None:
         _, nbytes, alloc_stream, recorded = known
         accesses = self.handler.tensors_accessed.accesses
         keys = [k for k in accesses if ptr <= k < ptr + max(nbytes, 1)]
         # NOTE: host memory needs no record_stream: the caching host allocator records an event on the stream of each
         # copy that uses a pinned block and reuses it after that event, and host threads free it after their use.
-        if self.check_reuse and not recorded and ptr not in self.host_ptrs and ptr not in self.pinned:
-            # The freed block goes to the next allocation on its stream at once: a use by another stream that the
-            # allocating stream is not ordered after (no record_stream) races with that reuse.
-            errors = self.handler._handle_kernel_launch(
-                alloc_stream, set(), set(keys), set(), "free and reuse (no record_stream)", {k: [] for k in keys}
-            )
-            if errors:
-                raise _report(errors)
+        if self.check_reuse and ptr not in self.host_ptrs and ptr not in self.pinned:
+            # The freed block goes to the next allocation on its stream at once: a use by another device stream that
+            # the allocating stream is not ordered after, and that record_stream did not name, races with that reuse.
+            # (A host thread's use of device memory was a synchronous copy: done when it returned.)
+            syncs = self.handler.syncs
+            hosts = set(self.host_streams.values())
+            unordered = [
+                access
+                for k in keys
+                for access in [*accesses[k].reads, accesses[k].write]
+                if access is not None
+                and access.stream not in recorded | hosts | {alloc_stream}
+                and not syncs.is_ordered_after(alloc_stream, access.seq_num, access.stream)
+            ]
+            if unordered:
+                errors = self.handler._handle_kernel_launch(
+                    alloc_stream, set(), set(keys), set(), "free and reuse (no record_stream)", {k: [] for k in keys}
+                )
+                if errors:
+                    raise _report(errors)
         for k in keys:
             self.handler._handle_memory_deallocation(k)
 
@@ -443,8 +581,39 @@ class FakeCuda:
         with self.lock:
             self.host_ptrs.add(ptr)
             self.pinned[ptr] = nbytes
+            self.registered[ptr] = nbytes
             self.pinned_blocks.append(nbytes)
         return 0
+
+    def host_unregister(self, ptr: int) -> int:
+        """`cudaHostUnregister`: an error unless `ptr` was registered; the host must be done waiting for every copy
+        that reads or writes the memory (it is then pageable again, and freed right after by its owner)."""
+        with self.lock:
+            nbytes = self.registered.pop(ptr, None)
+            if nbytes is None:
+                self.errors.append(RuntimeError(f"fake CUDA: cudaHostUnregister of {ptr:#x}, which is not registered"))
+                return 1  # cudaErrorInvalidValue
+            self.pinned.pop(ptr, None)
+            accesses = self.handler.tensors_accessed.accesses
+            keys = {k for k in accesses if ptr <= k < ptr + max(nbytes, 1)}
+            errors = self.handler._handle_kernel_launch(
+                self.host_stream(), set(), keys, set(), "cudaHostUnregister (then free)", {k: [] for k in keys}
+            )
+            for k in keys:
+                self.handler._handle_memory_deallocation(k)
+        if errors:
+            # Called from a finalizer, where raising is lost: kept for the end of the `with` block.
+            self.errors.append(_report(errors))
+        return 0
+
+    def tolist(self, tensor: torch.Tensor, original: Any) -> Any:
+        # NOTE: on CPU `.tolist()` dispatches nothing; on a GPU it copies the tensor to the host on the current stream
+        # of its device and waits for that stream.
+        if tensor.is_cuda:
+            with torch.no_grad():
+                tensor.detach().clone()  # the device read, on the current stream of the tensor's device
+            self.host_waits_for_stream(self.current_stream(self.device_index(tensor)).id)
+        return original(tensor)
 
     def record_stream(self, tensor: torch.Tensor, stream: FakeStream) -> None:
         known = self.storages.get(self._storage_ptr(tensor))
@@ -455,6 +624,41 @@ class FakeCuda:
         """Whether launch `later` (an index into `launches`) is ordered after launch `earlier` in CSAN's model."""
         seq, _ = self.launch_states[earlier]
         return self.launch_states[later][1].get(self.launches[earlier][1], -1) >= seq
+
+    def place(self, tensor: torch.Tensor, device: int) -> torch.Tensor:
+        """Say that `tensor` (a CPU tensor standing in for device memory) lives on fake device `device`; returns it."""
+        with self.lock:
+            ptr = self._storage_ptr(tensor)
+            if ptr not in self.storages:
+                self._track_storage(
+                    tensor, self.current_stream(device).id, new_host=False, pinned=False, device=device
+                )
+            self.host_ptrs.discard(ptr)
+            self.devices[ptr] = device
+        return tensor
+
+    def device_index(self, tensor: torch.Tensor) -> int:
+        """The fake device of a device tensor: where it was allocated or placed (the current device if unknown)."""
+        return self.devices.get(self._storage_ptr(tensor), self.current_device())
+
+    def creation_key(self) -> tuple[str, int]:
+        name = threading.current_thread().name
+        with self.lock:
+            self.created[name] = self.created.get(name, 0) + 1
+            return name, self.created[name]
+
+    def still_running(self, key: tuple) -> bool:
+        """The seeded schedule of `query()`: "not yet" for the first 0, 1 or 2 queries of each recorded position."""
+        with self.lock:
+            asked = self.queries.get(key, 0)
+            self.queries[key] = asked + 1
+        return asked < random.Random(f"{self.seed}/{key}").randrange(3)
+
+    def host_after_event(self, event: int) -> bool:
+        with self.lock:
+            recorded = self.handler.syncs.recorded_sync_states.get(event, {})
+            host = self.handler.syncs.current_sync_states[self.host_stream()]
+            return all(host.get(stream, -1) >= seq for stream, seq in recorded.items())
 
     @property
     def pinned_bytes(self) -> int:
@@ -563,13 +767,17 @@ class FakeCuda:
             )
         )
         patch(mock.patch.object(torch.Tensor, "is_pinned", lambda t, device=None: fake._storage_ptr(t) in fake.pinned))
-        # NOTE: CPU tensors carry no device index: a device tensor is on the asking thread's current device.
+        # NOTE: CPU tensors carry no device index: the fake keeps one per storage (`place`, `device_index`).
         get_device = torch.Tensor.get_device
         patch(
             mock.patch.object(
-                torch.Tensor, "get_device", lambda t: fake.current_device() if t.is_cuda else get_device(t)
+                torch.Tensor, "get_device", lambda t: fake.device_index(t) if t.is_cuda else get_device(t)
             )
         )
+        tolist = torch.Tensor.tolist
+        patch(mock.patch.object(torch.Tensor, "tolist", lambda t: fake.tolist(t, tolist)))
+        # `.to("cuda:1")` and `device="cuda:1"` reach the dispatch (which keeps them on the CPU) once CUDA "is there".
+        patch(mock.patch.object(cuda, "_lazy_init", lambda: None))
         patch(mock.patch.object(offload_module.HostWorker, "submit", self._submit(offload_module.HostWorker.submit)))
         result = concurrent.futures.Future.result
 
@@ -592,6 +800,8 @@ class FakeCuda:
             self._patches.close()
         finally:
             FakeCuda.active = None
+        if self.errors and exc[0] is None:
+            raise self.errors[0]
 
 
 def _power_of_two(nbytes: int) -> int:
@@ -601,7 +811,7 @@ def _power_of_two(nbytes: int) -> int:
 class _FakeCudart:
     def __init__(self, fake: FakeCuda) -> None:
         self.cudaHostRegister = fake.host_register
-        self.cudaHostUnregister = lambda ptr: 0
+        self.cudaHostUnregister = fake.host_unregister
 
 
 def _report(errors: list) -> csan.CUDASanitizerErrors:
@@ -617,15 +827,16 @@ def csan_report(excinfo: Any) -> str:
 
 
 class _CommWork:
-    # An all-reduce's work handle as NCCL's: waiting on it orders the caller's stream after the collective's.
-    def __init__(self, work, stream):
+    # An all-reduce's work handle as NCCL's: waiting on it orders the caller's stream after this collective.
+    def __init__(self, work, end):
         self.work = work
-        self.stream = stream
+        self.end = end
 
     def wait(self):
         self.work.wait()
-        # NOTE: NCCL's Work.wait() makes the caller's current stream wait for the collective's stream.
-        torch.cuda.current_stream().wait_stream(self.stream)
+        # NOTE: NCCL's Work.wait() makes the caller's current stream wait for the event recorded at the end of this
+        # collective on its stream, not for what was queued there after it (the next collective).
+        torch.cuda.current_stream().wait_event(self.end)
         return True
 
 
@@ -639,7 +850,12 @@ def all_reduce_on_its_own_stream():
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         comm.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(comm):
-            work = _CommWork(original(tensor, op=op, group=group, async_op=True), comm)
+            work = original(tensor, op=op, group=group, async_op=True)
+            end = torch.cuda.Event()
+            end.record(comm)
+        # NOTE: ProcessGroupNCCL keeps its tensors for the caching allocator until the collective is done.
+        tensor.record_stream(comm)
+        work = _CommWork(work, end)
         if async_op:
             return work
         work.wait()
