@@ -277,3 +277,46 @@ def test_pinned_bytes_are_what_the_plan_counts(mode, ga):
     pageable = sum(t.numel() * t.element_size() for t in states) if mode == "optimizer" else 0
     est = estimate(model, optimizer="adamw_torch_layerwise", offload=mode, gradient_accumulation_steps=ga)
     assert est.host_bytes == pinned + pageable, (est.host_bytes, pinned, pageable)  # the estimator's host term
+
+
+def _spread(fake, model):
+    """Place the model's first layer on fake device 0 and the rest on device 1, as device_map="auto" would."""
+    for k, p in enumerate(model.parameters()):
+        fake.place(p, 0 if k < 2 else 1)
+    return model
+
+
+@pytest.mark.parametrize("mode", ["gradients", "optimizer"])
+def test_offload_of_a_model_over_two_gpus_is_refused_at_setup(mode):
+    # One transfer's side stream cannot order a copy of a tensor on another device (it runs on that device's
+    # stream): the host would read buffers before their copies ended and train on stale values, silently.
+    with FakeCuda() as fake:
+        model = _spread(fake, _mlp())
+        params = [LayerwiseParam(n, p, weight_decay=0.0) for n, p in model.named_parameters()]
+        factory, runner = host_step_factory(lambda lp, _: torch.optim.AdamW([lp.param], lr=1e-2), mode)
+        optimizer = LayerwiseOptimizer(params, factory)
+        with pytest.raises(ValueError, match=r"several GPUs in one process \(cuda:0, cuda:1.*layerwise_offload='none'"):
+            enable_offload(optimizer, mode, runner=runner)
+
+
+@pytest.mark.parametrize("mode", ["gradients", "optimizer"])
+def test_a_model_moved_over_two_gpus_after_setup_is_refused_at_its_first_copy(mode):
+    # A plain loop builds the optimizer before the model is placed: the transfer follows the first gradient's device,
+    # and a gradient on another device is refused before its copy starts.
+    with FakeCuda() as fake:
+        model = _mlp()
+        for p in model.parameters():
+            fake.place(p, 0)
+        params = [LayerwiseParam(n, p, weight_decay=0.0) for n, p in model.named_parameters()]
+        factory, runner = host_step_factory(lambda lp, _: torch.optim.AdamW([lp.param], lr=1e-2), mode)
+        optimizer = LayerwiseOptimizer(params, factory)
+        optimizer.configure_clipping(0.5, "exact")  # every gradient goes to the host
+        enable_offload(optimizer, mode, runner=runner)
+        optimizer.attach()
+        weights = list(model.parameters())
+        weights[-1].grad = fake.place(torch.ones_like(weights[-1]), 0)
+        optimizer.gate.offload.buffers.stash(len(weights) - 1, weights[-1], measure=False)
+        weights[0].grad = fake.place(torch.ones_like(weights[0]), 1)
+        with pytest.raises(ValueError, match="several GPUs in one process"):
+            optimizer.gate.offload.buffers.stash(0, weights[0], measure=False)
+        end_training(optimizer)

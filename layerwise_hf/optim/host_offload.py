@@ -14,7 +14,7 @@ import torch
 from ..placement.host_step import HostRunner, HostStepOptimizer
 from ..placement.offload import GradientOffload, parse_offload
 from ..placement.offloading import check_host_step_base
-from ..placement.transfer import Transfer, offload_simulated
+from ..placement.transfer import Transfer, device_of, offload_simulated, several_devices_error
 from ..platform.dtensor import local_tensor
 from .window import Action
 
@@ -275,6 +275,9 @@ def enable_offload(
             "layerwise_offload='optimizer' must be chosen when the optimizer is built (its states are created on the "
             "host): pass offload='optimizer' to build_layerwise_optimizer, or set args.layerwise_offload."
         )
+    devices = sorted({device_of(local_tensor(p)) for p in gate.params if p.is_cuda}, key=str)
+    if len(devices) > 1:
+        raise several_devices_error(devices)
     if not torch.cuda.is_available() and not offload_simulated() and transfer is None:
         _warn_without_cuda(mode)
     if runner is not None and transfer is not None and runner.transfer is None:

@@ -44,7 +44,7 @@ from ..bases.params import LayerwiseFactory, LayerwiseParam, share_quantization_
 from ..platform.dtensor import local_tensor
 from .host_kernel import claim_thread_share, host_kernel_flags, host_threads_for
 from .offload import HostWorker
-from .transfer import HostArena, Ticket, Transfer, device_of, make_transfer
+from .transfer import HostArena, Ticket, Transfer, check_device, device_of, make_transfer
 
 
 class HostRunner:
@@ -119,6 +119,7 @@ class HostRunner:
         if self.transfer is None:
             self.transfer = make_transfer(device_of(tensor))
             self.worker.use(self.transfer)
+        check_device(self.transfer, tensor)
         return self.transfer
 
     def host_buffer(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:

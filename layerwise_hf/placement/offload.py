@@ -37,7 +37,7 @@ import torch
 
 from ..platform.dtensor import local_tensor
 from ..platform.norms import grad_norm_kernel
-from .transfer import HostArena, Ticket, Transfer, device_of, make_transfer
+from .transfer import HostArena, Ticket, Transfer, check_device, device_of, make_transfer
 
 logger = logging.getLogger(__name__)
 
@@ -277,6 +277,7 @@ class GradientOffload:
         if self.transfer is None:
             self.transfer = make_transfer(device_of(tensor)) if self.choose is None else self.choose(tensor)
             self.worker.use(self.transfer)
+        check_device(self.transfer, tensor)
         return self.transfer
 
     @torch.no_grad()

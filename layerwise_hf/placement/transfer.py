@@ -78,6 +78,7 @@ class Transfer:
     """
 
     simulated = False
+    device: torch.device | None = None  # the one device whose tensors it copies (None: the host's own, on CPU)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Ticket] | None = None) -> Ticket:
         raise NotImplementedError
@@ -347,6 +348,23 @@ def device_of(tensor: torch.Tensor) -> torch.device:
     if tensor.is_cuda:
         return torch.device("cuda", tensor.get_device())
     return tensor.device
+
+
+def several_devices_error(devices: Sequence[Any]) -> ValueError:
+    """The error for host offload of a model spread over several GPUs of one process (`device_map="auto"`)."""
+    return ValueError(
+        f"layerwise_offload with a model spread over several GPUs in one process ({', '.join(map(str, devices))}: "
+        "device_map='auto' or Trainer's model parallelism) is not supported: each device's copies would need side "
+        "streams and host buffers of their own, and one set would give wrong weights. Put the model on one GPU per "
+        "process (DDP or FSDP2 through `accelerate launch`) to offload, or set layerwise_offload='none'."
+    )
+
+
+def check_device(transfer: Transfer, tensor: torch.Tensor) -> None:
+    """Refuse a device-side `tensor` on another device than `transfer`'s: its copy would run on its own device's
+    stream, not the side stream whose event says it is done, and the host would read the buffer too early."""
+    if transfer.device is not None and tensor.is_cuda and device_of(tensor) != transfer.device:
+        raise several_devices_error([transfer.device, device_of(tensor)])
 
 
 def make_transfer(device: torch.device) -> Transfer:
