@@ -108,3 +108,43 @@ def test_why_held_names_the_cause(settings, says):
     assert says in text
     if settings.get("fp16"):
         assert "previous" not in text  # fp16 measures every gradient whatever the clipping mode
+
+
+@pytest.mark.filterwarnings(
+    "ignore:`gradient_checkpointing` is deprecated:FutureWarning"
+)  # the oldest lacks the new name
+def test_a_first_step_that_alone_held_every_gradient_is_told_apart(tmp_path, trainer_log):
+    # layerwise_norm_pass='auto' measures the first step by holding while it learns what the graph saves; here it
+    # then reruns forward+backward, holding one gradient at a time: the run's peak is the first step's alone.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from layerwise_hf.integrations.assets import make_tiny_assets
+    from layerwise_hf.optim.norm_pass import NormPass
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_assets(tmp_path / "tiny"))
+    ids = (torch.arange(128) * 7 + 3) % 250
+    dataset = [{"input_ids": ids, "labels": ids}] * 16
+    args = training_args(
+        tmp_path / "out",
+        "adamw_torch_layerwise",
+        max_grad_norm=1.0,
+        gradient_checkpointing=True,
+        max_steps=3,
+        log_level="info",
+    )
+    trainer = train(model, args, dataset)
+
+    optimizer = trainer.layerwise_optimizer
+    assert optimizer.norm_pass_choice.way is NormPass.RERUN  # the case this test is about
+    full = optimizer.full_grad_bytes()
+    # The whole run's figure is unchanged: the first step did hold every gradient.
+    assert optimizer.peak_grad_bytes == full
+    assert [e["layerwise_peak_grad_mib"] for e in trainer.state.log_history if "loss" in e] == [
+        round(full / 2**20, 3)
+    ] * 3
+    (summary,) = messages(trainer_log, "Layer-wise memory")
+    later = float(summary.split("gradients alive at once ")[1].split(" MiB at most after the first step")[0])
+    assert 0 < later < full / 2**20 / 2
+    assert f"The first step held {full / 2**20:.3f} MiB while layerwise_norm_pass='auto'" in summary
+    assert "('rerun')" in summary

@@ -12,7 +12,7 @@ from ..bases.support import check_no_new_trainable
 from ..optim.optimizer import unwrap_layerwise_optimizer
 from ..placement.offloading import wait_for_host_steps
 from .preflight import Preflight, check_preflight_argument
-from .report import describe_training, memory_summary
+from .report import StepPeaks, describe_training, memory_summary
 
 logger = logging.getLogger(__name__)
 # NOTE: the run's own account goes through Trainer's logger, so it shows wherever Trainer's "***** Running training
@@ -54,6 +54,7 @@ class LayerwiseCallback(TrainerCallback):
         self.trainer = trainer
         self.optimizer = None
         self.preflight = None
+        self.steps = StepPeaks()
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._end_preflight()
@@ -85,16 +86,23 @@ class LayerwiseCallback(TrainerCallback):
             )
             # fp16: Accelerate's GradScaler decides skips and the scale from what the hooks find (None otherwise).
             self.optimizer.use_grad_scaler(getattr(accelerator, "scaler", None))
+            self.steps = StepPeaks()
             trainer_logger.info(describe_training(self.optimizer, args))
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.optimizer is not None:
+            self.steps.step_begin(self.optimizer)
+
     def on_step_end(self, args, state, control, **kwargs):
+        if self.optimizer is not None:
+            self.steps.step_end(self.optimizer)
         if self.preflight is not None:
             self._end_preflight()
 
     def on_train_end(self, args, state, control, **kwargs):
         self._end_preflight()
         if self.optimizer is not None:
-            trainer_logger.info(memory_summary(self.optimizer, args))
+            trainer_logger.info(memory_summary(self.optimizer, args, self.steps))
         end_training(self.optimizer)
 
     def _end_preflight(self) -> None:

@@ -94,17 +94,61 @@ def describe_training(optimizer: Any, args: Any) -> str:
     )
 
 
-def memory_summary(optimizer: Any, args: Any) -> str:
+class StepPeaks:
+    """
+    The most gradient bytes alive at once in a run's first step and in the steps after it. Exact clipping's
+    `layerwise_norm_pass="auto"` (and `auto_find_batch_size`) may hold every gradient in the first step only, which
+    then sets the whole run's peak; this tells the steps after it apart. The optimizer's own `peak_grad_bytes` (and
+    the logged `layerwise_peak_grad_mib`) keep counting the whole run.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.integrations.report import StepPeaks
+    >>> peaks = StepPeaks()
+    >>> for batch in loader:  # a plain loop: around each optimizer step
+    ...     peaks.step_begin(optimizer)
+    ...     accelerator.backward(model(**batch).loss); optimizer.step(); optimizer.zero_grad()
+    ...     peaks.step_end(optimizer)
+    ```
+    """
+
+    def __init__(self) -> None:
+        self.first: int | None = None
+        self.later: int | None = None
+        self._before = 0
+
+    def step_begin(self, optimizer: Any) -> None:
+        meter = optimizer.gate.meter
+        # NOTE: the meter keeps one running peak; it is lowered for the step and put back at its end, so what is
+        # logged after the step is the whole run's peak, as without this.
+        self._before = meter.peak_bytes
+        meter.peak_bytes = meter.held_bytes
+
+    def step_end(self, optimizer: Any) -> None:
+        meter = optimizer.gate.meter
+        peak = meter.peak_bytes
+        if self.first is None:
+            self.first = peak
+        else:
+            self.later = max(self.later or 0, peak)
+        meter.peak_bytes = max(self._before, peak)
+
+
+def memory_summary(optimizer: Any, args: Any, steps: StepPeaks | None = None) -> str:
     """
     The memory a layer-wise run held, against the standard optimizer's: the most gradient bytes alive at once, the
-    optimizer state, and their sum (the same figures as `examples/train.py`'s table, on this process). When every
-    gradient was held, it says why and which setting holds none.
+    optimizer state, and their sum (the figures of `examples/train.py`'s table, on this process). When every gradient
+    was held, it says why and which setting holds none; with `steps`, when only the first step held them, it gives the
+    steps after it apart.
 
     Args:
         optimizer (`LayerwiseOptimizer`):
             The optimizer after training.
         args (`TrainingArguments` or any object with its fields):
             As for `describe_training`.
+        steps (`StepPeaks`, *optional*):
+            The peaks per step, when they were followed (`LayerwiseCallback` does).
 
     Example:
 
@@ -118,29 +162,44 @@ def memory_summary(optimizer: Any, args: Any) -> str:
     """
     max_grad_norm, clip, accumulation, offload, norm_pass, fp16 = _settings(args)
     peak, full, state = optimizer.peak_grad_bytes, optimizer.full_grad_bytes(), optimizer.state_bytes()
+    first_only = steps is not None and steps.later is not None and steps.first is not None and steps.later < peak
+    if first_only:
+        peak = steps.later
     saving = 100 * (full - peak) / (full + state) if full + state else 0.0
     name = optimizer.optimizer_name or "layer-wise"
     line = (
-        f"Layer-wise memory ({name}): gradients alive at once {peak / MIB:.3f} MiB "
-        f"at most (standard optimizer: all {full / MIB:.3f} MiB at its step); optimizer state {state / MIB:.3f} MiB "
+        f"Layer-wise memory ({name}): gradients alive at once {peak / MIB:.3f} MiB at most"
+        + (" after the first step" if first_only else "")
+        + f" (standard optimizer: all {full / MIB:.3f} MiB at its step); optimizer state {state / MIB:.3f} MiB "
         f"(the same); gradients + state {(peak + state) / MIB:.3f} MiB against {(full + state) / MIB:.3f} MiB: "
         + (f"{saving:.1f}% less." if saving > 0 else "no less.")
     )
+    choice = getattr(getattr(optimizer, "norm_pass_choice", None), "way", None)
+    if first_only:
+        why = (
+            "while layerwise_norm_pass='auto' measured what the graph saves, and chose a second forward+backward "
+            "('rerun') for the steps after it"
+            if choice is NormPass.RERUN
+            else "(auto_find_batch_size holds it)"
+            if getattr(args, "auto_find_batch_size", False)
+            else ""
+        )
+        return f"{line} The first step held {steps.first / MIB:.3f} MiB {why}".rstrip() + "."
     if peak < full or full == 0:
         return line
     if accumulation > 1 and offload == "none":
         return f"{line} Gradient accumulation held every gradient until each window's last micro-batch."
-    choice = getattr(getattr(optimizer, "norm_pass_choice", None), "way", None)
-    if (max_grad_norm > 0 and clip == "exact") or fp16:
-        if choice is NormPass.HOLD or norm_pass == NormPass.HOLD.value:
-            why = (
-                "the activations outweigh the gradients, so holding them is the lowest peak"
-                if norm_pass == NormPass.AUTO.value
-                else "layerwise_norm_pass='hold'"
-            )
-            instead = "" if fp16 else " layerwise_clip='previous' clips with the previous step's norm and holds none."
-            return (
-                f"{line} Exact clipping held every gradient until the step to measure the global norm ({why}), as "
-                f"the standard optimizer holds them.{instead}"
-            )
+    if ((max_grad_norm > 0 and clip == "exact") or fp16) and (
+        choice is NormPass.HOLD or norm_pass == NormPass.HOLD.value
+    ):
+        why = (
+            "the activations outweigh the gradients, so holding them is the lowest peak"
+            if norm_pass == NormPass.AUTO.value
+            else "layerwise_norm_pass='hold'"
+        )
+        instead = "" if fp16 else " layerwise_clip='previous' clips with the previous step's norm and holds none."
+        return (
+            f"{line} Exact clipping held every gradient until the step to measure the global norm ({why}), as "
+            f"the standard optimizer holds them.{instead}"
+        )
     return line
