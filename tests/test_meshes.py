@@ -158,3 +158,25 @@ def test_mesh_shim_lets_parallelism_config_through_on_cpu_ranks_only_for_a_mesh(
     assert result.returncode == 0, result.stderr[-4000:]
     lines = result.stdout.splitlines()
     assert lines == ["stock refused: True", "shim accepted 2 2", "size 1 untouched 1"], result.stdout
+
+
+@pytest.mark.parametrize("optimizer", ["adamw_torch", "adamw_torch_layerwise"])
+def test_plan_advice_names_only_optimizers_the_plan_itself_runs(optimizer):
+    import re
+
+    from layerwise_hf.plan.advice import advise
+    from layerwise_hf.plan.core import PlanRow
+    from layerwise_hf.plan.ranks import fsdp2_refusal
+    from layerwise_hf.plan.simulate import StepSetup
+
+    cats = dict(weights=4, gradients=4, optimizer_state=30, activations=1, temporaries=1)
+    row = PlanRow(optimizer, 40, cats, "step", False)
+
+    def named(setup):
+        (text,) = [t for t in advise(row, setup) if t.startswith("optimizer state dominates")]
+        return re.findall(r"\b(?:adamw_8bit|adafactor)\w*", text)
+
+    sharded = named(StepSetup(world_size=8, sharding="fsdp2"))
+    assert sharded and all(fsdp2_refusal(name) is None for name in sharded), sharded
+    # On one process the standard row keeps the standard names: stock bitsandbytes runs there.
+    assert named(StepSetup()) == (["adamw_8bit", "adafactor"] if optimizer == "adamw_torch" else sharded)
