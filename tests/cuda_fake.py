@@ -157,6 +157,7 @@ class FakeEvent:
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
         fake = FakeCuda.active
         self.id = next(_ids)
+        self.blocking = blocking  # a host thread waiting on it sleeps (True) or spins on a core (False)
         self.recorded = False
         self.records = 0
         self.device: torch.device | None = None  # CUDA creates an event on the device of the stream it first records
@@ -579,6 +580,10 @@ class FakeCuda:
     def host_register(self, ptr: int, nbytes: int, flags: int = 0) -> int:
         """`cudaHostRegister`: plain host memory pinned as is, to the byte."""
         with self.lock:
+            # NOTE: `torch.empty(device="cpu")` was host work, which the fake could only take for a device allocation
+            # on the current stream before the memory was registered: forget that access.
+            for k in [k for k in self.handler.tensors_accessed.accesses if ptr <= k < ptr + max(nbytes, 1)]:
+                self.handler._handle_memory_deallocation(k)
             self.host_ptrs.add(ptr)
             self.pinned[ptr] = nbytes
             self.registered[ptr] = nbytes
@@ -746,6 +751,7 @@ class FakeCuda:
             "cudart": lambda: _FakeCudart(fake),
             "check_error": lambda res: None,
             "is_current_stream_capturing": fake.is_current_stream_capturing,
+            "get_device_capability": lambda device=None: (9, 0),  # an H100 / H200 (c10d's broadcast asks)
         }.items():
             patch(mock.patch.object(cuda, name, value))
         patch(mock.patch.object(torch.cuda.graphs, "is_current_stream_capturing", fake.is_current_stream_capturing))

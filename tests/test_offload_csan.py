@@ -295,7 +295,7 @@ def test_offload_of_a_model_over_two_gpus_is_refused_at_setup(mode):
         params = [LayerwiseParam(n, p, weight_decay=0.0) for n, p in model.named_parameters()]
         factory, runner = host_step_factory(lambda lp, _: torch.optim.AdamW([lp.param], lr=1e-2), mode)
         optimizer = LayerwiseOptimizer(params, factory)
-        with pytest.raises(ValueError, match=r"several GPUs in one process \(cuda:0, cuda:1.*layerwise_offload='none'"):
+        with pytest.raises(ValueError, match=r"several GPUs in one process \(cuda:0, cuda:1.*offload='none'"):
             enable_offload(optimizer, mode, runner=runner)
 
 
@@ -320,3 +320,40 @@ def test_a_model_moved_over_two_gpus_after_setup_is_refused_at_its_first_copy(mo
         with pytest.raises(ValueError, match="several GPUs in one process"):
             optimizer.gate.offload.buffers.stash(0, weights[0], measure=False)
         end_training(optimizer)
+
+
+def test_a_host_buffer_outside_an_arena_pins_its_own_bytes():
+    # pin_memory=True would round 3 floats up to 16 bytes and keep them; registered, a buffer pins what it holds.
+    with FakeCuda() as fake:
+        transfer = transfer_module.CudaTransfer(DEVICE)
+        buffer = transfer.host_empty_like(torch.ones(3))
+        assert buffer.shape == (3,) and fake.pinned_bytes == 12
+        del buffer
+        assert fake.pinned_bytes == 0  # unregistered with its last view
+
+
+def test_a_host_block_freed_while_a_copy_still_reads_it_waits_for_the_copy():
+    # Freeing the last view of a registered block unregisters and frees it; a copy to the device still reading it must
+    # end first (only close()'s synchronize covered that before).
+    with FakeCuda():
+        transfer = transfer_module.CudaTransfer(DEVICE)
+        block = transfer.host_block(1024, torch.float32)
+        block.fill_(1.0)
+        device = torch.empty(1024)
+        ticket = transfer.copy(device, block)
+        del block  # nobody waits for the copy on the host
+        ticket.wait_device()
+        assert device.sum().item() == 1024
+
+
+def test_threads_that_wait_for_a_copy_sleep_instead_of_spinning():
+    # A non-blocking event makes cudaEventSynchronize spin: the hook and the host worker would eat the cores the
+    # host step was given while they wait.
+    with FakeCuda():
+        transfer = transfer_module.CudaTransfer(DEVICE)
+        host = transfer.host_empty_like(torch.ones(4))
+        tickets = [transfer.copy(host, torch.ones(4)), transfer.mark()]
+        tickets[0].wait_host()
+        tickets.append(transfer.copy(torch.empty(4), host))
+        assert [ticket.event.blocking for ticket in tickets] == [True, True, True]
+        tickets[-1].wait_host()

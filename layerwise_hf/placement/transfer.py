@@ -143,6 +143,14 @@ class HostArena:
         return block[start : start + numel].view(tensor.shape)
 
 
+def _unregister(cudart: Any, ptr: int, last_use: dict[int, Any]) -> None:
+    # NOTE: the block's memory is freed right after: a copy still reading or writing it must end first.
+    event = last_use.pop(ptr, None)
+    if event is not None:
+        event.synchronize()
+    cudart.cudaHostUnregister(ptr)
+
+
 class _CudaTicket(Ticket):
     __slots__ = ("event", "device")
 
@@ -174,6 +182,7 @@ class CudaTransfer(Transfer):
         self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.to_host = torch.cuda.Stream(device=self.device)
         self.to_device = torch.cuda.Stream(device=self.device)
+        self._last_use: dict[int, Any] = {}  # registered host block -> the event of the last copy that used it
 
     def _own_device(self) -> None:
         if torch.cuda.current_device() != self.device.index:
@@ -205,8 +214,14 @@ class CudaTransfer(Transfer):
             # NOTE: non_blocking is asynchronous only between a device tensor and pinned host memory; the host must
             # not read or write the pinned side until the event has completed.
             dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
+            # NOTE: blocking: a host thread waiting on it (the hook, the host worker) sleeps instead of spinning on the
+            # cores the host step was given.
+            event = torch.cuda.Event(blocking=True)
             event.record(stream)
+        host = dst if src.is_cuda else src
+        ptr = host.untyped_storage().data_ptr()
+        if ptr in self._last_use:
+            self._last_use[ptr] = event
         for tensor in (src, dst):
             if tensor.is_cuda:
                 # NOTE: the caching allocator reuses a freed block as soon as its allocating stream is done with it;
@@ -216,12 +231,14 @@ class CudaTransfer(Transfer):
 
     def mark(self) -> Ticket:
         self._own_device()
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)
         event.record(torch.cuda.current_stream(self.device))
         return _CudaTicket(event, self.device)
 
     def host_empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
-        return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+        # NOTE: registered to the byte like an arena's block, not pin_memory=True (the caching host allocator's
+        # power-of-two rounding, kept for the run): buffers outside an arena are the ones nobody planned for.
+        return self.host_block(tensor.numel(), tensor.dtype).view(tensor.shape)
 
     def host_block(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         block = torch.empty(numel, dtype=dtype, device="cpu")
@@ -229,10 +246,11 @@ class CudaTransfer(Transfer):
         if nbytes:
             # NOTE: pin_memory=True goes through torch's caching host allocator, which rounds the block up to a power
             # of two (up to 2x) and keeps it; registering plain memory pins exactly its bytes, unregistered when the
-            # block is freed (its views keep it alive).
+            # block is freed (its views keep it alive), after the last copy that used it (`_unregister`).
             cudart = torch.cuda.cudart()
             torch.cuda.check_error(cudart.cudaHostRegister(block.data_ptr(), nbytes, 0))
-            weakref.finalize(block.untyped_storage(), cudart.cudaHostUnregister, block.data_ptr())
+            self._last_use[block.data_ptr()] = None
+            weakref.finalize(block.untyped_storage(), _unregister, cudart, block.data_ptr(), self._last_use)
         return block
 
     def close(self) -> None:
