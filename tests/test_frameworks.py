@@ -411,7 +411,7 @@ def test_plugin_register_installs_and_post_train_unload_uninstalls(plugin, tmp_p
     from helpers import tiny_llama
     from transformers import Trainer, TrainingArguments
 
-    from layerwise_hf import LayerwiseTrainerMixin
+    from layerwise_hf import LayerwiseCallback, LayerwiseTrainerMixin
     from layerwise_hf.integrations.patching import is_installed
 
     cfg = {"optimizer": "adamw_8bit_layerwise", "layerwise_clip": "previous"}  # as axolotl hands over the YAML
@@ -426,6 +426,9 @@ def test_plugin_register_installs_and_post_train_unload_uninstalls(plugin, tmp_p
     assert isinstance(trainer, LayerwiseTrainerMixin) and isinstance(trainer, trainer_cls)
     assert trainer.args.layerwise_clip == "previous"
     plugin.post_trainer_create(cfg, trainer)  # no complaint
+    # axolotl's logging shows INFO from axolotl.* loggers only: the run's account goes through one.
+    (callback,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, LayerwiseCallback)]
+    assert callback.report_logger.name.startswith("axolotl.")
     plugin.post_train_unload(cfg)
     assert not is_installed()
 

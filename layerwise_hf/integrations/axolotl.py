@@ -38,6 +38,7 @@ except ImportError:  # axolotl is not installed: the hooks are still importable 
     BaseModel = None
 
 logger = logging.getLogger(__name__)
+REPORT_LOGGER = "axolotl.integrations.layerwise_hf"
 
 PLUGIN = "layerwise_hf.integrations.axolotl.LayerwisePlugin"
 
@@ -151,6 +152,13 @@ class LayerwisePlugin(BasePlugin):
                 f"{type(trainer).__name__} was created without the layer-wise mixin although optim={optim!r}: "
                 f"{PLUGIN}.register() did not run before the trainer was built (is the plugin listed in `plugins:`?)."
             )
+        from .callback import LayerwiseCallback
+
+        # NOTE: axolotl's logging config passes INFO only from loggers named axolotl.* (AxolotlOrWarnErrorFilter), so
+        # Trainer's INFO lines, and the run's account that goes with them, would not show.
+        for callback in getattr(getattr(trainer, "callback_handler", None), "callbacks", ()):
+            if isinstance(callback, LayerwiseCallback):
+                callback.report_logger = logging.getLogger(REPORT_LOGGER)
 
     def post_train_unload(self, cfg):
         self._uninstall()

@@ -55,6 +55,8 @@ class LayerwiseCallback(TrainerCallback):
         self.optimizer = None
         self.preflight = None
         self.steps = StepPeaks()
+        # Where the start line and the memory summary go; a framework that filters Trainer's INFO out names its own.
+        self.report_logger = trainer_logger
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._end_preflight()
@@ -87,7 +89,8 @@ class LayerwiseCallback(TrainerCallback):
             # fp16: Accelerate's GradScaler decides skips and the scale from what the hooks find (None otherwise).
             self.optimizer.use_grad_scaler(getattr(accelerator, "scaler", None))
             self.steps = StepPeaks()
-            trainer_logger.info(describe_training(self.optimizer, args))
+            if state.is_world_process_zero:
+                self.report_logger.info(describe_training(self.optimizer, args))
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.optimizer is not None:
@@ -101,8 +104,8 @@ class LayerwiseCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._end_preflight()
-        if self.optimizer is not None:
-            trainer_logger.info(memory_summary(self.optimizer, args, self.steps))
+        if self.optimizer is not None and state.is_world_process_zero:
+            self.report_logger.info(memory_summary(self.optimizer, args, self.steps))
         end_training(self.optimizer)
 
     def _end_preflight(self) -> None:
