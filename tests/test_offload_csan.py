@@ -357,3 +357,25 @@ def test_threads_that_wait_for_a_copy_sleep_instead_of_spinning():
         tickets.append(transfer.copy(torch.empty(4), host))
         assert [ticket.event.blocking for ticket in tickets] == [True, True, True]
         tickets[-1].wait_host()
+
+
+@pytest.mark.parametrize("mode", ["gradients", "optimizer"])
+def test_every_host_task_runs_on_the_host_workers_share_of_the_cores(monkeypatch, mode):
+    # Under torchrun / accelerate launch a new thread starts with OMP_NUM_THREADS=1: only the host step claimed its
+    # share, so the adds of accumulated micro-batches and the norms of their sums ran on one thread while backward
+    # waited for a staging buffer.
+    from layerwise_hf.placement import offload as offload_module
+
+    monkeypatch.setenv("LAYERWISE_HF_HOST_THREADS", "3")
+    threads = {}
+    for name in ("_add_after", "_norm_after"):
+        task = getattr(offload_module, name)
+
+        def counted(*args, _task=task, _name=name):
+            threads.setdefault(_name, set()).add(torch.get_num_threads())
+            return _task(*args)
+
+        monkeypatch.setattr(offload_module, name, counted)
+    with FakeCuda():
+        offload_loop(mode, 4, 0.5)
+    assert threads == {"_add_after": {3}, "_norm_after": {3}}

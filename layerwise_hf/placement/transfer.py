@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from .host_kernel import claim_thread_share, host_threads
+
 SIMULATE_ENV = "LAYERWISE_HF_OFFLOAD_SIMULATE"
 DELAY_ENV = "LAYERWISE_HF_OFFLOAD_DELAY"
 
@@ -194,6 +196,10 @@ class CudaTransfer(Transfer):
         # NOTE: the host worker's first CUDA call may be an event's synchronize or torch.optim's capture check, which
         # use the thread's current device (0 until set) before any copy would set it: set it when the thread starts.
         self._own_device()
+        # Every host task (the adds of accumulated micro-batches, norms, unscales, steps) gets the worker's share of
+        # the cores: under torchrun / accelerate launch (OMP_NUM_THREADS=1) a new thread starts with one, and backward
+        # waits on single-threaded adds once the staging buffers are full.
+        claim_thread_share(host_threads())
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Ticket] | None = None) -> Ticket:
         self._own_device()
