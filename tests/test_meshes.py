@@ -1,6 +1,7 @@
 """Meshes past flat FSDP2: global norms over DTensors of several meshes (as Trainer's `_mixed_mesh_grad_norm`), the
 clip coefficient on plain and DTensor gradients, the CPU shim for Accelerate's `ParallelismConfig` check, and real
-4-rank launches (tensor parallel x FSDP2, tensor parallel alone, HSDP 2x2) against stock Trainer."""
+4-rank launches (tensor parallel x FSDP2, tensor parallel alone, HSDP 2x2 made at the load and through
+`ParallelismConfig`) against stock Trainer."""
 
 import os
 import subprocess
@@ -25,11 +26,12 @@ def test_tensor_parallel_and_hsdp_match_stock_trainer_on_four_ranks(tmp_path):
     )
     assert report["world_size"] == 4
     compared = [c for c in report["results"] if "max_diff" in c]
-    assert len(compared) == 12, [c["case"] for c in compared]
+    assert len(compared) == 14, [c["case"] for c in compared]
     meshes = {
         "tp_fsdp": [("fsdp",), ("fsdp", "tp")],  # norm weights on (fsdp,), projections on (fsdp, tp)
         "tp": [(), ("tp",)],  # norm weights stay plain tensors
-        "hsdp": [("dp_replicate", "dp_shard_cp")],
+        "hsdp_load": [("dp_replicate", "fsdp")],  # DistributedConfig(dp_replicate_size=2, fsdp_size=2)
+        "hsdp": [("dp_replicate", "dp_shard_cp")],  # ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)
     }
     for case in compared:
         standard_norms, layerwise_norms = case["grad_norm"]

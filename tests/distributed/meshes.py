@@ -1,6 +1,7 @@
 """4 gloo ranks on meshes past flat FSDP2: LayerwiseTrainer + X_layerwise equals stock Trainer + X (every parameter,
-the logged grad_norm and lr) in the same launch, under tensor parallel x FSDP2 and tensor parallel alone (a model
-sharded at load by transformers' `DistributedConfig`) and HSDP 2x2 (Accelerate's `ParallelismConfig` with FSDP2).
+the logged grad_norm and lr) in the same launch, under tensor parallel x FSDP2, tensor parallel alone and HSDP 2x2 (a
+model sharded at load by transformers' `DistributedConfig`), and HSDP 2x2 through Accelerate's `ParallelismConfig`
+with FSDP2.
 
     LAYERWISE_HF_FORCE_FSDP_CPU=1 LAYERWISE_HF_FORCE_MESH_CPU=1 ACCELERATE_USE_CPU=true accelerate launch \
         --config_file configs/accelerate/cpu_ddp.yaml --num_processes 4 tests/distributed/meshes.py REPORT.json [CASES]
@@ -52,7 +53,11 @@ def model_for(mesh: str, path: str):
 
     if mesh == "hsdp":
         return LlamaForCausalLM.from_pretrained(path)
-    sizes = {"tp_fsdp": dict(tp_size=2, fsdp_size=2), "tp": dict(tp_size=4)}[mesh]
+    sizes = {
+        "tp_fsdp": dict(tp_size=2, fsdp_size=2),
+        "tp": dict(tp_size=4),
+        "hsdp_load": dict(dp_replicate_size=2, fsdp_size=2),
+    }[mesh]
     return LlamaForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(**sizes))
 
 
@@ -102,13 +107,18 @@ def run(trainer_cls, mesh, optim, folder, model_path, *, ga=1, max_grad_norm=0.0
     return result
 
 
-# (name, mesh, optim, GA, max_grad_norm); the FSDP2 (HSDP) cases last, see the module's docstring.
+def cases(mesh: str, settings) -> list:
+    return [(f"{mesh} adamw_torch ga{ga} clip{clip}", mesh, "adamw_torch", ga, clip) for ga, clip in settings]
+
+
+EVERY = [(1, 0.0), (1, 1.0), (2, 0.0), (2, 1.0)]
+# (name, mesh, optim, GA, max_grad_norm); the FSDP2 config's (HSDP through ParallelismConfig) last, see the docstring.
+# HSDP made by transformers at the load takes the same route as through ParallelismConfig: two settings of the four.
 CASES = [
-    (f"{mesh} {optim} ga{ga} clip{clip}", mesh, optim, ga, clip)
-    for mesh in ("tp_fsdp", "tp", "hsdp")
-    for optim in ("adamw_torch",)
-    for ga in (1, 2)
-    for clip in (0.0, 1.0)
+    *cases("tp_fsdp", EVERY),
+    *cases("tp", EVERY),
+    *cases("hsdp_load", [(1, 0.0), (2, 1.0)]),
+    *cases("hsdp", EVERY),
 ]
 
 
