@@ -103,9 +103,9 @@ SHORT_RUN = {"max_grad_norm": 1.0, "weight_decay": 0.1, "warmup_steps": 1, "save
 
 
 def axolotl_config(tmp_path: Path, name: str, optimizer: str | None, plugin: bool = True, **extra) -> Path:
-    """examples/frameworks/axolotl-cpu.yaml (the GPU config with the CPU lines the guide states) with the model, data
-    and size swapped for tiny local ones."""
-    cfg = yaml.safe_load((EXAMPLES / "axolotl-cpu.yaml").read_text())
+    """examples/frameworks/axolotl-tiny.yaml (the GPU config with the CPU lines the guide states) with the model, data
+    and size swapped for the test's own."""
+    cfg = yaml.safe_load((EXAMPLES / "axolotl-tiny.yaml").read_text())
     if not plugin:
         cfg.pop("plugins")
         cfg.pop("layerwise_clip", None)
@@ -132,9 +132,9 @@ def axolotl_config(tmp_path: Path, name: str, optimizer: str | None, plugin: boo
 
 
 def llamafactory_config(tmp_path: Path, name: str, optim: str | None, **extra) -> Path:
-    """examples/frameworks/llamafactory-cpu.yaml (the GPU config with the CPU lines the guide states) with the model,
-    data and size swapped for tiny local ones."""
-    cfg = yaml.safe_load((EXAMPLES / "llamafactory-cpu.yaml").read_text())
+    """examples/frameworks/llamafactory-tiny.yaml (the GPU config with the CPU lines the guide states) with the model,
+    data and size swapped for the test's own."""
+    cfg = yaml.safe_load((EXAMPLES / "llamafactory-tiny.yaml").read_text())
     if optim is not None:
         cfg["optim"] = optim
     columns = {"prompt": "instruction", "response": "output"} if cfg["stage"] == "sft" else {"prompt": "text"}
@@ -515,7 +515,19 @@ def test_example_configs_turn_the_plugin_on():
                 assert " # " in line, f"{path}: every key needs a comment: {line!r}"
 
 
-# The lines a CPU machine needs, as docs/frameworks.md states them.
+# What the tiny configs change in the GPU ones: the model, data and size of `layerwise-hf assets tiny out/tiny`, and
+# the lines a CPU machine needs (as docs/frameworks.md states them, with the GPU value they replace).
+TINY_LINES = {
+    "axolotl": {
+        "base_model", "tokenizer_type", "datasets", "dataset_prepared_path", "output_dir", "sequence_len", "max_steps",
+        "learning_rate", "warmup_steps", "save_steps", "logging_steps", "optimizer",
+    },
+    "llamafactory": {
+        "model_name_or_path", "dataset", "dataset_dir", "template", "cutoff_len", "max_steps", "output_dir",
+        "per_device_train_batch_size", "learning_rate", "preprocessing_num_workers", "save_steps", "logging_steps",
+        "optim",
+    },
+}  # fmt: skip
 CPU_LINES = {
     "axolotl": {"bf16": (False, "auto"), "fp16": (False, None)},
     "llamafactory": {"bf16": (False, True), "use_cpu": (True, None)},
@@ -523,24 +535,144 @@ CPU_LINES = {
 
 
 @pytest.mark.parametrize("framework", sorted(CPU_LINES))
-def test_cpu_variant_is_the_gpu_config_with_the_lines_the_guide_states(framework):
+def test_tiny_config_is_the_gpu_config_with_the_lines_the_guide_states(framework):
     gpu = yaml.safe_load((EXAMPLES / f"{framework}.yaml").read_text())
-    cpu = yaml.safe_load((EXAMPLES / f"{framework}-cpu.yaml").read_text())
-    changed = {k: (cpu.get(k), gpu.get(k)) for k in gpu.keys() | cpu.keys() if cpu.get(k) != gpu.get(k)}
-    assert changed == CPU_LINES[framework]
+    tiny = yaml.safe_load((EXAMPLES / f"{framework}-tiny.yaml").read_text())
+    changed = {k: (tiny.get(k), gpu.get(k)) for k in gpu.keys() | tiny.keys() if tiny.get(k) != gpu.get(k)}
+    assert {k: v for k, v in changed.items() if k in CPU_LINES[framework]} == CPU_LINES[framework]
+    assert changed.keys() - CPU_LINES[framework].keys() == TINY_LINES[framework]
     guide = (ROOT / "docs" / "frameworks.md").read_text()
     for key, (value, _) in CPU_LINES[framework].items():
         assert f"{key}: {str(value).lower()}" in guide, f"the guide does not state {key}: {value}"
-    assert f"examples/frameworks/{framework}-cpu.yaml" in guide
+    assert f"examples/frameworks/{framework}-tiny.yaml" in guide
+    # Everything the tiny run reads or writes is under out/, which .gitignore keeps out of the clone's status.
+    paths = [v for k, v in tiny.items() if k.endswith(("_dir", "_path", "base_model")) and isinstance(v, str)]
+    paths += [d["path"] for d in tiny.get("datasets", [])]
+    assert paths and all(str(p).startswith("out/") for p in paths), paths
+    assert "out/" in (ROOT / ".gitignore").read_text().splitlines()
 
 
 def test_the_guide_s_offline_variables_are_the_ones_the_tests_run_with():
     guide = (ROOT / "docs" / "frameworks.md").read_text()
-    (line,) = [x for x in guide.splitlines() if x.startswith("export HF_HUB_OFFLINE=1")]
-    documented = dict(pair.split("=") for pair in line.removeprefix("export ").split())
-    assert documented == {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "AXOLOTL_DO_NOT_TRACK": "1"}
-    assert all(ENV[k] == v for k, v in documented.items())
+    lines = [x for x in guide.splitlines() if x.startswith("export HF_HUB_OFFLINE=1")]
+    documented = {tuple(tuple(p.split("=")) for p in line.removeprefix("export ").split()) for line in lines}
+    documented = [dict(pairs) for pairs in documented]
+    assert sorted(map(sorted, documented)) == [
+        ["AXOLOTL_DO_NOT_TRACK", "HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"],
+        ["HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"],
+    ]
+    assert all(ENV[k] == v for variables in documented for k, v in variables.items())
     assert "AXOLOTL_DO_NOT_TRACK=1" in guide and "telemetry" in guide
+
+
+def guide_block(marker: str) -> str:
+    """The bash block that follows `<!-- marker -->` in docs/frameworks.md."""
+    guide = (ROOT / "docs" / "frameworks.md").read_text()
+    after = guide[guide.index(f"<!-- {marker} -->") :]
+    start = after.index("```bash\n") + len("```bash\n")
+    return after[start : after.index("```", start)]
+
+
+def test_the_guide_s_test_commands_install_what_pytest_s_settings_need():
+    # pyproject's addopts pass xdist's -n: a venv without pytest-xdist stops at "unrecognized arguments".
+    addopts = __import__("tomllib").loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    guide = (ROOT / "docs" / "frameworks.md").read_text()
+    installs = [x for x in guide.splitlines() if "pip install" in x and " pytest" in x]
+    assert len(installs) == 2  # one venv a framework
+    if "-n " in addopts["addopts"]:
+        assert all("pytest-xdist" in x for x in installs), installs
+    runs = [x for x in guide.splitlines() if "-m pytest" in x]
+    assert runs and all(x.endswith("tests/test_frameworks.py") for x in runs)
+
+
+def test_first_run_blocks_use_the_tiny_configs_and_the_assets_they_read():
+    for framework, command in [("axolotl", "axolotl train"), ("llamafactory", "-m llamafactory.cli train")]:
+        block = guide_block(f"first-run: {framework}").splitlines()
+        assert block[1] == "layerwise-hf assets tiny out/tiny"
+        assert command in block[2] and block[2].endswith(f"examples/frameworks/{framework}-tiny.yaml")
+        config = yaml.safe_load((EXAMPLES / f"{framework}-tiny.yaml").read_text())
+        model = config.get("base_model") or config["model_name_or_path"]
+        assert model == "out/tiny/model"
+
+
+FIRST_RUN = {
+    "axolotl": pytest.param("axolotl", "axolotl-tiny", marks=needs_axolotl),
+    "llamafactory": pytest.param("llamafactory", "llamafactory-tiny", marks=needs_llamafactory),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework, output", list(FIRST_RUN.values()), ids=list(FIRST_RUN))
+def test_first_run_as_the_guide_says(tmp_path, framework, output):
+    # The guide's commands, word for word, in a fresh folder that holds the clone's examples, with the venv's bin
+    # first on PATH as `source .../activate` puts it (axolotl train starts the venv's accelerate by name).
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    env = {**ENV, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "AXOLOTL_DO_NOT_TRACK"):
+        env.pop(k)  # the block's own export sets what it needs
+    block = guide_block(f"first-run: {framework}")
+    result = subprocess.run(
+        ["bash", "-e", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900, check=False
+    )
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-6000:]
+    assert "Training layer-wise: adamw_torch_layerwise, one AdamW per trainable parameter" in log
+    summary = [
+        x for x in log.splitlines() if "Layer-wise memory (adamw_torch_layerwise): gradients alive at once" in x
+    ]
+    assert len(summary) == 1, log[-3000:]
+    out = tmp_path / "out" / output
+    assert (out / "model.safetensors").exists()
+    assert (out / "checkpoint-20" / "layerwise_complete.json").exists()
+    assert_trained(out, tmp_path / "out" / "tiny" / "model")
+
+
+# ---------------------------------------------------------------- layerwise-hf assets
+
+
+def test_assets_command_writes_a_model_and_data_both_frameworks_read(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from layerwise_hf.cli import main
+
+    assert main(["assets", "tiny", str(tmp_path / "tiny")]) == 0
+    assert "dataset: tiny_alpaca" in capsys.readouterr().out
+    tiny = tmp_path / "tiny"
+    tokenizer = AutoTokenizer.from_pretrained(tiny / "model")
+    text = "### Instruction:\nSpell the word café backwards.\n\n### Response:\n"  # alpaca's prompt, non-ASCII too
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    assert (tokenizer.pad_token, tokenizer.eos_token) == ("<pad>", "</s>")
+    model = AutoModelForCausalLM.from_pretrained(tiny / "model")
+    assert model.config.vocab_size == len(tokenizer)
+    assert 0.3e6 < sum(p.numel() for p in model.parameters()) < 0.5e6  # trains in seconds on a CPU
+    # LLaMA-Factory resolves dataset names through dataset_info.json, relative to dataset_dir.
+    info = json.loads((tiny / "dataset_info.json").read_text())
+    for name, entry in info.items():
+        rows = [json.loads(x) for x in (tiny / entry["file_name"]).read_text().splitlines()]
+        columns = set(entry.get("columns", {"prompt": "instruction", "query": "input", "response": "output"}).values())
+        assert len(rows) == 256 and all(columns <= row.keys() for row in rows), name
+    # Every alpaca prompt fits the configs' sequence length (axolotl drops longer rows, and with none left it fails).
+    longest = max(
+        len(tokenizer(r["instruction"] + r["output"])["input_ids"])
+        for r in map(json.loads, open(tiny / "alpaca.jsonl"))
+    )
+    assert longest + 120 < yaml.safe_load((EXAMPLES / "axolotl-tiny.yaml").read_text())["sequence_len"]
+
+
+def test_assets_are_the_same_for_the_same_seed_and_refuse_to_overwrite(tmp_path):
+    from layerwise_hf.cli import main
+
+    main(["assets", "tiny", str(tmp_path / "a")])
+    main(["assets", "tiny", str(tmp_path / "b")])
+    for name in ("model/model.safetensors", "alpaca.jsonl", "model/tokenizer.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    with pytest.raises(SystemExit, match="already holds tiny assets.*--overwrite"):
+        main(["assets", "tiny", str(tmp_path / "a")])
+    assert main(["assets", "tiny", str(tmp_path / "a"), "--overwrite", "--seed", "1"]) == 0
+    assert (tmp_path / "a" / "alpaca.jsonl").read_bytes() != (tmp_path / "b" / "alpaca.jsonl").read_bytes()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match="is a file"):
+        main(["assets", "tiny", str(tmp_path / "file")])
 
 
 if __name__ == "__main__":
