@@ -182,3 +182,25 @@ def test_plan_advice_names_only_optimizers_the_plan_itself_runs(optimizer):
     assert sharded and all(fsdp2_refusal(name) is None for name in sharded), sharded
     # On one process the standard row keeps the standard names: stock bitsandbytes runs there.
     assert named(StepSetup()) == (["adamw_8bit", "adafactor"] if optimizer == "adamw_torch" else sharded)
+
+
+def test_plan_hsdp_rank_is_an_fsdp2_rank_of_its_shard_group():
+    from helpers import PLAN_LLAMA
+
+    from layerwise_hf.estimate import EstimateError
+    from layerwise_hf.plan import plan
+
+    small = dict(seq_len=16, device="cpu", max_grad_norm=0.0, clip_mode="off")
+    hsdp = plan(PLAN_LLAMA, ["adamw_torch"], world_size=4, sharding="fsdp2", dp_replicate=2, **small)
+    fsdp2 = {n: plan(PLAN_LLAMA, ["adamw_torch"], world_size=n, sharding="fsdp2", **small) for n in (2, 4)}
+    for name in ("adamw_torch", "adamw_torch_layerwise"):
+        row = hsdp.row(name)
+        # Shards of 2, not of 4: a replica holds the whole model over its 2 ranks.
+        assert row.categories == fsdp2[2].row(name).categories, name
+        assert row.categories["weights"] > fsdp2[4].row(name).categories["weights"], name
+    assert "per rank, 1 of 4 (HSDP: 2 replicas x 2 FSDP2 shards)" in hsdp.format()
+    bad_layouts = [("ddp", 4, 2), ("fsdp2", 4, 3), ("fsdp2", 2, 2)]  # not FSDP2; not a multiple; 1 shard per replica
+    for sharding, world_size, dp_replicate in bad_layouts:
+        bad = dict(world_size=world_size, sharding=sharding, dp_replicate=dp_replicate)
+        with pytest.raises(EstimateError, match="dp_replicate"):
+            plan(PLAN_LLAMA, ["adamw_torch"], **bad, **small)

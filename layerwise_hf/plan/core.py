@@ -176,7 +176,7 @@ class Plan:
             f"Peak memory of one training step of `{self.model}`: micro-batch {s.micro_batch} x {s.seq_len} tokens,"
             f" grad accum {s.grad_accum}"
             + (", activation checkpointing" if s.gradient_checkpointing else "")
-            + (f"; per rank, 1 of {s.world_size} ({s.sharding})" if s.sharding != "none" else "")
+            + (f"; per rank, 1 of {s.world_size} ({_layout(s)})" if s.sharding != "none" else "")
             + (f", device {format_bytes(self.device_memory, units)}" if self.device_memory else "")
         )
         lines = [render_table(title, headers, rows)]
@@ -278,6 +278,7 @@ def make_setup(**options: Any) -> StepSetup:
         options.setdefault("world_size", 1),
         options.setdefault("sharding", "none"),
         list(options.pop("optimizers", ())),
+        options.setdefault("dp_replicate", 1),
     )
     targets = tuple(options["lora_targets"] or DEFAULT_LORA_TARGETS)  # the model's own default: `lora_targets_of`
     return StepSetup(**{**options, "torch_dtype": dtype, "lora_targets": targets})
@@ -323,6 +324,7 @@ def plan(
     sync_each_batch: bool = False,
     offload: str | list[str] | tuple[str, ...] = "none",
     host_memory: str | int | None = None,
+    dp_replicate: int = 1,
 ) -> Plan:
     """
     Simulate one steady-state training step per optimizer on fake tensors (nothing allocated) and say whether it fits.
@@ -349,6 +351,9 @@ def plan(
             figures per rank; Accelerate's `sync_each_batch` reduces every micro-batch (no unsharded FSDP2 sum).
         offload (`str` or a list of them), host_memory (*optional*): `layerwise_offload` of the layer-wise rows (a
             row each; `layerwise_hf.plan.offload`); e.g. `"256GiB"`: whether each offload row's host peak fits.
+        dp_replicate (`int`, defaults to `1`): HSDP under `"fsdp2"`: `world_size` ranks as `dp_replicate` replicas of
+            `world_size // dp_replicate` shards (`ParallelismConfig(dp_replicate_size, dp_shard_size)`); a rank is
+            simulated in its replica's shard group, since the all-reduce across replicas allocates nothing (NCCL).
 
     Example:
 
@@ -367,7 +372,7 @@ def plan(
                    clip_mode=clip_mode, bf16=bf16, fp16=fp16, torch_dtype=torch_dtype, device=device, lora_r=lora_r,
                    gradient_checkpointing=gradient_checkpointing, lora_targets=lora_targets)  # fmt: skip
     setup = make_setup(optimizers=names, world_size=world_size, sharding=sharding, sync_each_batch=sync_each_batch,
-                       **options)  # fmt: skip
+                       dp_replicate=dp_replicate, **options)  # fmt: skip
     memory, host = _memory_limits(device_memory, host_memory)
     config, name, source = _config_of(model)
     setup = setup.replace(lora_targets=lora_targets_of(config, lora_targets)) if setup.lora_r else setup
@@ -379,6 +384,12 @@ def plan(
     seconds = time.perf_counter() - started
     return Plan(name, source, setup, memory, rows, extrapolated, seconds, plan_notes(expanded, names, modes), modes,
                 host, choose_offload(rows, memory, host))  # fmt: skip
+
+
+def _layout(setup: StepSetup) -> str:
+    if setup.dp_replicate > 1:
+        return f"HSDP: {setup.dp_replicate} replicas x {setup.shards} FSDP2 shards"
+    return setup.sharding
 
 
 def _config_of(model: Any) -> tuple[Any, str, str]:
@@ -461,6 +472,7 @@ def describe_setting(optimizer: str, mode: str, setup: StepSetup) -> str:
     words += [f"--offload {mode}"] * (mode != "none")
     if setup.sharding != "none":
         words += [f"--world-size {setup.world_size} --sharding {setup.sharding}"]
+    words += [f"--dp-replicate {setup.dp_replicate}"] * (setup.dp_replicate > 1)
     return " ".join(words)
 
 

@@ -82,6 +82,8 @@ class OffloadTime:
     bottleneck: str
     rate: HostRate
     host_tensors: int = 0
+    host_add_s: float = 0.0  # gradient accumulation: the host worker's adds of the later micro-batches' gradients
+    add_ns_per_element: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,6 +95,11 @@ class OffloadTime:
             parts.append(
                 f"host step {self.host_step_s:.2f} s ({self.host_elements / 1e6:.0f}M elements{tensors} at "
                 f"{self.rate.ns_per_element:.2f} ns each, {self.rate.source})"
+            )
+        if self.host_add_s:
+            parts.append(
+                f"host adds {self.host_add_s:.2f} s (each later micro-batch's gradients added into their sums at "
+                f"{self.add_ns_per_element:.2f} ns per element)"
             )
         parts.append(
             f"PCIe {self.bytes_out / 2**30:.2f} GiB out / {self.bytes_in / 2**30:.2f} GiB in per step "
@@ -108,6 +115,11 @@ class OffloadTime:
             return None
         slack = f"backward ~{self.backward_s:.2f} s"
         if self.bottleneck == "host step":
+            if self.host_add_s > self.host_step_s:
+                return (
+                    f"the host worker's adds of accumulated gradients, {self.host_add_s:.1f} s per step, set the pace "
+                    f"({slack}): more host cores, fewer and larger micro-batches, or layerwise_offload='none'"
+                )
             return (
                 f"the host step, {self.host_step_s:.1f} s per step, sets the pace ({slack}): more host cores, an 8-bit"
                 " optimizer on the device (layerwise_offload='none' or 'gradients'), or Adafactor"
@@ -131,6 +143,7 @@ def offload_time(
     backward_s: float | None = None,
     grad_accum: int = 1,
     gradients_wait: bool = True,
+    add_ns_per_element: float = 0.0,
 ) -> OffloadTime:
     """
     The time per step of one offload row (see the module docstring).
@@ -145,8 +158,14 @@ def offload_time(
         grad_accum (`int`, *optional*, defaults to 1): micro-batches per step.
         gradients_wait (`bool`, *optional*, defaults to `True`): with `"gradients"` at GA 1, whether the gradients
             wait for the step (exact clipping, fp16); without, none is offloaded.
+        add_ns_per_element (`float`, *optional*): the host worker's add of a staged gradient into its sum, ns per
+            element (`host_add_rate`): with gradient accumulation each later micro-batch's gradients are added on the
+            host, by the same worker as the host step, while backward waits once the staging buffers are full.
     """
     host_s, out, back = 0.0, 0, 0
+    add_s = 0.0
+    if offload != "none" and grad_accum > 1:
+        add_s = (grad_accum - 1) * elements * add_ns_per_element * 1e-9
     if offload == "optimizer":
         host_s = elements * rate.ns_per_element * 1e-9 + tensors * rate.us_per_tensor * 1e-6
         out, back = grad_bytes * grad_accum, param_bytes
@@ -154,11 +173,12 @@ def offload_time(
         out, back = grad_bytes * grad_accum, grad_bytes
     link = pcie_gbps * 1e9
     out_s, in_s = out / link, back / link
-    pace = {"backward": backward_s or 0.0, "host step": host_s, "PCIe": max(out_s, in_s)}
+    # The host worker runs the adds and the steps in turn: its time is their sum.
+    pace = {"backward": backward_s or 0.0, "host step": host_s + add_s, "PCIe": max(out_s, in_s)}
     bottleneck = max(pace, key=pace.get) if backward_s is not None else "unknown"
     return OffloadTime(
         offload, elements if offload == "optimizer" else 0, host_s, out, back, out_s, in_s, pcie_gbps, backward_s,
-        bottleneck, rate, tensors if offload == "optimizer" else 0,
+        bottleneck, rate, tensors if offload == "optimizer" else 0, add_s, add_ns_per_element if add_s else 0.0,
     )  # fmt: skip
 
 
@@ -367,6 +387,50 @@ def host_step_seconds(
     return total, "measured" if measured else "cached"
 
 
+def host_add_rate(dtype: torch.dtype = torch.float32, cache: bool = True, repeats: int = 3) -> float:
+    """
+    The host worker's add of a staged gradient into its sum (`buffer.add_(staged)`, gradient accumulation with
+    offload), ns per element, measured on this machine on `CALIBRATION_CAP` elements (far beyond any cache, as a
+    large model's gradients are) with the worker's share of the cores, and cached like the host step.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.plan.offload_time import host_add_rate
+    >>> host_add_rate()  # e.g. 0.3
+    ```
+    """
+    from ..placement.host_kernel import claim_thread_share, host_threads
+    from ..placement.offload import HostWorker
+
+    threads = host_threads()
+    key = f"add|{str(dtype).removeprefix('torch.')}|{threads}|{torch.__version__}|{_cpu_name()}"
+    path = _cache_path()
+    known: dict[str, Any] = {}
+    if cache and path.exists():
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}
+    if isinstance(known.get(key), float):
+        return known[key]
+    total, staged = torch.zeros(CALIBRATION_CAP, dtype=dtype), torch.full((CALIBRATION_CAP,), 1e-3, dtype=dtype)
+    worker = HostWorker()
+    try:
+        worker.submit(claim_thread_share, threads).result()
+        seconds = worker_seconds(worker, [functools.partial(total.add_, staged)], threads, repeats)
+    finally:
+        worker.close()
+    known[key] = seconds / CALIBRATION_CAP * 1e9
+    if cache:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(known, indent=2) + "\n")
+        except OSError:
+            pass
+    return known[key]
+
+
 def calibrate(
     optimizer: str = "adamw_torch",
     dtype: torch.dtype = torch.float32,
@@ -421,7 +485,7 @@ def stepped_tensors(result: Any, elements: int) -> list[tuple[int, ...]] | None:
     else:
         shapes = [tuple(p.shape) for p in model.parameters()]
     # FSDP2 shards dim 0 and pads every rank's shard to the first rank's (`plan.ranks.RANK`).
-    ranks = setup.world_size if setup.sharding == "fsdp2" else 1
+    ranks = setup.shards if setup.sharding == "fsdp2" else 1
     shapes = [(-(-s[0] // ranks), *s[1:]) if s else (1,) for s in shapes]
     if not elements or abs(sum(math.prod(s) for s in shapes) - elements) > 0.02 * elements:
         return None
@@ -461,6 +525,9 @@ def plan_times(
     out = {}
     rates: dict[str, HostRate] = {}
     shapes: list[tuple[int, ...]] | None = None
+    add_rate = 0.0
+    if setup.grad_accum > 1 and any(row.offload != "none" for row in result.rows):
+        add_rate = host_add_rate(getattr(torch, setup.torch_dtype))
     for row in result.rows:
         if row.offload == "none":
             continue
@@ -486,6 +553,6 @@ def plan_times(
         out[(row.optimizer, row.offload)] = offload_time(
             row.offload, elements=elements, tensors=len(shapes or ()), grad_bytes=elements * size,
             param_bytes=elements * size, rate=rates.get(row.optimizer, HostRate(0.0)), pcie_gbps=pcie_gbps,
-            backward_s=backward, grad_accum=setup.grad_accum, gradients_wait=waits,
+            backward_s=backward, grad_accum=setup.grad_accum, gradients_wait=waits, add_ns_per_element=add_rate,
         )  # fmt: skip
     return out

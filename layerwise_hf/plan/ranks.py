@@ -43,7 +43,7 @@ from .tracker import GRADIENTS, WEIGHTS, LiveBytes
 RANK = 0  # the simulated rank: FSDP2 pads every rank's shard to the same size, so all ranks hold the same bytes
 
 
-def check_ranks(world_size: Any, sharding: Any, optimizers: list[str]) -> None:
+def check_ranks(world_size: Any, sharding: Any, optimizers: list[str], dp_replicate: Any = 1) -> None:
     """
     Refuse a world size or sharding no run could have, naming the valid choices, before anything is simulated.
 
@@ -70,6 +70,14 @@ def check_ranks(world_size: Any, sharding: Any, optimizers: list[str]) -> None:
         raise EstimateError(
             "sharding='ddp' with world_size=1: one process runs without DDP (Accelerate does not wrap it; the "
             "layer-wise route is the local one). Use sharding='none', or world_size >= 2."
+        )
+    if isinstance(dp_replicate, bool) or not isinstance(dp_replicate, int) or dp_replicate < 1:
+        raise EstimateError(f"dp_replicate={dp_replicate!r}: HSDP's replicas, a whole number >= 1.")
+    if dp_replicate > 1 and (sharding != "fsdp2" or world_size % dp_replicate or world_size == dp_replicate):
+        raise EstimateError(
+            f"dp_replicate={dp_replicate} with world_size={world_size} and sharding={sharding!r}: HSDP is FSDP2 "
+            "(sharding='fsdp2') with world_size a multiple of dp_replicate, at least 2 shards per replica (with one, "
+            "every rank holds the whole model: sharding='ddp')."
         )
     if sharding == "fsdp2":
         refused = [f"{n}: {why}" for n in optimizers if (why := fsdp2_refusal(n))]

@@ -55,6 +55,8 @@ class StepSetup:
         sharding (`str`): `"none"` (one process), `"ddp"` or `"fsdp2"`.
         sync_each_batch (`bool`): Accelerate's `sync_each_batch`: every micro-batch of a window is reduced (no
             `no_sync`), as Trainer does from transformers 5.2 when the plugin sets it.
+        dp_replicate (`int`): HSDP under `"fsdp2"` (`ParallelismConfig(dp_replicate_size=...)`): the ranks are this
+            many replicas of `world_size // dp_replicate` shards; a rank is simulated in its shard group (`shards`).
     """
 
     seq_len: int = 512
@@ -74,9 +76,15 @@ class StepSetup:
     world_size: int = 1
     sharding: str = "none"
     sync_each_batch: bool = False
+    dp_replicate: int = 1
 
     def replace(self, **changes: Any) -> StepSetup:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def shards(self) -> int:
+        """The ranks a parameter is spread over (FSDP2's group): all of them, or one replica's under HSDP."""
+        return self.world_size // self.dp_replicate
 
 
 @dataclass
@@ -378,7 +386,9 @@ def simulate(
     mode = fake_mode()
     model = build_model(config, setup, mode)
     rank = RankRoute(setup.sharding, tracker, setup)
-    with fake_group(setup.world_size, setup.sharding), warnings.catch_warnings():
+    # NOTE: under HSDP a rank holds what an FSDP2 rank of its replica's shard group holds: the all-reduce across
+    # replicas runs in place on the reduce-scattered shard (NCCL allocates nothing), so the group is simulated alone.
+    with fake_group(setup.shards, setup.sharding), warnings.catch_warnings():
         # NOTE: LocalShardOptimizer compares data pointers to follow a moved shard; a fake tensor's is 0 (with a
         # deprecation warning), and FSDP2 keeps every shard's storage in place over the simulated steps.
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
