@@ -66,6 +66,32 @@ def test_the_optimizer_row_costs_its_elements_at_the_rate_and_names_the_bottlene
     )
 
 
+def test_gradient_accumulation_adds_the_host_workers_adds_to_its_time():
+    # Each later micro-batch's gradients are added into their host sums by the host worker, the one that steps: at
+    # 7-8B under DDP, seconds per micro-batch, which the host step alone did not show.
+    gib = 2**30
+    rows = {ga: offload_time("optimizer", elements=8 * 10**9, tensors=291, grad_bytes=32 * gib, param_bytes=32 * gib,
+                             rate=HostRate(0.2), backward_s=2.0 * ga, grad_accum=ga, add_ns_per_element=0.4)
+            for ga in (1, 4)}  # fmt: skip
+    assert rows[1].host_add_s == 0 and rows[1].bottleneck == "backward"
+    assert rows[4].host_add_s == pytest.approx(3 * 8e9 * 0.4e-9) and rows[4].host_step_s == pytest.approx(1.6)
+    assert rows[4].bottleneck == "host step" and "adds of accumulated gradients, 9.6 s" in rows[4].advice()
+    assert "host adds 9.60 s" in rows[4].describe()
+    gradients = offload_time("gradients", elements=10**9, tensors=1, grad_bytes=4 * gib, param_bytes=0,
+                             rate=HostRate(0.0), grad_accum=3, add_ns_per_element=0.5)  # fmt: skip
+    assert gradients.host_add_s == pytest.approx(1.0)
+
+
+def test_the_host_add_rate_is_measured_once_and_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(offload_time_module, "CALIBRATION_CAP", 2**20)
+    rate = offload_time_module.host_add_rate()
+    assert 0.0 < rate < 100.0  # ns per element: a memory-bound add
+    measured = []
+    monkeypatch.setattr(offload_time_module, "worker_seconds", lambda *a: measured.append(a) or 1.0)
+    assert offload_time_module.host_add_rate() == rate and not measured
+
+
 def test_cli_gives_each_offload_row_its_time(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(PLAN_LLAMA))

@@ -119,6 +119,9 @@ class InlineWorker:
                 future.set_exception(err)
         return future
 
+    def use(self, transfer: Any) -> None:
+        """The tasks run on the calling thread: no thread to bind to a device."""
+
     def close(self) -> None:
         """Nothing runs in the background."""
 
