@@ -521,3 +521,25 @@ def test_a_held_and_an_in_backward_host_gradient_share_one_buffer_per_parameter(
     assert offload.arena is None and runner.arenas["grads"].nbytes == grads_bytes
     assert_params_equal(model, reference)
     runner.close()
+
+
+def test_host_norms_of_shards_reach_the_device_in_one_copy():
+    # FSDP2 + host norms of accumulated sums: each norm moved alone was a pageable copy and a stream sync per
+    # parameter at every step's end; stacked, one.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from layerwise_hf.placement.offload import moved_together
+
+    class Copies(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default:
+                Copies.count += 1
+            return func(*args, **(kwargs or {}))
+
+    norms = [torch.tensor(float(k)) for k in range(7)]
+    with Copies():
+        moved = moved_together(norms, torch.device("meta"))
+    assert Copies.count == 1 and len(moved) == 7 and all(m.device.type == "meta" and m.shape == () for m in moved)
+    assert [m.item() for m in moved_together(norms, torch.device("cpu"))] == [float(k) for k in range(7)]

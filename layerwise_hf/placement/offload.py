@@ -81,6 +81,25 @@ def shard_norm(param: torch.Tensor, local_norm: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(local, param.device_mesh, placements, run_check=False)
 
 
+def moved_together(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """
+    `tensors` (scalars of one dtype, on one device) on `device` with one copy: stacked, moved, split. Copies are
+    exact, so each is what moving it alone gives.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.placement.offload import moved_together
+    >>> moved_together([torch.tensor(1.0), torch.tensor(2.0)], torch.device("meta"))[1].device
+    device(type='meta')
+    ```
+    """
+    if not tensors:
+        return []
+    return list(torch.stack(list(tensors)).to(device).unbind())
+
+
 class HostWorker:
     """One host thread that runs tasks in the order they were submitted (host adds, norms, host optimizer steps).
     `use(transfer)` binds the thread to the transfer's device before its first task (or, once running, before the
@@ -368,9 +387,17 @@ class GradientOffload:
             ticket, size = self.in_flight.popleft()
             ticket.wait_host()
             self.device_bytes -= size
-        for i, future in self.host_norms.items():
-            if window.norms[i] is None:
-                window.norms[i] = (params[i].device, self.host[i].dtype, shard_norm(params[i], future.result()))
+        ready = [(i, future.result()) for i, future in self.host_norms.items() if window.norms[i] is None]
+        sharded = [k for k, (i, _) in enumerate(ready) if hasattr(params[i], "device_mesh")]
+        if sharded:
+            # FSDP2: each shard's norm becomes a partial DTensor norm on the device; moved together, one copy (and
+            # one stream sync for its pageable source) per step instead of one per parameter.
+            device = local_tensor(params[ready[sharded[0]][0]]).device
+            moved = moved_together([ready[k][1] for k in sharded], device)
+            for k, norm in zip(sharded, moved):
+                ready[k] = (ready[k][0], norm)
+        for i, norm in ready:
+            window.norms[i] = (params[i].device, self.host[i].dtype, shard_norm(params[i], norm))
         self.host_norms.clear()
 
     def pending(self) -> list[int]:
