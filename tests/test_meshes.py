@@ -204,3 +204,16 @@ def test_plan_hsdp_rank_is_an_fsdp2_rank_of_its_shard_group():
         bad = dict(world_size=world_size, sharding=sharding, dp_replicate=dp_replicate)
         with pytest.raises(EstimateError, match="dp_replicate"):
             plan(PLAN_LLAMA, ["adamw_torch"], **bad, **small)
+
+
+def test_estimate_hsdp_device_holds_its_replicas_share():
+    from layerwise_hf.estimate import EstimateError, estimate
+
+    for optimizer in ("adamw_torch", "adamw_8bit_layerwise", "adamw_torch_layerwise"):
+        hsdp = estimate("llama-3-70b", optimizer=optimizer, world_size=16, sharding="fsdp2", dp_replicate=2)
+        eight = estimate("llama-3-70b", optimizer=optimizer, world_size=8, sharding="fsdp2")
+        sixteen = estimate("llama-3-70b", optimizer=optimizer, world_size=16, sharding="fsdp2")
+        assert hsdp.per_gpu_bytes == eight.per_gpu_bytes > sixteen.per_gpu_bytes, optimizer
+        assert hsdp.total_bytes == sixteen.total_bytes and hsdp.to_dict()["dp_replicate"] == 2
+    with pytest.raises(EstimateError, match="dp_replicate"):
+        estimate("llama-3-70b", world_size=16, sharding="ddp", dp_replicate=2)

@@ -142,6 +142,7 @@ ESTIMATE_OPTIONS = (
     "sharding",
     "gradient_as_bucket_view",
     "bucket_cap_mb",
+    "dp_replicate",
 )
 
 
@@ -173,6 +174,13 @@ def _add_training_setup_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--world-size", type=int, default=1, help="Number of devices.")
     parser.add_argument("--sharding", choices=SHARDINGS, help="Default: none on one device, ddp on several.")
+    parser.add_argument(
+        "--dp-replicate",
+        type=int,
+        default=1,
+        help="HSDP with --sharding fsdp2: the devices as this many replicas (e.g. one per node) of --world-size / "
+        "--dp-replicate shards (Accelerate's ParallelismConfig dp_replicate_size; default 1: plain FSDP2).",
+    )
     parser.add_argument(
         "--gradient-as-bucket-view", action="store_true", help="Standard DDP's gradient_as_bucket_view=True."
     )
@@ -251,6 +259,7 @@ def _run_accelerate(args: argparse.Namespace) -> str:
             ("--trainable-fraction", args.trainable_fraction, None),
             ("--world-size", args.world_size, 1),
             ("--sharding", args.sharding, None),
+            ("--dp-replicate", args.dp_replicate, 1),
             ("--gradient-accumulation-steps", args.gradient_accumulation_steps, 1),
             ("--frozen-dtype", args.frozen_dtype, None),
             ("--offload", args.offload, "none"),
@@ -269,6 +278,8 @@ def _run_accelerate(args: argparse.Namespace) -> str:
 def _estimates_table(spec: ModelSpec | ModuleSpec, estimates: list[MemoryEstimate], units: str) -> str:
     first = estimates[0]
     setup = "1 device" if first.world_size == 1 else f"{first.world_size} devices, {first.sharding}"
+    if first.dp_replicate > 1:
+        setup += f" (HSDP: {first.dp_replicate} replicas x {first.world_size // first.dp_replicate} shards)"
     if first.gradient_accumulation_steps > 1:
         setup += f", gradient accumulation {first.gradient_accumulation_steps}"
     title = (
@@ -300,7 +311,7 @@ def _estimates_table(spec: ModelSpec | ModuleSpec, estimates: list[MemoryEstimat
             f"Layer-wise gradients: at most {format_bytes(lw.gradient_bytes, units)} alive at once (the largest "
             f"trainable tensor is {lw.largest_parameter}, {format_bytes(lw.largest_parameter_bytes, units)}) instead "
             f"of all {format_bytes(lw.all_gradient_bytes, units)}"
-            + (f"; each device holds 1/{lw.world_size} of it." if lw.sharding == "fsdp2" else ".")
+            + (f"; each device holds 1/{lw.world_size // lw.dp_replicate} of it." if lw.sharding == "fsdp2" else ".")
         )
     if lw is not None and lw.ddp_in_flight_bytes is not None:
         every = format_bytes(lw.all_gradient_bytes, units)

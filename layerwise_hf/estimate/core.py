@@ -55,6 +55,8 @@ class MemoryEstimate:
             Layer-wise under DDP with no gradient accumulation: the most gradient bytes the data-parallel route holds
             at once (see `ddp_in_flight_bound`); `None` otherwise.
         offload (`str`), host_bytes (`int`): `layerwise_offload` and what one device's process holds in host memory.
+        dp_replicate (`int`): HSDP's replicas under FSDP2 (1: plain FSDP2); each device holds 1 / (`world_size` /
+            `dp_replicate`).
 
     Example:
 
@@ -89,6 +91,7 @@ class MemoryEstimate:
     ddp_in_flight_bytes: int | None = None
     offload: str = "none"
     host_bytes: int = 0
+    dp_replicate: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -428,7 +431,12 @@ def _shard(
     refusal = fsdp2_refusal(base) if layerwise else None
     if refusal:
         notes.append(f"Layer-wise training is refused under FSDP2: {refusal}")
-    return grads, total, -(-total // opts.world_size)
+    if opts.dp_replicate > 1:
+        notes.append(
+            f"HSDP: {opts.dp_replicate} replicas x {opts.shards} shards; each device holds 1/{opts.shards} (its "
+            "replica's share), the all-reduce across replicas adds no buffer."
+        )
+    return grads, total, -(-total // opts.shards)
 
 
 # ---- the estimate ----
@@ -450,6 +458,12 @@ class _Options:
     gradient_as_bucket_view: bool = False
     bucket_cap_mb: float | None = None
     offload: str = "none"
+    dp_replicate: int = 1
+
+    @property
+    def shards(self) -> int:
+        """The devices a parameter is spread over under FSDP2: all of them, or one replica's under HSDP."""
+        return self.world_size // self.dp_replicate
 
     @classmethod
     def check(cls, frozen_dtype: str | None = None, sharding: str | None = None, **kwargs: Any) -> _Options:
@@ -470,6 +484,16 @@ class _Options:
         if self.sharding == "none" and self.world_size != 1:
             raise EstimateError(
                 f"world_size={self.world_size} with sharding='none': use ddp or fsdp2 for several devices."
+            )
+        if isinstance(self.dp_replicate, bool) or not isinstance(self.dp_replicate, int) or self.dp_replicate < 1:
+            raise EstimateError(f"dp_replicate={self.dp_replicate!r}: HSDP's replicas, a whole number >= 1.")
+        if self.dp_replicate > 1 and (
+            self.sharding != "fsdp2" or self.world_size % self.dp_replicate or self.world_size == self.dp_replicate
+        ):
+            raise EstimateError(
+                f"dp_replicate={self.dp_replicate} with world_size={self.world_size} and sharding={self.sharding!r}: "
+                "HSDP is FSDP2 (sharding='fsdp2') with world_size a multiple of dp_replicate, at least 2 shards per "
+                "replica (with one, every device holds the whole model: sharding='ddp')."
             )
         if self.gradient_accumulation_steps < 1:
             raise EstimateError("gradient_accumulation_steps must be at least 1.")
@@ -500,6 +524,7 @@ def estimate(
     gradient_as_bucket_view: bool = False,
     bucket_cap_mb: float | None = None,
     offload: str = "none",
+    dp_replicate: int = 1,
 ) -> MemoryEstimate:
     """
     Estimate the weights, gradients and optimizer state of training `model`.
@@ -541,6 +566,9 @@ def estimate(
             DDP's `bucket_cap_mb` (Trainer's `ddp_bucket_cap_mb`): the layer-wise route's bucket size under DDP.
             `None`: DDP's default, 25 MiB after a first bucket of 1 MiB.
         offload (`str`, *optional*, defaults to `"none"`): `layerwise_offload`, see `layerwise_hf.estimate.offload`.
+        dp_replicate (`int`, *optional*, defaults to `1`):
+            HSDP under `"fsdp2"`: `world_size` devices as this many replicas of `world_size // dp_replicate` shards
+            (`ParallelismConfig(dp_replicate_size, dp_shard_size)`); each device holds its replica's share.
 
     Example:
 
@@ -597,4 +625,5 @@ def _steps(spec: ModelSpec | ModuleSpec, rule: OptimizerRule, layerwise: bool, o
         ddp_in_flight_bytes=in_flight,
         offload=opts.offload,
         host_bytes=host,
+        dp_replicate=opts.dp_replicate,
     )

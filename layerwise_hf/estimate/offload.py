@@ -52,7 +52,7 @@ def apply_offload(
         return grads, state, 0
     # Gradient accumulation no longer holds the window's gradients on the device: they wait on the host.
     notes[:] = [note for note in notes if not note.startswith("Gradient accumulation > 1")]
-    divisor = opts.world_size if opts.sharding == "fsdp2" else 1  # each rank: its own shards
+    divisor = opts.shards if opts.sharding == "fsdp2" else 1  # each rank: its own shards
     sizes = gradient_sizes(entries)
     grads, state, host = offload_terms(opts.offload, sizes, state, notes, opts.gradient_accumulation_steps)
     pinned = pinned_bytes(opts.offload, sizes, opts.gradient_accumulation_steps) // divisor
