@@ -398,6 +398,8 @@ class FakeCuda:
                 host = False
             elif pin or getattr(self.local, "force_host", False):
                 host = True
+            elif func is aten.lift_fresh.default and getattr(self.local, "host_scalars", False):
+                host = True  # torch.optim's `torch.tensor(0.0)` step counter: a CPU tensor on a GPU too
             elif explicit:
                 host = False
             elif host_thread:
@@ -434,7 +436,7 @@ class FakeCuda:
                         if info is not None and info.write is not None:
                             self.host_waits_for_stream(info.write.stream)
             for tensor in seen:
-                new_host = host and id(tensor) not in input_ids
+                new_host = host and (id(tensor) not in input_ids or func is aten.lift_fresh.default)
                 self._track_storage(tensor, stream, new_host=new_host, pinned=pin, device=device)
                 if asked is not None and id(tensor) not in input_ids:
                     self.devices[self._storage_ptr(tensor)] = asked
@@ -707,6 +709,18 @@ class FakeCuda:
         finally:
             self.set_device(saved)
 
+    def _host_scalars(self, init_group):
+        fake = self
+
+        def wrapped(*args, **kwargs):
+            fake.local.host_scalars = True
+            try:
+                return init_group(*args, **kwargs)
+            finally:
+                fake.local.host_scalars = False
+
+        return wrapped
+
     def _submit(self, original):
         fake = self
 
@@ -785,6 +799,11 @@ class FakeCuda:
         # `.to("cuda:1")` and `device="cuda:1"` reach the dispatch (which keeps them on the CPU) once CUDA "is there".
         patch(mock.patch.object(cuda, "_lazy_init", lambda: None))
         patch(mock.patch.object(offload_module.HostWorker, "submit", self._submit(offload_module.HostWorker.submit)))
+        # NOTE: torch.optim keeps a step counter made by `torch.tensor(0.0)` on the CPU (unless capturable or fused),
+        # so reading it (`_get_value`, an `.item()`) syncs nothing on a GPU: here it would wait for the compute stream.
+        for cls in vars(torch.optim).values():
+            if isinstance(cls, type) and "_init_group" in vars(cls):
+                patch(mock.patch.object(cls, "_init_group", self._host_scalars(vars(cls)["_init_group"])))
         result = concurrent.futures.Future.result
 
         def result_after(future, timeout=None):
