@@ -9,22 +9,54 @@ host threads compute from them) stand in for host memory.
 The model, as CUDA has it:
 - each thread has a current device (0 until it sets one) and, per device, a current stream (the default stream until
   `torch.cuda.stream(s)` makes another current); entering and leaving `torch.cuda.stream(s)` sets the device, and
-  every device a thread sets is recorded (`touched`);
+  every device a thread sets is recorded (`touched`), as is every device it uses without setting it (`device_uses`:
+  an event's synchronize or query and `torch.cuda.synchronize()` on the current device, torch.optim's capture check,
+  a stream's synchronize under a guard of its device, a kernel on its tensors' device);
+- device memory lives on a device: where it was allocated (`device="cuda:1"`, `.to("cuda:1")`, the current device for
+  a plain factory) or placed (`place`); `get_device()` answers it and events live on the device of their first record;
 - an op that touches device memory, or that runs while a stream is made current explicitly, is a kernel launch on
-  the thread's current stream, ordered after the thread's host work so far (launches follow program order);
+  the thread's current stream of its tensors' device (not on a current stream of another device: a copy of a tensor
+  on device 1 under `torch.cuda.stream(side_of_device_0)` runs on device 1's), ordered after the thread's host work so
+  far (launches follow program order); a copy between two devices runs on the source's, ordered with the
+  destination's current stream on both sides;
 - an op on host memory only (or any op of a host thread outside `torch.cuda.stream`) is host work, reported on the
   thread's own host "stream", which a host sync (`Event.synchronize`, `Stream.synchronize`, `torch.cuda.synchronize`,
-  `Event.query` returning True) orders after what it waited for; `HostWorker` tasks are ordered after their
-  submission and `Future.result()` after the task, as threads are;
-- a storage that died is forgotten by CSAN when its memory is reused; if another stream used it and `record_stream`
-  did not name that stream, the reuse is reported as a write on the allocating stream (the caching allocator hands a
-  freed block to the next allocation on its stream at once);
+  `.item()`, `.tolist()`, a `query()` answering True) orders after what it waited for; `HostWorker` tasks are ordered
+  after their submission and `Future.result()` after the task, as threads are; torch.optim's step counters
+  (`torch.tensor(0.0)`) are host memory, as on a GPU;
+- `query()` answers "not yet" for the first 0, 1 or 2 queries of work that is still in flight by CSAN's model (a
+  schedule seeded by the test's id), so code that polls must cope with both answers;
+- a storage that dies is freed at the next op (`check_reuse`): if a device stream other than the allocating one used
+  it, record_stream did not name that stream and the allocating stream is not ordered after that use, it is reported
+  as a write on the allocating stream (the caching allocator hands a freed block to the next allocation on its stream
+  at once);
 - pinned allocations are counted (`pinned_bytes`) as the caching host allocator would allocate them (rounded up to a
-  power of two), memory pinned by `cudaHostRegister` (`torch.cuda.cudart()`) to the byte.
+  power of two), memory pinned by `cudaHostRegister` (`torch.cuda.cudart()`) to the byte; `cudaHostUnregister` of
+  memory never registered, or while a copy may still use it (the host is not ordered after it), is an error (kept in
+  `errors`, raised at the end of the `with` block: it runs in finalizers); a `non_blocking` copy between device memory
+  and pageable host memory raises (CUDA would run it synchronously, through a staging buffer);
 - collectives as NCCL runs them: DDP's all-reduce on a stream of its own that waits for the caller's stream, its
-  `wait()` ordering the caller's stream after it (`all_reduce_on_its_own_stream`); FSDP2's reduce-scatter is modelled
-  the same way where its tests need it (`tests/test_streams_csan.py`). Without them gloo's collectives run on the
-  current stream.
+  `wait()` ordering the caller's stream after that collective's end (`all_reduce_on_its_own_stream`); FSDP2's
+  reduce-scatter is modelled the same way where its tests need it (`tests/test_streams_csan.py`). Without them gloo's
+  collectives run on the current stream.
+
+What it cannot model (checks that need a GPU, or another harness):
+- time: device work has no duration, so a wait that only bounds memory or overlap (how many copies are in flight, a
+  copy back overlapping a step) is invisible here; `ThreadTransfer` with `LAYERWISE_HF_OFFLOAD_DELAY` slows copies for
+  those. "In flight" exists only as CSAN's order and the `query()` schedule;
+- synchronisation CSAN does not see: locks, `threading.Event`, queues, `ThreadTransfer`'s copy thread (threads other
+  than the main one and `HostWorker` tasks run outside the dispatch mode and are not checked; CSAN's mode is per
+  thread on a GPU too); autograd's per-device threads (backward runs on the calling thread here, so two devices'
+  hooks never run at once);
+- the caching allocators: no block splitting, rounding or OOM for device memory; pinned blocks from
+  `pin_memory=True` are not reuse-checked (torch's host allocator records their copies' events itself); reuse is
+  checked when the storage dies, not when a later allocation really takes the block;
+- `tensor.device` stays `cpu`: code that branches on `.device.type` takes its CPU path (only `is_cuda`,
+  `get_device()`, `is_pinned()` and factory/`.to` device arguments are faked); a kernel mixing tensors of two devices
+  is not refused as CUDA would;
+- other implicit syncs (`nonzero`, boolean indexing, printing) are kernels without a host wait here (stricter than
+  CUDA), and graph capture is never under way; event timing and IPC are not modelled, and an event's
+  `blocking` flag is only kept (a wait neither spins nor sleeps).
 
 A missing wait raises CSAN's own `CUDASanitizerErrors` holding its `UnsynchronizedAccessError`s.
 
