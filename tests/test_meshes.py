@@ -43,6 +43,16 @@ def test_tensor_parallel_and_hsdp_match_stock_trainer_on_four_ranks(tmp_path):
         if case["max_grad_norm"]:
             # The clip coefficient really scaled the gradients (a norm above max_grad_norm) in every case that clips.
             assert max(standard_norms) > case["max_grad_norm"], case
+    # The planner's rank against the real rank 0: its optimizer state (AdamW's moments and steps on its local shards)
+    # byte for byte, for each layout as `layerwise-hf plan` takes it.
+    from layerwise_hf.plan import plan
+
+    layouts = {"tp_fsdp": dict(tp=2), "tp": dict(tp=4), "hsdp": dict(dp_replicate=2)}
+    options = dict(seq_len=8, micro_batch=2, device="cpu", max_grad_norm=0.0, clip_mode="off", counterparts=False)
+    for mesh, layout in layouts.items():
+        real = next(c for c in compared if c["case"] == f"{mesh} adamw_torch ga1 clip0.0")["standard_state_bytes"]
+        planned = plan(report["model"], ["adamw_torch"], world_size=4, sharding="fsdp2", **layout, **options)
+        assert planned.row("adamw_torch").categories["optimizer_state"] == real > 0, (mesh, real)
     previous = next(c for c in report["results"] if c["case"] == "previous tp_fsdp")
     assert previous["ranks_agree"] and len(previous["loss"]) == 3, previous
     assert all(torch.isfinite(torch.tensor(previous["loss"] + previous["grad_norm"]))), previous
@@ -180,11 +190,13 @@ def test_plan_advice_names_only_optimizers_the_plan_itself_runs(optimizer):
 
     sharded = named(StepSetup(world_size=8, sharding="fsdp2"))
     assert sharded and all(fsdp2_refusal(name) is None for name in sharded), sharded
+    # Under tensor parallel LayerwiseTrainer builds no local-shard optimizer, and stock bitsandbytes fails too.
+    assert named(StepSetup(world_size=8, sharding="fsdp2", tp=2)) == []
     # On one process the standard row keeps the standard names: stock bitsandbytes runs there.
     assert named(StepSetup()) == (["adamw_8bit", "adafactor"] if optimizer == "adamw_torch" else sharded)
 
 
-def test_plan_hsdp_rank_is_an_fsdp2_rank_of_its_shard_group():
+def test_plan_hsdp_rank_is_an_fsdp2_rank_of_its_shard_group_and_takes_tensor_parallel():
     from helpers import PLAN_LLAMA
 
     from layerwise_hf.estimate import EstimateError
@@ -204,6 +216,13 @@ def test_plan_hsdp_rank_is_an_fsdp2_rank_of_its_shard_group():
         bad = dict(world_size=world_size, sharding=sharding, dp_replicate=dp_replicate)
         with pytest.raises(EstimateError, match="dp_replicate"):
             plan(PLAN_LLAMA, ["adamw_torch"], **bad, **small)
+    for bad in (dict(world_size=4, sharding="ddp", tp=2), dict(world_size=6, sharding="fsdp2", tp=4)):
+        with pytest.raises(EstimateError, match="tp="):
+            plan(PLAN_LLAMA, ["adamw_torch"], **bad, **small)
+    tp = plan(PLAN_LLAMA, ["adamw_torch"], world_size=4, sharding="fsdp2", tp=2, counterparts=False, **small)
+    assert "per rank, 1 of 4 (tensor parallel 2 x 2 FSDP2 shards)" in tp.format()
+    with pytest.raises(EstimateError, match="adamw_8bit_layerwise: under tensor parallel"):
+        plan(PLAN_LLAMA, ["adamw_8bit_layerwise"], world_size=4, sharding="fsdp2", tp=2, **small)
 
 
 def test_estimate_hsdp_device_holds_its_replicas_share():

@@ -57,7 +57,7 @@ def advise(row: PlanRow, setup: StepSetup) -> list[str]:
          "micro-batches let layer-wise free them, or layerwise_offload='gradients' keeps the sums in host memory "
          "(--offload gradients plans it)"),
         (large("optimizer_state"), cats["optimizer_state"],
-         f"optimizer state dominates: {_smaller_state(layerwise, setup.sharding)}, or LoRA (--lora-r)"
+         f"optimizer state dominates: {_smaller_state(layerwise, setup)}LoRA (--lora-r)"
          + (", or layerwise_offload='optimizer' (states on the host; --offload optimizer plans it)"
             if layerwise and row.offload == "none" else "")),
         (large("temporaries"), cats["temporaries"],
@@ -71,20 +71,24 @@ def advise(row: PlanRow, setup: StepSetup) -> list[str]:
     return [text for _, _, text in sorted((c for c in candidates if c[0]), key=lambda c: -c[1])]
 
 
-def _smaller_state(layerwise: bool, sharding: str) -> str:
+def _smaller_state(layerwise: bool, setup: StepSetup) -> str:
     # Only what the plan itself would run: under FSDP2 a standard optimizer whose kernels take no DTensor is refused
-    # (ranks.fsdp2_refusal), and its layer-wise form, which steps each rank's local shard, is named instead.
+    # (ranks.fsdp2_refusal), and its layer-wise form, which steps each rank's local shard, is named instead (not under
+    # tensor parallel, which refuses both).
     from .ranks import fsdp2_refusal
+
+    def refused(name: str) -> bool:
+        return setup.sharding == "fsdp2" and fsdp2_refusal(name, setup.tp) is not None
 
     names = []
     for base in ("adamw_8bit", "adafactor"):
         name = base + SUFFIX if layerwise else base
-        if sharding == "fsdp2" and fsdp2_refusal(name) is not None:
+        if refused(name):
             name = base + SUFFIX
-            if fsdp2_refusal(name) is not None:
+            if refused(name):
                 continue
         names.append(name)
-    return "an 8-bit optimizer or a factored one (" + " or ".join(names) + ")"
+    return f"an 8-bit optimizer or a factored one ({' or '.join(names)}), or " if names else ""
 
 
 def _weights_advice(setup: StepSetup) -> str:

@@ -22,7 +22,7 @@ JSON_SCHEMA = """--json prints one object:
   rank                   the simulated rank (null on one process)
   setup                  seq_len, micro_batch, grad_accum, max_grad_norm, clip_mode, bf16, fp16, torch_dtype,
                          gradient_checkpointing, lora_r, lora_targets, weight_decay, learning_rate, device,
-                         world_size, sharding, sync_each_batch, dp_replicate (HSDP replicas; 1: none)
+                         world_size, sharding, sync_each_batch, dp_replicate, tp (HSDP replicas, tensor parallel)
   device_memory          bytes, or null
   host_memory            bytes (--host-memory), or null
   offload                the offload modes planned for the layer-wise rows (--offload), e.g. ["none"]
@@ -177,6 +177,14 @@ def _add_rank_arguments(parser: argparse.ArgumentParser) -> None:
         "--dp-replicate shards (Accelerate's ParallelismConfig dp_replicate_size; default 1: plain FSDP2).",
     )
     parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="Tensor parallel with --sharding fsdp2: the model sharded as transformers' DistributedConfig(tp_size=TP, "
+        "fsdp_size=world / (dp-replicate x TP)) shards it at the load (fsdp_size 1: tensor parallel alone; default "
+        "1).",
+    )
+    parser.add_argument(
         "--sync-each-batch",
         action="store_true",
         help="Accelerate's sync_each_batch (several ranks, --grad-accum > 1): reduce every micro-batch, so FSDP2 "
@@ -204,6 +212,7 @@ def _options(args: argparse.Namespace) -> dict:
         sharding=args.sharding or ("none" if args.world_size == 1 else "ddp"),
         sync_each_batch=args.sync_each_batch,
         dp_replicate=args.dp_replicate,
+        tp=args.tp,
         offload=tuple(args.offload),
         host_memory=args.host_memory,
     )

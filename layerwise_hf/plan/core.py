@@ -246,13 +246,15 @@ def expand_optimizers(names: list[str] | tuple[str, ...], counterparts: bool = T
     return out
 
 
-def fsdp2_counterparts(names: list[str], asked: list[str] | tuple[str, ...] | str, sharding: str) -> list[str]:
+def fsdp2_counterparts(
+    names: list[str], asked: list[str] | tuple[str, ...] | str, sharding: str, tp: int = 1
+) -> list[str]:
     """Under FSDP2, leave out a counterpart (standard or layer-wise) that FSDP2 cannot step when only the other form
     was asked for (`check_ranks` refuses one asked for by name)."""
     if sharding != "fsdp2":
         return names
     asked = {asked} if isinstance(asked, str) else set(asked)
-    return [n for n in names if n in asked or fsdp2_refusal(n) is None]
+    return [n for n in names if n in asked or fsdp2_refusal(n, tp) is None]
 
 
 def make_setup(**options: Any) -> StepSetup:
@@ -279,6 +281,7 @@ def make_setup(**options: Any) -> StepSetup:
         options.setdefault("sharding", "none"),
         list(options.pop("optimizers", ())),
         options.setdefault("dp_replicate", 1),
+        options.setdefault("tp", 1),
     )
     targets = tuple(options["lora_targets"] or DEFAULT_LORA_TARGETS)  # the model's own default: `lora_targets_of`
     return StepSetup(**{**options, "torch_dtype": dtype, "lora_targets": targets})
@@ -325,6 +328,7 @@ def plan(
     offload: str | list[str] | tuple[str, ...] = "none",
     host_memory: str | int | None = None,
     dp_replicate: int = 1,
+    tp: int = 1,
 ) -> Plan:
     """
     Simulate one steady-state training step per optimizer on fake tensors (nothing allocated) and say whether it fits.
@@ -354,6 +358,9 @@ def plan(
         dp_replicate (`int`, defaults to `1`): HSDP under `"fsdp2"`: `world_size` ranks as `dp_replicate` replicas of
             `world_size // dp_replicate` shards (`ParallelismConfig(dp_replicate_size, dp_shard_size)`); a rank is
             simulated in its replica's shard group, since the all-reduce across replicas allocates nothing (NCCL).
+        tp (`int`, defaults to `1`): tensor parallel under `"fsdp2"`, the model sharded as transformers shards it at
+            the load (`DistributedConfig(tp_size=tp, fsdp_size=world_size // (dp_replicate * tp))`; fsdp_size 1: tensor
+            parallel alone); the standard rows clip as Trainer does over several meshes.
 
     Example:
 
@@ -366,13 +373,13 @@ def plan(
     """
     started = time.perf_counter()
     expanded = expand_optimizers(optimizers, counterparts)
-    names = fsdp2_counterparts(expanded, optimizers, sharding)
+    names = fsdp2_counterparts(expanded, optimizers, sharding, tp if isinstance(tp, int) else 1)
     modes = check_offload_modes(offload, names)
     options = dict(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
                    clip_mode=clip_mode, bf16=bf16, fp16=fp16, torch_dtype=torch_dtype, device=device, lora_r=lora_r,
                    gradient_checkpointing=gradient_checkpointing, lora_targets=lora_targets)  # fmt: skip
     setup = make_setup(optimizers=names, world_size=world_size, sharding=sharding, sync_each_batch=sync_each_batch,
-                       dp_replicate=dp_replicate, **options)  # fmt: skip
+                       dp_replicate=dp_replicate, tp=tp, **options)  # fmt: skip
     memory, host = _memory_limits(device_memory, host_memory)
     config, name, source = _config_of(model)
     setup = setup.replace(lora_targets=lora_targets_of(config, lora_targets)) if setup.lora_r else setup
@@ -382,14 +389,18 @@ def plan(
         steps, extrapolated = run(config, jobs, setup, extrapolate, name)
     rows = [to_row(step, setup, memory, host, steps) for step in steps.values()]
     seconds = time.perf_counter() - started
-    return Plan(name, source, setup, memory, rows, extrapolated, seconds, plan_notes(expanded, names, modes), modes,
-                host, choose_offload(rows, memory, host))  # fmt: skip
+    notes = plan_notes(expanded, names, modes, setup.tp)
+    return Plan(name, source, setup, memory, rows, extrapolated, seconds, notes, modes, host,
+                choose_offload(rows, memory, host))  # fmt: skip
 
 
 def _layout(setup: StepSetup) -> str:
+    fsdp = f"{setup.shards // setup.tp} FSDP2 shards"
+    if setup.tp > 1:
+        fsdp = f"tensor parallel {setup.tp}" + (f" x {fsdp}" if setup.shards > setup.tp else " alone")
     if setup.dp_replicate > 1:
-        return f"HSDP: {setup.dp_replicate} replicas x {setup.shards} FSDP2 shards"
-    return setup.sharding
+        return f"HSDP: {setup.dp_replicate} replicas x {fsdp}"
+    return fsdp if setup.tp > 1 else setup.sharding
 
 
 def _config_of(model: Any) -> tuple[Any, str, str]:
@@ -406,9 +417,9 @@ def _config_of(model: Any) -> tuple[Any, str, str]:
     return copy.deepcopy(config), name, source
 
 
-def plan_notes(expanded: list[str], names: list[str], modes: tuple[str, ...]) -> list[str]:
+def plan_notes(expanded: list[str], names: list[str], modes: tuple[str, ...], tp: int = 1) -> list[str]:
     """What the plan left out: counterparts FSDP2 cannot step, offload asked of standard optimizers only."""
-    notes = [f"{n} left out: under FSDP2 {fsdp2_refusal(n)}." for n in expanded if n not in names]
+    notes = [f"{n} left out: under FSDP2 {fsdp2_refusal(n, tp)}." for n in expanded if n not in names]
     if modes != ("none",) and not any(n.endswith(SUFFIX) for n in names):
         notes.append(f"offload {', '.join(modes)}: a layer-wise optimizer's option; the standard rows run without.")
     return notes
@@ -473,6 +484,7 @@ def describe_setting(optimizer: str, mode: str, setup: StepSetup) -> str:
     if setup.sharding != "none":
         words += [f"--world-size {setup.world_size} --sharding {setup.sharding}"]
     words += [f"--dp-replicate {setup.dp_replicate}"] * (setup.dp_replicate > 1)
+    words += [f"--tp {setup.tp}"] * (setup.tp > 1)
     return " ".join(words)
 
 

@@ -43,7 +43,7 @@ from .tracker import GRADIENTS, WEIGHTS, LiveBytes
 RANK = 0  # the simulated rank: FSDP2 pads every rank's shard to the same size, so all ranks hold the same bytes
 
 
-def check_ranks(world_size: Any, sharding: Any, optimizers: list[str], dp_replicate: Any = 1) -> None:
+def check_ranks(world_size: Any, sharding: Any, optimizers: list[str], dp_replicate: Any = 1, tp: Any = 1) -> None:
     """
     Refuse a world size or sharding no run could have, naming the valid choices, before anything is simulated.
 
@@ -79,12 +79,20 @@ def check_ranks(world_size: Any, sharding: Any, optimizers: list[str], dp_replic
             "(sharding='fsdp2') with world_size a multiple of dp_replicate, at least 2 shards per replica (with one, "
             "every rank holds the whole model: sharding='ddp')."
         )
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise EstimateError(f"tp={tp!r}: the tensor-parallel size, a whole number >= 1.")
+    if tp > 1 and (sharding != "fsdp2" or world_size % (dp_replicate * tp)):
+        raise EstimateError(
+            f"tp={tp} with world_size={world_size}, dp_replicate={dp_replicate} and sharding={sharding!r}: tensor "
+            "parallel is planned as transformers shards it at the load, with sharding='fsdp2' and world_size a "
+            "multiple of dp_replicate x tp (world_size / (dp_replicate x tp) FSDP2 shards; 1: tensor parallel alone)."
+        )
     if sharding == "fsdp2":
-        refused = [f"{n}: {why}" for n in optimizers if (why := fsdp2_refusal(n))]
+        refused = [f"{n}: {why}" for n in optimizers if (why := fsdp2_refusal(n, tp))]
         if refused:
             from ..bases.support import FSDP2_DTENSOR_NATIVE, FSDP2_ELEMENTWISE
 
-            good = sorted({*FSDP2_ELEMENTWISE, *FSDP2_DTENSOR_NATIVE, *FSDP2_LOCAL_SHARD})
+            good = sorted({*FSDP2_ELEMENTWISE, *FSDP2_DTENSOR_NATIVE, *(FSDP2_LOCAL_SHARD if tp == 1 else ())})
             raise EstimateError(
                 f"under sharding='fsdp2', {'; '.join(refused)}. Choose one of: "
                 f"{', '.join(b + SUFFIX for b in good)}, or a standard optimizer that steps DTensors "
@@ -92,7 +100,7 @@ def check_ranks(world_size: Any, sharding: Any, optimizers: list[str], dp_replic
             )
 
 
-def fsdp2_refusal(name: str) -> str | None:
+def fsdp2_refusal(name: str, tp: int = 1) -> str | None:
     """
     Why a run cannot step `name` (a Trainer optimizer name) under FSDP2, or `None`: the route table's word for a
     layer-wise name, and the standard optimizers whose kernels take no DTensor.
@@ -108,6 +116,13 @@ def fsdp2_refusal(name: str) -> str | None:
     base, layerwise = parse_optimizer(name)
     if layerwise and not fsdp2_supports_base(base):
         return "the route table refuses it (its update is not per element of a shard)"
+    if layerwise and tp > 1 and base in FSDP2_LOCAL_SHARD:
+        # NOTE: LayerwiseTrainer builds local-shard optimizers under Accelerate's FSDP config only
+        # (integrations/trainer.py, local_shards=is_fsdp_enabled); a model sharded at its load is not under it.
+        return (
+            "under tensor parallel the model is sharded at its load, not by Accelerate's FSDP config, and "
+            "LayerwiseTrainer builds no local-shard optimizer for it: refused at setup"
+        )
     if not layerwise and base in FSDP2_LOCAL_SHARD:
         return (
             "it cannot step FSDP2's DTensors (bitsandbytes' kernels take plain tensors; transformers' Adafactor "
@@ -183,9 +198,19 @@ class RankRoute:
     # ---- preparing the model (before counting starts) ----
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        """FSDP2: Accelerate's `fsdp2_prepare_model` on the fake model (its weights become this rank's shards)."""
+        """FSDP2: Accelerate's `fsdp2_prepare_model` on the fake model (its weights become this rank's shards); with
+        tensor parallel, transformers' own sharding at the load (`DistributedConfig`), which Accelerate leaves be."""
         if self.sharding != "fsdp2":
             return model
+        if self.setup.tp > 1:
+            from transformers import DistributedConfig
+
+            # NOTE: what from_pretrained(distributed_config=...) does between the model's init and its weights
+            # (transformers 5.24, distributed/mixin.py); the replicas of HSDP are left out as for Accelerate's HSDP.
+            config = DistributedConfig(tp_size=self.setup.tp, fsdp_size=self.setup.shards // self.setup.tp)
+            cls = type(model)
+            config, _, meshes = cls.prepare_distribute_model(config)
+            return cls.maybe_distribute_model(model, config, meshes)
         from accelerate.utils import FullyShardedDataParallelPlugin
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
@@ -335,7 +360,7 @@ class RankRoute:
         `sync_gradients` instead)."""
         if last or self.setup.sync_each_batch:
             return contextlib.nullcontext()
-        if self.sharding == "fsdp2":
+        if self.sharding == "fsdp2" and hasattr(module, "set_requires_gradient_sync"):  # not tensor parallel alone
             return _fsdp2_no_sync(module)
         if self.ddp is not None:
             return self.ddp.no_sync()

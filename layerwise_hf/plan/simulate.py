@@ -57,6 +57,9 @@ class StepSetup:
             `no_sync`), as Trainer does from transformers 5.2 when the plugin sets it.
         dp_replicate (`int`): HSDP under `"fsdp2"` (`ParallelismConfig(dp_replicate_size=...)`): the ranks are this
             many replicas of `world_size // dp_replicate` shards; a rank is simulated in its shard group (`shards`).
+        tp (`int`): tensor parallel under `"fsdp2"`: the model sharded at its load by transformers'
+            `DistributedConfig(tp_size=tp, fsdp_size=shards // tp, ...)` instead of Accelerate's FSDP2 (`fsdp_size`
+            1: tensor parallel alone).
     """
 
     seq_len: int = 512
@@ -77,6 +80,7 @@ class StepSetup:
     sharding: str = "none"
     sync_each_batch: bool = False
     dp_replicate: int = 1
+    tp: int = 1
 
     def replace(self, **changes: Any) -> StepSetup:
         return dataclasses.replace(self, **changes)
@@ -101,6 +105,22 @@ class SimulatedStep:
     host_peak: Peak = dataclasses.field(default_factory=Peak)
     combined_peak: int = 0  # device + host at their joint peak (one memory, as on a CPU)
     backward_flops: int = 0  # its stepping backwards (every micro-batch), counted by FlopCounterMode in step 1
+
+
+def _mixed_mesh_clip(params: list[torch.Tensor], max_norm: float) -> None:
+    # NOTE: transformers 5.24's Trainer._mixed_mesh_grad_norm, which Trainer takes when tensor parallel leaves the
+    # gradients on several meshes (clip_grad_norm_ cannot stack their norms): a total per mesh, made whole, clipped.
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = [get_total_norm([p.grad for p in group]) for group in groups.values()]
+    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for group in groups.values():
+        clip_grads_with_norm_(group, max_norm, total)
 
 
 def fake_mode():
@@ -297,7 +317,10 @@ def run_step(model, optimizer, layerwise, setup: StepSetup, tracker: LiveBytes, 
     if layerwise is None and setup.max_grad_norm > 0:
         tracker.phase = "clip_grad_norm_"
         params = [p for p in inner.parameters() if p.requires_grad]
-        torch.nn.utils.clip_grad_norm_(params, setup.max_grad_norm, foreach=setup.device == "cuda" or None)
+        if setup.tp > 1:
+            _mixed_mesh_clip(params, setup.max_grad_norm)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, setup.max_grad_norm, foreach=setup.device == "cuda" or None)
     tracker.phase = "step: optimizer.step()"
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -26,6 +26,17 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer
 from layerwise_hf import LayerwiseTrainer
 
 torch.set_num_threads(1)
+# 4 key/value heads: tensor parallel over all 4 ranks splits every projection.
+MODEL = dict(
+    model_type="llama",
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=SEQ,
+)
 
 
 def save_model(folder: str) -> str:
@@ -34,16 +45,7 @@ def save_model(folder: str) -> str:
     path = os.path.join(folder, f"model-rank{os.environ['RANK']}")
     if not os.path.exists(path):
         torch.manual_seed(0)
-        # 4 key/value heads: tensor parallel over all 4 ranks splits every projection.
-        config = LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            max_position_embeddings=SEQ,
-        )
+        config = LlamaConfig(**{k: v for k, v in MODEL.items() if k != "model_type"})
         LlamaForCausalLM(config).save_pretrained(path)
     return path
 
@@ -94,6 +96,9 @@ def run(trainer_cls, mesh, optim, folder, model_path, *, ga=1, max_grad_norm=0.0
     meshes = {tuple(p.device_mesh.mesh_dim_names) if isinstance(p, DTensor) else () for p in wrapped.parameters()}
     logs = [h for h in trainer.state.log_history if "grad_norm" in h]
     optimizer = getattr(trainer, "layerwise_optimizer", None)
+    # This rank's optimizer-state bytes (its local shards), what `layerwise-hf plan` predicts for one rank.
+    states = trainer.optimizer.state_dict()["state"].values() if optimizer is None else []
+    local = [getattr(v, "_local_tensor", v) for state in states for v in state.values() if torch.is_tensor(v)]
     result = {
         "params": params(wrapped),
         "grad_norm": [float(h["grad_norm"]) for h in logs],
@@ -101,6 +106,7 @@ def run(trainer_cls, mesh, optim, folder, model_path, *, ga=1, max_grad_norm=0.0
         "lr": [h["learning_rate"] for h in logs],
         "route": optimizer.route if optimizer is not None else None,
         "meshes": sorted(meshes),
+        "state_bytes": sum(t.numel() * t.element_size() for t in local),
     }
     os.environ.clear()
     os.environ.update(environ)
@@ -142,6 +148,7 @@ def main(report_path, selected=None):
                 "ranks_agree": ranks_agree(layerwise["params"]),
                 "route": layerwise["route"],
                 "meshes": [standard["meshes"], layerwise["meshes"]],
+                "standard_state_bytes": standard["state_bytes"],
             }
         )
         if dist.get_rank() == 0:
@@ -167,7 +174,7 @@ def main(report_path, selected=None):
                 "grad_norm": previous["grad_norm"],
             }
         )
-    write_report(report_path, {"results": results})
+    write_report(report_path, {"results": results, "model": MODEL})
 
 
 if __name__ == "__main__":
