@@ -38,8 +38,8 @@ def test_help_lists_the_subcommands(capsys):
 def test_subcommand_list():
     parser = build_parser()
     (action,) = [a for a in parser._subparsers._group_actions]
-    assert sorted(action.choices) == ["convert-checkpoint", "estimate-memory", "plan"]
-    assert len(SUBCOMMANDS) == 3
+    assert sorted(action.choices) == ["assets", "convert-checkpoint", "estimate-memory", "plan"]
+    assert len(SUBCOMMANDS) == 4
 
 
 def test_convert_checkpoint_help(capsys):
