@@ -50,7 +50,8 @@ What it cannot model (checks that need a GPU, or another harness):
   hooks never run at once);
 - the caching allocators: no block splitting, rounding or OOM for device memory; pinned blocks from
   `pin_memory=True` are not reuse-checked (torch's host allocator records their copies' events itself); reuse is
-  checked when the storage dies, not when a later allocation really takes the block;
+  checked when the storage dies, not when a later allocation really takes the block; memory freed or unregistered
+  after the `with` block has ended is not checked (drop the optimizer inside it to check its host blocks);
 - `tensor.device` stays `cpu`: code that branches on `.device.type` takes its CPU path (only `is_cuda`,
   `get_device()`, `is_pinned()` and factory/`.to` device arguments are faked); a kernel mixing tensors of two devices
   is not refused as CUDA would;
@@ -133,7 +134,8 @@ class FakeStream:
     """A CUDA stream on a fake device: an id in CSAN's model."""
 
     def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
-        fake = FakeCuda.active
+        # NOTE: kept, not looked up: a finalizer may use a stream or event after the `with` block has ended.
+        self.fake = fake = FakeCuda.active
         self.device = fake.as_device(device)
         self.id = fake.new_stream()
         self.cuda_stream = self.id
@@ -144,7 +146,7 @@ class FakeStream:
         self.wait_event(event)
 
     def wait_event(self, event: FakeEvent) -> None:
-        fake = FakeCuda.active
+        fake = self.fake
         if event.recorded:
             with fake.lock:
                 fake.handler._handle_event_wait(event.id, self.id)
@@ -155,12 +157,12 @@ class FakeStream:
         return event
 
     def synchronize(self) -> None:
-        fake = FakeCuda.active
+        fake = self.fake
         fake.use_device(self.device.index, "stream.synchronize")  # CUDAStream::synchronize guards the stream's device
         fake.host_waits_for_stream(self.id)
 
     def query(self) -> bool:
-        fake = FakeCuda.active
+        fake = self.fake
         fake.use_device(self.device.index, "stream.query")
         with fake.lock:
             position = fake.handler.syncs.current_sync_states[self.id].get(self.id, 0)
@@ -170,7 +172,7 @@ class FakeStream:
         return True
 
     def is_capturing(self) -> bool:
-        FakeCuda.active.use_device(self.device.index, "stream.is_capturing")
+        self.fake.use_device(self.device.index, "stream.is_capturing")
         return False
 
     def __eq__(self, other: object) -> bool:
@@ -187,7 +189,7 @@ class FakeEvent:
     """A CUDA event: records a stream's position in CSAN's model."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
-        fake = FakeCuda.active
+        self.fake = fake = FakeCuda.active
         self.id = next(_ids)
         self.blocking = blocking  # a host thread waiting on it sleeps (True) or spins on a core (False)
         self.recorded = False
@@ -198,7 +200,7 @@ class FakeEvent:
             fake.handler._handle_event_creation(self.id)
 
     def record(self, stream: FakeStream | None = None) -> None:
-        fake = FakeCuda.active
+        fake = self.fake
         stream = stream or fake.current_stream()
         if self.device is None:
             self.device = stream.device
@@ -214,10 +216,10 @@ class FakeEvent:
         self.records += 1
 
     def wait(self, stream: FakeStream | None = None) -> None:
-        (stream or FakeCuda.active.current_stream()).wait_event(self)
+        (stream or self.fake.current_stream()).wait_event(self)
 
     def synchronize(self) -> None:
-        fake = FakeCuda.active
+        fake = self.fake
         if self.recorded:
             # NOTE: cudaEventSynchronize / cudaEventQuery run under no device guard: the calling thread's current
             # device, whose context the runtime creates if the thread has none (a thread that never set one: device 0).
@@ -226,7 +228,7 @@ class FakeEvent:
                 fake.handler.syncs.stream_wait_for_event(fake.host_stream(), self.id)
 
     def query(self) -> bool:
-        fake = FakeCuda.active
+        fake = self.fake
         if self.recorded:
             fake.use_device(fake.current_device(), "event.query")
             if not fake.host_after_event(self.id) and fake.still_running(("event", *self.key, self.records)):
