@@ -14,7 +14,8 @@ from . import units
 from .buckets import assign_buckets, bucket_size_limits, ddp_in_flight_bound, held_step_bound
 from .models import ModelSpec, ModuleSpec, TensorSpec, load_model_spec
 from .offload import apply_offload
-from .optimizers import OPTIMIZER_RULES, OptimizerRule, fsdp2_refusal, parse_optimizer, tensor_state_bytes, uses_qmaps
+from .optimizers import OPTIMIZER_RULES, OptimizerRule, parse_optimizer, tensor_state_bytes, uses_qmaps
+from .sharding import check_replicas, per_device
 from .units import DEFAULT_LORA_TARGETS, DTYPE_BYTES, SHARDINGS, EstimateError, blocks, format_bytes, normalize_dtype
 
 
@@ -168,7 +169,6 @@ _LAYER_NAME = re.compile(r"^(?P<stack>(?:.*\.)?layers)\.(?P<index>\d+)\.(?P<rest
 
 
 _FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
-_NOT_LAYERS = ("root", "tail", "embed")
 
 
 def _fsdp2_unit(tensor: TensorSpec) -> str:
@@ -392,56 +392,6 @@ def _ddp_in_flight(
     return bound
 
 
-def _shard(
-    counts: _Counts, grads: int, state: int, base: str, layerwise: bool, opts: _Options, notes: list[str], in_flight
-):
-    """
-    Step 3: DDP (standard: persistent buckets; layer-wise: the buckets in flight) or FSDP2's division. Returns
-    `(gradient_bytes, total_bytes, per_gpu_bytes)`.
-
-    """
-    if opts.sharding == "ddp":
-        if layerwise and in_flight is not None:
-            grads = in_flight
-            if opts.gradient_as_bucket_view:
-                notes.append("gradient_as_bucket_view: ignored layer-wise (no DDP wrapper, no DDP buckets).")
-        elif layerwise:
-            notes.append(
-                "DDP layer-wise with gradient accumulation: gradients accumulate in .grad during the window and are "
-                "bucketed, reduced and freed only on its last micro-batch, so every gradient is held."
-            )
-        else:
-            # The reducer allocates flat buckets for every gradient at wrap time and keeps them for the whole run;
-            # `.grad` is a second copy unless it is a view of them.
-            grads = counts.all_grads + (0 if opts.gradient_as_bucket_view else counts.all_grads)
-            notes.append(
-                "DDP (standard): the reducer's bucket buffers hold all gradients for the whole run"
-                + ("; .grad are views of them." if opts.gradient_as_bucket_view else ", and .grad is a second copy "
-                   "(--gradient-as-bucket-view makes it a view).")
-            )  # fmt: skip
-    total = counts.weight_bytes + grads + state
-    if opts.sharding != "fsdp2":
-        return grads, total, total
-    layer_bytes = max((v for k, v in counts.unit_weights.items() if k not in _NOT_LAYERS), default=0)
-    layer = f" ({format_bytes(layer_bytes)} per decoder layer)" if layer_bytes else ""
-    notes.append(
-        f"FSDP2: also not included, the unsharded weights of the unit being computed{layer}, all-gathered "
-        "for its forward and backward."
-    )
-    refusal = fsdp2_refusal(base) if layerwise else None
-    if refusal:
-        notes.append(f"Layer-wise training is refused under FSDP2: {refusal}")
-    if opts.dp_replicate > 1:
-        notes.append(
-            f"HSDP: {opts.dp_replicate} replicas x {opts.shards} shards; each device holds 1/{opts.shards} (its "
-            "replica's share), the all-reduce across replicas adds no buffer."
-        )
-    return grads, total, -(-total // opts.shards)
-
-
-# ---- the estimate ----
-
-
 @dataclass(frozen=True)
 class _Options:
     """`estimate()`'s keyword arguments, normalized and checked."""
@@ -462,8 +412,7 @@ class _Options:
 
     @property
     def shards(self) -> int:
-        """The devices a parameter is spread over under FSDP2: all of them, or one replica's under HSDP."""
-        return self.world_size // self.dp_replicate
+        return self.world_size // self.dp_replicate  # FSDP2's group: all devices, or one replica's (HSDP)
 
     @classmethod
     def check(cls, frozen_dtype: str | None = None, sharding: str | None = None, **kwargs: Any) -> _Options:
@@ -485,16 +434,7 @@ class _Options:
             raise EstimateError(
                 f"world_size={self.world_size} with sharding='none': use ddp or fsdp2 for several devices."
             )
-        if isinstance(self.dp_replicate, bool) or not isinstance(self.dp_replicate, int) or self.dp_replicate < 1:
-            raise EstimateError(f"dp_replicate={self.dp_replicate!r}: HSDP's replicas, a whole number >= 1.")
-        if self.dp_replicate > 1 and (
-            self.sharding != "fsdp2" or self.world_size % self.dp_replicate or self.world_size == self.dp_replicate
-        ):
-            raise EstimateError(
-                f"dp_replicate={self.dp_replicate} with world_size={self.world_size} and sharding={self.sharding!r}: "
-                "HSDP is FSDP2 (sharding='fsdp2') with world_size a multiple of dp_replicate, at least 2 shards per "
-                "replica (with one, every device holds the whole model: sharding='ddp')."
-            )
+        check_replicas(self.world_size, self.sharding, self.dp_replicate)
         if self.gradient_accumulation_steps < 1:
             raise EstimateError("gradient_accumulation_steps must be at least 1.")
         if self.lora_rank is not None and self.trainable_fraction is not None:
@@ -599,7 +539,7 @@ def _steps(spec: ModelSpec | ModuleSpec, rule: OptimizerRule, layerwise: bool, o
     in_flight = None
     if opts.sharding == "ddp" and layerwise and opts.gradient_accumulation_steps == 1:
         in_flight = _ddp_in_flight(entries, getattr(spec, "use_order", ()), counts, opts, notes)
-    grads, total, per_gpu = _shard(counts, grads, state, rule.name, layerwise, opts, notes, in_flight)
+    grads, total, per_gpu = per_device(counts, grads, state, rule.name, layerwise, opts, notes, in_flight)
     notes.append("Not included: activations, autocast copies, temporary buffers, CUDA context.")
     return MemoryEstimate(
         model=spec.name,

@@ -346,21 +346,13 @@ def plan(
         lora_r (`int`, *optional*), lora_targets (`tuple[str, ...]`, *optional*): LoRA adapters (peft) on a frozen
             base; targets default to peft's for the architecture, and ones matching no module are refused.
         device_memory (`str` or `int`, *optional*): e.g. `"80GiB"`; each row then says whether its device peak fits.
-        device (`str`, defaults to `"cuda"`): whose optimizer defaults to use (`foreach` on CUDA), and whose
-            collectives several ranks run (NCCL; gloo on `"cpu"`, whose FSDP2 collectives allocate buffers).
+        device (`str`, defaults to `"cuda"`): its optimizer defaults and collectives (`StepSetup`; gloo on `"cpu"`).
         extrapolate (`bool`, defaults to `True`): simulate 2-4 identical decoder layers and extend the exact line;
             counterparts (`bool`, defaults to `True`): also run each optimizer's standard / layer-wise counterpart.
-        world_size (`int`, defaults to `1`), sharding (`str`, defaults to `"none"`), sync_each_batch (`bool`): one
-            rank of `world_size` under `"ddp"` or `"fsdp2"`, with a fake process group (`layerwise_hf.plan.ranks`),
-            figures per rank; Accelerate's `sync_each_batch` reduces every micro-batch (no unsharded FSDP2 sum).
+        world_size, dp_replicate, tp (`int`, defaults to `1`), sharding (`str`, defaults to `"none"`), sync_each_batch
+            (`bool`): one rank of the mesh (`StepSetup`) on a fake process group (`plan.ranks`), figures per rank.
         offload (`str` or a list of them), host_memory (*optional*): `layerwise_offload` of the layer-wise rows (a
             row each; `layerwise_hf.plan.offload`); e.g. `"256GiB"`: whether each offload row's host peak fits.
-        dp_replicate (`int`, defaults to `1`): HSDP under `"fsdp2"`: `world_size` ranks as `dp_replicate` replicas of
-            `world_size // dp_replicate` shards (`ParallelismConfig(dp_replicate_size, dp_shard_size)`); a rank is
-            simulated in its replica's shard group, since the all-reduce across replicas allocates nothing (NCCL).
-        tp (`int`, defaults to `1`): tensor parallel under `"fsdp2"`, the model sharded as transformers shards it at
-            the load (`DistributedConfig(tp_size=tp, fsdp_size=world_size // (dp_replicate * tp))`; fsdp_size 1: tensor
-            parallel alone); the standard rows clip as Trainer does over several meshes.
 
     Example:
 
@@ -389,9 +381,8 @@ def plan(
         steps, extrapolated = run(config, jobs, setup, extrapolate, name)
     rows = [to_row(step, setup, memory, host, steps) for step in steps.values()]
     seconds = time.perf_counter() - started
-    notes = plan_notes(expanded, names, modes, setup.tp)
-    return Plan(name, source, setup, memory, rows, extrapolated, seconds, notes, modes, host,
-                choose_offload(rows, memory, host))  # fmt: skip
+    return Plan(name, source, setup, memory, rows, extrapolated, seconds, plan_notes(expanded, names, modes, tp),
+                modes, host, choose_offload(rows, memory, host))  # fmt: skip
 
 
 def _layout(setup: StepSetup) -> str:

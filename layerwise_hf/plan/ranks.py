@@ -37,6 +37,7 @@ import torch
 
 from ..bases.support import FSDP2_LOCAL_SHARD, SUFFIX, fsdp2_supports_base
 from ..estimate.optimizers import parse_optimizer
+from ..estimate.sharding import check_replicas
 from ..estimate.units import SHARDINGS, EstimateError
 from .tracker import GRADIENTS, WEIGHTS, LiveBytes
 
@@ -71,14 +72,7 @@ def check_ranks(world_size: Any, sharding: Any, optimizers: list[str], dp_replic
             "sharding='ddp' with world_size=1: one process runs without DDP (Accelerate does not wrap it; the "
             "layer-wise route is the local one). Use sharding='none', or world_size >= 2."
         )
-    if isinstance(dp_replicate, bool) or not isinstance(dp_replicate, int) or dp_replicate < 1:
-        raise EstimateError(f"dp_replicate={dp_replicate!r}: HSDP's replicas, a whole number >= 1.")
-    if dp_replicate > 1 and (sharding != "fsdp2" or world_size % dp_replicate or world_size == dp_replicate):
-        raise EstimateError(
-            f"dp_replicate={dp_replicate} with world_size={world_size} and sharding={sharding!r}: HSDP is FSDP2 "
-            "(sharding='fsdp2') with world_size a multiple of dp_replicate, at least 2 shards per replica (with one, "
-            "every rank holds the whole model: sharding='ddp')."
-        )
+    check_replicas(world_size, sharding, dp_replicate)
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise EstimateError(f"tp={tp!r}: the tensor-parallel size, a whole number >= 1.")
     if tp > 1 and (sharding != "fsdp2" or world_size % (dp_replicate * tp)):

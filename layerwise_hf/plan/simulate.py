@@ -56,7 +56,8 @@ class StepSetup:
         sync_each_batch (`bool`): Accelerate's `sync_each_batch`: every micro-batch of a window is reduced (no
             `no_sync`), as Trainer does from transformers 5.2 when the plugin sets it.
         dp_replicate (`int`): HSDP under `"fsdp2"` (`ParallelismConfig(dp_replicate_size=...)`): the ranks are this
-            many replicas of `world_size // dp_replicate` shards; a rank is simulated in its shard group (`shards`).
+            many replicas of `world_size // dp_replicate` shards; a rank is simulated in its shard group (`shards`),
+            since the all-reduce across replicas runs in place (NCCL allocates nothing).
         tp (`int`): tensor parallel under `"fsdp2"`: the model sharded at its load by transformers'
             `DistributedConfig(tp_size=tp, fsdp_size=shards // tp, ...)` instead of Accelerate's FSDP2 (`fsdp_size`
             1: tensor parallel alone).
