@@ -543,3 +543,25 @@ def test_host_norms_of_shards_reach_the_device_in_one_copy():
         moved = moved_together(norms, torch.device("meta"))
     assert Copies.count == 1 and len(moved) == 7 and all(m.device.type == "meta" and m.shape == () for m in moved)
     assert [m.item() for m in moved_together(norms, torch.device("cpu"))] == [float(k) for k in range(7)]
+
+
+@pytest.mark.parametrize("ga", [1, 2])
+def test_host_copies_and_pinned_blocks_are_made_before_the_first_backward(monkeypatch, ga):
+    # Taken in each parameter's first hook, every host copy was a copy and a wait inside the first backward after an
+    # attach or a resume, and the pinned blocks were registered there too: a stall of the whole first step.
+    from layerwise_hf.placement import host_step as host_step_module
+
+    in_backward = []
+    for cls, name in ((HostStepOptimizer, "begin_refresh"), (host_step_module.HostArena, "__init__")):
+        original = getattr(cls, name)
+
+        def recorded(self, *args, _original=original, _name=name, **kwargs):
+            in_backward.append((_name, torch._C._current_graph_task_id() != -1))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, recorded)
+    model, reference, _ = _plain_loop(ga, 0.0, mode="optimizer")
+    assert_params_equal(model, reference)
+    params = len(list(model.parameters()))
+    assert [what for what, _ in in_backward].count("begin_refresh") == params
+    assert sorted(set(in_backward)) == [("__init__", False), ("begin_refresh", False)]

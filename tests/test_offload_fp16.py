@@ -53,11 +53,18 @@ def _states(inner_or_standard, param=None):
 def _snapshot(model, optimizer):
     wait_for_host_steps(optimizer)  # the last step's copies back ('optimizer' mode): before reading the weights
     params = [p.detach().clone() for p in model.parameters()]
-    hosts = [inner.host.detach().clone() for inner in optimizer.inner if isinstance(inner, HostStepOptimizer)]
+    # None: a host copy not taken yet (it is taken before the first forward, from the weights: that moves nothing).
+    hosts = [
+        inner.host.detach().clone() if inner.host.numel() else None
+        for inner in optimizer.inner
+        if isinstance(inner, HostStepOptimizer)
+    ]
     return params, hosts, [_states(inner) for inner in optimizer.inner]
 
 
 def _same(a, b):
+    if a is None:
+        return True
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):

@@ -68,6 +68,7 @@ class HostRunner:
         self.arenas: dict[str, HostArena] = {}
         self.quantization_maps: dict = {}  # bitsandbytes' maps on the host, shared by the host-stepped optimizers
         self.pending: dict[int, HostStepOptimizer] = {}  # id -> optimizers whose copy back the next forward awaits
+        self.stale: dict[int, HostStepOptimizer] = {}  # id -> optimizers whose host copy is taken before a forward
         self.latest: concurrent.futures.Future | None = None  # the last host step submitted: its copy back is last
         # id(module) -> (module, whether it holds a pending parameter), decided since `pending` last grew.
         self._verdicts: dict[int, tuple[torch.nn.Module, bool]] = {}
@@ -75,7 +76,11 @@ class HostRunner:
 
         def before_forward(module, args):
             alive = runner()
-            if alive is not None and alive.pending and alive.holds_pending(module):
+            if alive is None:
+                return
+            if alive.stale and alive.holds(module, alive.stale):
+                alive.refresh_stale()
+            if alive.pending and alive.holds_pending(module):
                 alive.wait()
 
         # NOTE: why a global forward pre-hook that waits only for modules holding a pending parameter, not a hook on
@@ -106,6 +111,27 @@ class HostRunner:
         # that its id is not reused meanwhile.
         self._verdicts[id(module)] = (module, verdict)
         return verdict
+
+    def holds(self, module: torch.nn.Module, optimizers: dict[int, HostStepOptimizer]) -> bool:
+        """Whether `module` (its own parameters or a submodule's) holds a parameter of one of `optimizers`."""
+        wanted = {id(optimizer.param_groups[0]["params"][0]) for optimizer in list(optimizers.values())}
+        return any(id(p) in wanted for p in module.parameters())
+
+    def refresh_stale(self) -> None:
+        """
+        Take every stale host copy now (`HostStepOptimizer.refresh`), before the forward that precedes the first
+        backward after an attach or a resume: there each parameter's first step would take its own, and wait for it,
+        in its gradient hook. The copies are started together and waited for once, and the pinned blocks they land in
+        are registered now, not inside backward.
+        """
+        stale, self.stale = list(self.stale.values()), {}
+        tickets = [optimizer.begin_refresh() for optimizer in stale]
+        for ticket in tickets:
+            ticket.wait_host()
+        local = [local_tensor(o.param_groups[0]["params"][0]) for o in stale]
+        if local and self.reserve is not None and "grads" not in self.arenas:
+            # The host gradients' block too: its first use is a step in backward.
+            self.arenas["grads"] = HostArena(self.transfer_for(local[0]), self.reserve())
 
     def add(self, optimizer: HostStepOptimizer) -> None:
         """`optimizer` started a host step: the next forward that reads its parameter waits for its copy back."""
@@ -218,6 +244,20 @@ class HostStepOptimizer(torch.optim.Optimizer):
         super().__init__([{**group, "params": [param]}], base.defaults)
 
     @property
+    def stale(self) -> bool:
+        """Whether the device parameter may differ from the host copy: it is copied again before the next step, or
+        before the next forward of a module that holds it (`HostRunner.refresh_stale`)."""
+        return self._stale
+
+    @stale.setter
+    def stale(self, value: bool) -> None:
+        self._stale = value
+        if value:
+            self.runner.stale[id(self)] = self
+        else:
+            self.runner.stale.pop(id(self), None)
+
+    @property
     def host_base(self) -> torch.optim.Optimizer:
         """The wrapped optimizer (checkpoints name its class)."""
         return self.base
@@ -318,6 +358,11 @@ class HostStepOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def refresh(self) -> None:
         """Copy the device parameter into the host copy (after a checkpoint or the user changed the weights)."""
+        self.begin_refresh().wait_host()
+
+    @torch.no_grad()
+    def begin_refresh(self) -> Ticket:
+        """Start `refresh`'s copy; the host copy may be read once the returned ticket is done."""
         self.wait_host()
         local = local_tensor(self.param_groups[0]["params"][0])
         transfer = self.runner.transfer_for(local)
@@ -329,9 +374,10 @@ class HostStepOptimizer(torch.optim.Optimizer):
             # The first refresh (the host copy is taken at the first step), or FSDP2's prepare replaced the parameter
             # by its sharded DTensor: the host copy is of the local shard.
             self.host.data = self.runner.host_buffer("copies", local)
-        transfer.copy(self.host, local).wait_host()
+        ticket = transfer.copy(self.host, local)
         self.version = local._version
         self.stale = False
+        return ticket
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.param_groups[0]["params"][0].grad = None

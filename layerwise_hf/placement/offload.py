@@ -329,6 +329,9 @@ class GradientOffload:
         else:
             staged, block = self.staging.take(transfer, grad)
             ticket = transfer.copy(staged, grad)
+            # NOTE: the add waits for what came before into `buffer` too, though today the order already gives it:
+            # an earlier copy into it ran on the same to-host stream (one copy thread), an earlier add or unscale on
+            # the one worker thread. Kept (each is done: a cheap wait) so that neither order is load-bearing.
             before = list(waits)
             waits.clear()
             waits.append(self.worker.submit(_add_after, buffer, staged, [*before, ticket]))
@@ -383,10 +386,10 @@ class GradientOffload:
         for waits in self.waits.values():
             _wait_all(waits)
             waits.clear()
+        # NOTE: no wait for the copies in flight: each is in its buffer's `waits` (or in the add that waits for it),
+        # all waited for above. Only the count of device bytes being copied is settled.
         while self.in_flight:
-            ticket, size = self.in_flight.popleft()
-            ticket.wait_host()
-            self.device_bytes -= size
+            self.device_bytes -= self.in_flight.popleft()[1]
         ready = [(i, future.result()) for i, future in self.host_norms.items() if window.norms[i] is None]
         sharded = [k for k, (i, _) in enumerate(ready) if hasattr(params[i], "device_mesh")]
         if sharded:

@@ -260,6 +260,9 @@ class CudaTransfer(Transfer):
         return block
 
     def close(self) -> None:
+        # NOTE: Transfer.close's promise (every copy started has ended), not what frees memory safely: every copy out
+        # is waited for on the host before offload closes (the window's end, each host step), and a host block
+        # waits for its own last copy before it is unregistered (`_unregister`). Kept for callers of close alone.
         self.to_host.synchronize()
         self.to_device.synchronize()
 
