@@ -53,6 +53,7 @@ MAX_GRAD_NORM = 1.0  # Trainer's default; with layerwise_clip="exact"
 KEEP_DEVICE_SYNC_ENV = "LAYERWISE_HF_BNB_DEVICE_SYNC"  # layerwise_hf.platform.streams: "1" keeps bitsandbytes' syncs
 CSAN_ENV = "GPU_CHECK_CSAN"  # "1": the process enables torch's CUDA sanitizer before its first CUDA op
 DELAY_CYCLES = 20_000_000  # a reduce-scatter that ends late (FSDP2): ~10 ms of torch.cuda._sleep, far over a step
+COPY_DELAY_CYCLES = 2_000_000  # ~1 ms before every offload copy, each direction (the offload check)
 # The memory check's ~1B runs, one process: (label, optim, layerwise_offload, max_grad_norm, BNB_DEVICE_SYNC=1).
 # The 8-bit runs without clipping (one backward per step on both sides, so the times compare the steps); the host
 # offload runs with exact clipping (the gradients wait on the host).
@@ -270,8 +271,37 @@ def enable_sanitizer(device: str) -> bool:
         import torch.cuda._sanitizer as csan
 
         csan.enable_cuda_sanitizer()
+        sanitize_host_worker(csan)
         return True
     return False
+
+
+def sanitize_host_worker(csan) -> None:
+    """CSAN's dispatch mode is entered on the thread that enabled it: the host worker's copies back and host steps
+    would go unchecked. Each of the worker's tasks runs under a mode that hands every op to the same CSAN mode, so one
+    happens-before model sees both threads; one lock for both, as CSAN's handler is not thread-safe."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from layerwise_hf.placement.offload import HostWorker
+
+    dispatch, lock, submit = csan.cuda_sanitizer.dispatch, threading.Lock(), HostWorker.submit
+    original = type(dispatch).__torch_dispatch__
+
+    def locked(self, func, types, args=(), kwargs=None):
+        with lock:
+            return original(self, func, types, args, kwargs)
+
+    type(dispatch).__torch_dispatch__ = locked
+
+    class InWorker(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return locked(dispatch, func, types, args, kwargs)
+
+    def checked(fn, *args):
+        with InWorker():
+            return fn(*args)
+
+    HostWorker.submit = lambda self, fn, *args: submit(self, checked, fn, *args)
 
 
 class Overflow(TrainerCallback):
@@ -730,14 +760,40 @@ def simulate_offload_on_cpu() -> None:
     os.environ.setdefault(DELAY_ENV, "0.001")
 
 
+@contextlib.contextmanager
+def slow_copies(cycles: int = COPY_DELAY_CYCLES):
+    """Every offload copy starts after `torch.cuda._sleep(cycles)` on its side stream (each direction): a copy that
+    ends late, so a wait the code lacks reads a buffer before its copy ran and changes the weights."""
+    from layerwise_hf.placement.transfer import CudaTransfer
+
+    copy = CudaTransfer.copy
+
+    def slow(self, dst, src, after=None):
+        with torch.cuda.stream(self.to_device if dst.is_cuda else self.to_host):
+            torch.cuda._sleep(cycles)
+        return copy(self, dst, src, after)
+
+    CudaTransfer.copy = slow
+    try:
+        yield
+    finally:
+        CudaTransfer.copy = copy
+
+
 def check_offload(opts, sizes, device, record) -> dict:
     """adamw_torch through Trainer against adamw_torch_layerwise with offload on the small model, each of OFFLOAD_CASES
-    (the ~1B runs are the memory check's)."""
-    steps, batch, cuda = sizes["parity_steps"], sizes["small_batch"], device.startswith("cuda")
-    cases = (result := {"model": sizes["small_model"], "steps": steps, "cases": []})["cases"]
-    record(result)
+    (the ~1B runs are the memory check's), every copy delayed (`slow_copies`; on CPU, ThreadTransfer's delay)."""
+    steps, cuda = sizes["parity_steps"], device.startswith("cuda")
+    record(result := {"model": sizes["small_model"], "steps": steps, "cases": [], "copy_delay_cycles": 0})
     if not cuda:
         simulate_offload_on_cpu()
+    with slow_copies() if cuda else contextlib.nullcontext():
+        result["copy_delay_cycles"] = COPY_DELAY_CYCLES if cuda else 0
+        return offload_cases(opts, sizes, device, record, result)
+
+
+def offload_cases(opts, sizes, device, record, result) -> dict:
+    steps, batch, cuda, cases = sizes["parity_steps"], sizes["small_batch"], device.startswith("cuda"), result["cases"]
     # The host's AdamW is not CUDA's kernel, nor the host's norm of a GA sum CUDA's: on a GPU, 'optimizer' and
     # 'gradients' at GA 2 are compared by their updates, not bit for bit.
     host_opts = argparse.Namespace(**{**vars(opts), "update_rtol": opts.offload_rtol})
@@ -808,8 +864,12 @@ def environment(device: str, no_bnb: str | None) -> dict:
 
     cuda = device.startswith("cuda")
     try:  # a bare GPU machine may have no git, or a copy of the tree without .git: the checks still run
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {"device": device, "device_name": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
@@ -821,7 +881,40 @@ def environment(device: str, no_bnb: str | None) -> dict:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "gpu_check_sh_interpreter": os.environ.get("GPU_CHECK_PYTHON"),
             "gpu_total_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
+            "gpu_count": torch.cuda.device_count() if cuda else 0,
+            "cuda_host_register": probe_host_register() if cuda else None,
             }  # fmt: skip
+
+
+def probe_host_register() -> str:
+    """Whether this machine pins plain host memory (`cudaHostRegister`, what offload's arenas use): "ok", or the error
+    (some containers and virtual machines refuse it; offload then cannot pin its buffers)."""
+    block = torch.empty(4096, dtype=torch.uint8)
+    cudart = torch.cuda.cudart()
+    try:
+        torch.cuda.check_error(cudart.cudaHostRegister(block.data_ptr(), block.numel(), 0))
+    except Exception as e:  # noqa: BLE001 - reported as it is
+        return f"refused: {type(e).__name__}: {e}"
+    torch.cuda.check_error(cudart.cudaHostUnregister(block.data_ptr()))
+    return "ok"
+
+
+def not_exercised(report: dict) -> list[str]:
+    """What a PASS of this run says nothing about: what it could not run here."""
+    env, missing = report["environment"], []
+    if not str(env.get("bitsandbytes", "")).replace(".", "").isdigit():
+        missing.append(
+            "platform/streams.py's ordering of 8-bit steps on the default stream (no bitsandbytes: fsdp2_8bit, the "
+            "8-bit parity and memory runs and the FSDP2 sanitizer run were skipped)"
+        )
+    if env.get("device", "").startswith("cuda") and (env.get("gpu_count") or 0) < 2:
+        missing.append(
+            "a model over two GPUs with offload (refused at setup) and each rank's host worker on its own GPU: one "
+            "GPU visible"
+        )
+    if str(env.get("cuda_host_register") or "ok") != "ok":
+        missing.append(f"offload's pinned arenas: cudaHostRegister {env['cuda_host_register']}")
+    return missing
 
 
 def show(key: str, value) -> str:
@@ -870,6 +963,8 @@ def print_table(report: dict) -> None:
     skipped = "; ".join(f"{k} ({v})" for k, v in report["checks_skipped"].items())
     print(f"\nran: {', '.join(report['checks_run']) or 'none'}; skipped: {skipped or 'none'}")
     print(f"all passed: {report['passed']}  ({report['seconds']} s)")
+    for what in report.get("not_exercised", []):
+        print(f"not exercised: {what}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -956,6 +1051,7 @@ def main(argv=None) -> int:
         report["checks_skipped"] = {n: c.get("reason", c["status"]) for n, c in checks.items() if n not in
                                     report["checks_run"]}  # fmt: skip
         report["passed"] = all(checks[n].get("passed") for n in report["checks_run"])
+        report["not_exercised"] = not_exercised(report)
         report["seconds"] = round(time.perf_counter() - t0, 1)
         output.with_suffix(".tmp").write_text(json.dumps(finite(report), indent=1, allow_nan=False, default=str))
         output.with_suffix(".tmp").replace(output)

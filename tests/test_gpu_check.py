@@ -434,3 +434,43 @@ def test_gpu_check_tiny_dry_run_on_cpu(tmp_path):
     assert set(memory["plan"]["rows"]) == {"adamw_8bit", "adamw_8bit_layerwise"}
     assert runs["adamw_8bit"]["planned_peak_bytes"] == memory["plan"]["rows"]["adamw_8bit"]["peak_bytes"] > 0
     assert memory["bnb_syncs_where_expected"] and memory["offload_states_on_host"]
+
+
+def test_the_sanitizer_sees_the_host_workers_ops_too(monkeypatch):
+    # torch's CUDA sanitizer is a dispatch mode of the thread that enabled it: the host worker's copies back and host
+    # steps went unchecked. A stand-in for CSAN's mode records which thread each op came from.
+    import threading
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from layerwise_hf.placement.offload import HostWorker
+
+    seen = []
+
+    class Recorded(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append((threading.current_thread().name, func))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(HostWorker, "submit", HostWorker.submit)  # restored after the test
+    monkeypatch.setattr(Recorded, "__torch_dispatch__", Recorded.__torch_dispatch__)
+    gpu_check().sanitize_host_worker(SimpleNamespace(cuda_sanitizer=SimpleNamespace(dispatch=Recorded())))
+    worker = HostWorker()
+    try:
+        assert worker.submit(lambda: torch.ones(3).mul(2).sum().item()).result() == 6.0
+    finally:
+        worker.close()
+    assert [(name.startswith("layerwise-host"), func) for name, func in seen] == [
+        (True, torch.ops.aten.ones.default), (True, torch.ops.aten.mul.Tensor), (True, torch.ops.aten.sum.default),
+        (True, torch.ops.aten._local_scalar_dense.default),
+    ]  # fmt: skip
+
+
+def test_the_verdict_names_what_the_run_could_not_exercise():
+    module = gpu_check()
+    bare = {"environment": {"device": "cuda", "bitsandbytes": "bitsandbytes not importable", "gpu_count": 1,
+                            "cuda_host_register": "refused: RuntimeError: operation not permitted"}}  # fmt: skip
+    said = " | ".join(module.not_exercised(bare))
+    assert "no bitsandbytes" in said and "one GPU visible" in said and "cudaHostRegister refused" in said
+    full = {"environment": {"device": "cuda", "bitsandbytes": "0.50.2", "gpu_count": 2, "cuda_host_register": "ok"}}
+    assert module.not_exercised(full) == []
