@@ -129,15 +129,15 @@ def test_the_plan_times_the_models_own_tensors(pool_cost, tmp_path):
     config.write_text(json.dumps(PLAN_LLAMA))
     shapes = model_shapes(PLAN_LLAMA)
     elements = sum(math.prod(s) for s in shapes)
-    setup = SimpleNamespace(lora_r=None, lora_targets=(), sharding="none", world_size=1)
+    setup = SimpleNamespace(lora_r=None, lora_targets=(), sharding="none", world_size=1, shards=1)
     result = SimpleNamespace(source=str(config), model="tiny", setup=setup)
     assert stepped_tensors(result, elements) == shapes
     assert stepped_tensors(result, 2 * elements) is None  # the sizes must add up to what the simulation kept
     assert stepped_tensors(SimpleNamespace(source="", model="no-such-model", setup=setup), elements) is None
-    sharded = SimpleNamespace(**{**vars(setup), "sharding": "fsdp2", "world_size": 2})
+    sharded = SimpleNamespace(**{**vars(setup), "sharding": "fsdp2", "world_size": 2, "shards": 2})
     halves = stepped_tensors(SimpleNamespace(source=str(config), model="tiny", setup=sharded), elements // 2)
     assert halves == [(s[0] // 2, *s[1:]) for s in shapes]  # this rank's dim-0 shard of each
-    lora = SimpleNamespace(lora_r=4, lora_targets=("q_proj", "v_proj"), sharding="none", world_size=1)
+    lora = SimpleNamespace(lora_r=4, lora_targets=("q_proj", "v_proj"), sharding="none", world_size=1, shards=1)
     adapters = stepped_tensors(SimpleNamespace(source=str(config), model="tiny", setup=lora), 2 * 2 * 4 * 128)
     assert adapters == [(4, 64), (64, 4)] * 4  # lora_A and lora_B on q and v of 2 layers
 
