@@ -209,6 +209,24 @@ def _cache_path() -> Path:
     return Path(root) / "layerwise_hf" / "host_step_rate.json"
 
 
+def _read_cache() -> dict[str, Any]:
+    # The machine's measured host rates; a missing or unreadable file measures again.
+    path = _cache_path()
+    try:
+        return json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(known: dict[str, Any]) -> None:
+    path = _cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(known, indent=2) + "\n")
+    except OSError:
+        pass  # a read-only home: the next plan measures again
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -357,13 +375,7 @@ def host_step_seconds(
     counts = collections.Counter(s for s in shapes if math.prod(s) > 0)
     footprint = min(sum(math.prod(s) for s in shapes), CALIBRATION_CAP)
     prefix = f"{optimizer}|{str(dtype).removeprefix('torch.')}|{threads}|{torch.__version__}|{_cpu_name()}"
-    path = _cache_path()
-    known: dict[str, Any] = {}
-    if cache and path.exists():
-        try:
-            known = json.loads(path.read_text())
-        except (OSError, ValueError):
-            known = {}
+    known = _read_cache() if cache else {}
     measured, total = False, 0.0
     previous = torch.get_num_threads()
     try:
@@ -379,11 +391,7 @@ def host_step_seconds(
     finally:
         torch.set_num_threads(previous)
     if cache and measured:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(known, indent=2) + "\n")
-        except OSError:
-            pass
+        _write_cache(known)
     return total, "measured" if measured else "cached"
 
 
@@ -405,13 +413,7 @@ def host_add_rate(dtype: torch.dtype = torch.float32, cache: bool = True, repeat
 
     threads = host_threads()
     key = f"add|{str(dtype).removeprefix('torch.')}|{threads}|{torch.__version__}|{_cpu_name()}"
-    path = _cache_path()
-    known: dict[str, Any] = {}
-    if cache and path.exists():
-        try:
-            known = json.loads(path.read_text())
-        except (OSError, ValueError):
-            known = {}
+    known = _read_cache() if cache else {}
     if isinstance(known.get(key), float):
         return known[key]
     total, staged = torch.zeros(CALIBRATION_CAP, dtype=dtype), torch.full((CALIBRATION_CAP,), 1e-3, dtype=dtype)
@@ -423,11 +425,7 @@ def host_add_rate(dtype: torch.dtype = torch.float32, cache: bool = True, repeat
         worker.close()
     known[key] = seconds / CALIBRATION_CAP * 1e9
     if cache:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(known, indent=2) + "\n")
-        except OSError:
-            pass
+        _write_cache(known)
     return known[key]
 
 
