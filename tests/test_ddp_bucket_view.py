@@ -26,17 +26,6 @@ DEVICE = torch.device("cuda", 0)
 LR = 1e-2
 
 
-@pytest.fixture(scope="module")
-def one_rank_group(tmp_path_factory):
-    store = dist.FileStore(str(tmp_path_factory.mktemp("group") / "store"), 1)
-    dist.init_process_group("gloo", rank=0, world_size=1, store=store)
-    try:
-        yield
-    finally:
-        dist.barrier()  # NOTE: gloo was seen to abort at exit without a barrier before destroy_process_group
-        dist.destroy_process_group()
-
-
 def _mlp():
     torch.manual_seed(0)
     return torch.nn.Sequential(

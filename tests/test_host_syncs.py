@@ -149,19 +149,6 @@ def test_trainer_step_makes_no_more_host_syncs_than_standard(tmp_path, base, max
 # ---- a one-rank gloo group: the DDP comm-hook route and the data-parallel route in this process ----
 
 
-@pytest.fixture(scope="module")
-def one_rank_group(tmp_path_factory):
-    # One group for the module: collecting the DDP models each test leaves (gc, about 0.5 s) is done once, at the end.
-    store = dist.FileStore(str(tmp_path_factory.mktemp("group") / "store"), 1)
-    dist.init_process_group("gloo", rank=0, world_size=1, store=store)
-    try:
-        yield
-    finally:
-        gc.collect()  # no DDP reducer may outlive the group
-        dist.barrier()  # NOTE: gloo was seen to abort at exit without a barrier before destroy_process_group
-        dist.destroy_process_group()
-
-
 class Net(torch.nn.Module):
     """Three layers (several DDP buckets under a small cap), and optionally a parameter the forward never uses."""
 

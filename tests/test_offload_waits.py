@@ -8,7 +8,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from cuda_fake import FakeCuda, all_reduce_on_its_own_stream
 from helpers import assert_params_equal
 from test_offload_csan import _batches, _mlp, offload_loop, reference_run
@@ -19,19 +18,6 @@ from layerwise_hf.optim.host_offload import enable_offload
 from layerwise_hf.placement import offload as offload_module
 from layerwise_hf.placement import transfer as transfer_module
 from layerwise_hf.routes.data_parallel import DataParallelConfig, DataParallelReducer
-
-
-@pytest.fixture(scope="module")
-def one_rank_group(tmp_path_factory):
-    store = dist.FileStore(str(tmp_path_factory.mktemp("group") / "store"), 1)
-    dist.init_process_group("gloo", rank=0, world_size=1, store=store)
-    try:
-        yield
-    finally:
-        gc.collect()  # no DDP reducer may outlive the group
-        dist.barrier()  # NOTE: gloo was seen to abort at exit without a barrier before destroy_process_group
-        dist.destroy_process_group()
-
 
 # ---- CudaTransfer.copy's record_stream ----
 
