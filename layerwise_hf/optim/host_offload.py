@@ -14,7 +14,7 @@ import torch
 from ..placement.host_step import HostRunner, HostStepOptimizer
 from ..placement.offload import GradientOffload, parse_offload
 from ..placement.offloading import check_host_step_base
-from ..placement.transfer import Transfer, device_of, offload_simulated, several_devices_error
+from ..placement.transfer import Transfer, check_one_device, offload_simulated
 from ..platform.dtensor import local_tensor
 from .window import Action
 
@@ -244,7 +244,8 @@ def enable_offload(
     clipping) wait in host buffers as with `"gradients"` and are stepped from there.
 
     Without CUDA offload saves nothing (one memory); it runs the same path with a copy thread for the side stream
-    (`layerwise_hf.placement.transfer.ThreadTransfer`) and warns, unless `LAYERWISE_HF_OFFLOAD_SIMULATE=1`.
+    (`layerwise_hf.placement.transfer.ThreadTransfer`) and warns, unless `LAYERWISE_HF_OFFLOAD_SIMULATE=1`. A model
+    spread over several GPUs in one process is refused (`check_one_device`): offload one GPU per process.
 
     Args:
         optimizer (`LayerwiseOptimizer`): the optimizer to offload.
@@ -262,22 +263,18 @@ def enable_offload(
     ```
     """
     mode = parse_offload(mode, "mode")
-    gate = optimizer.gate
-    gate.offload.close()
+    (gate := optimizer.gate).offload.close()
     gate.offload = NO_OFFLOAD
     if mode == "none":
         return
-    if mode == "optimizer":
-        check_host_step_base(optimizer.optimizer_name)
+    check_host_step_base(optimizer.optimizer_name) if mode == "optimizer" else None
     hosted = all(isinstance(inner, HostStepOptimizer) for inner in optimizer.inner)
     if (mode == "optimizer") != hosted or (hosted and runner is None):
         raise ValueError(
             "layerwise_offload='optimizer' must be chosen when the optimizer is built (its states are created on the "
             "host): pass offload='optimizer' to build_layerwise_optimizer, or set args.layerwise_offload."
         )
-    devices = sorted({device_of(local_tensor(p)) for p in gate.params if p.is_cuda}, key=str)
-    if len(devices) > 1:
-        raise several_devices_error(devices)
+    check_one_device(gate.params)
     if not torch.cuda.is_available() and not offload_simulated() and transfer is None:
         _warn_without_cuda(mode)
     if runner is not None and transfer is not None and runner.transfer is None:

@@ -387,6 +387,14 @@ def several_devices_error(devices: Sequence[Any]) -> ValueError:
     )
 
 
+def check_one_device(params: Sequence[torch.Tensor]) -> None:
+    """Refuse offload for parameters on more than one CUDA device (`several_devices_error`)."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    devices = sorted({device_of(p) for p in local if p.is_cuda}, key=str)
+    if len(devices) > 1:
+        raise several_devices_error(devices)
+
+
 def check_device(transfer: Transfer, tensor: torch.Tensor) -> None:
     """Refuse a device-side `tensor` on another device than `transfer`'s: its copy would run on its own device's
     stream, not the side stream whose event says it is done, and the host would read the buffer too early."""
