@@ -528,7 +528,7 @@ def test_host_norms_of_shards_reach_the_device_in_one_copy():
     # parameter at every step's end; stacked, one.
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from layerwise_hf.placement.offload import moved_together
+    from layerwise_hf.platform.norms import moved_together
 
     class Copies(TorchDispatchMode):
         count = 0

@@ -208,7 +208,9 @@ class OffloadStage:
         self.buffers.close()
 
 
-def _warn_without_cuda(mode: str) -> None:
+def _warn_without_cuda(mode: str, transfer: Transfer | None) -> None:
+    if torch.cuda.is_available() or offload_simulated() or transfer is not None:
+        return
     logger.warning(
         "layerwise_offload=%r on a machine without CUDA: the device and the host are the same memory, so offload "
         "saves none. It runs the same path as on a GPU, with a copy thread for the side stream "
@@ -244,8 +246,7 @@ def enable_offload(
     clipping) wait in host buffers as with `"gradients"` and are stepped from there.
 
     Without CUDA offload saves nothing (one memory); it runs the same path with a copy thread for the side stream
-    (`layerwise_hf.placement.transfer.ThreadTransfer`) and warns, unless `LAYERWISE_HF_OFFLOAD_SIMULATE=1`. A model
-    spread over several GPUs in one process is refused (`check_one_device`): offload one GPU per process.
+    (`ThreadTransfer`) and warns, unless `LAYERWISE_HF_OFFLOAD_SIMULATE=1`. A model over several GPUs is refused.
 
     Args:
         optimizer (`LayerwiseOptimizer`): the optimizer to offload.
@@ -263,11 +264,13 @@ def enable_offload(
     ```
     """
     mode = parse_offload(mode, "mode")
-    (gate := optimizer.gate).offload.close()
+    gate = optimizer.gate
+    gate.offload.close()
     gate.offload = NO_OFFLOAD
     if mode == "none":
         return
-    check_host_step_base(optimizer.optimizer_name) if mode == "optimizer" else None
+    if mode == "optimizer":
+        check_host_step_base(optimizer.optimizer_name)
     hosted = all(isinstance(inner, HostStepOptimizer) for inner in optimizer.inner)
     if (mode == "optimizer") != hosted or (hosted and runner is None):
         raise ValueError(
@@ -275,8 +278,7 @@ def enable_offload(
             "host): pass offload='optimizer' to build_layerwise_optimizer, or set args.layerwise_offload."
         )
     check_one_device(gate.params)
-    if not torch.cuda.is_available() and not offload_simulated() and transfer is None:
-        _warn_without_cuda(mode)
+    _warn_without_cuda(mode, transfer)
     if runner is not None and transfer is not None and runner.transfer is None:
         runner.transfer = transfer
     # NOTE: the transfer is chosen at the first copy, from the gradient's device, not from the parameters' now: a

@@ -126,6 +126,9 @@ class HostRunner:
         """
         stale, self.stale = list(self.stale.values()), {}
         tickets = [optimizer.begin_refresh() for optimizer in stale]
+        # NOTE: no test needs this wait today: every reader of a host copy (the host step) first waits for a copy out
+        # queued after these on the same to-host stream (one copy thread on CPU). Kept so that a host copy is whole
+        # once the forward starts, whatever reads it: one wait per resume, not per parameter.
         for ticket in tickets:
             ticket.wait_host()
         local = [local_tensor(o.param_groups[0]["params"][0]) for o in stale]

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ..platform.dtensor import local_tensor
-from ..platform.norms import grad_norm_kernel
+from ..platform.norms import grad_norm_kernel, moved_together
 from .transfer import HostArena, Ticket, Transfer, check_device, device_of, make_transfer
 
 logger = logging.getLogger(__name__)
@@ -79,25 +79,6 @@ def shard_norm(param: torch.Tensor, local_norm: torch.Tensor) -> torch.Tensor:
     placements = [_NormPartial(2.0) if isinstance(p, Shard) else p for p in param.placements]
     local = local_norm.to(param.to_local().device)
     return DTensor.from_local(local, param.device_mesh, placements, run_check=False)
-
-
-def moved_together(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """
-    `tensors` (scalars of one dtype, on one device) on `device` with one copy: stacked, moved, split. Copies are
-    exact, so each is what moving it alone gives.
-
-    Example:
-
-    ```python
-    >>> import torch
-    >>> from layerwise_hf.placement.offload import moved_together
-    >>> moved_together([torch.tensor(1.0), torch.tensor(2.0)], torch.device("meta"))[1].device
-    device(type='meta')
-    ```
-    """
-    if not tensors:
-        return []
-    return list(torch.stack(list(tensors)).to(device).unbind())
 
 
 class HostWorker:

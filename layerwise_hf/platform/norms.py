@@ -135,7 +135,25 @@ def _stack_on(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor
         return torch.stack(tensors)
     moved: list[Any] = [None] * len(tensors)
     for ks in positions.values():
-        together = torch.stack([tensors[k] for k in ks]).to(device)
-        for j, k in enumerate(ks):
-            moved[k] = together[j]
+        for k, t in zip(ks, moved_together([tensors[k] for k in ks], device)):
+            moved[k] = t
     return torch.stack(moved)
+
+
+def moved_together(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """
+    `tensors` (scalars of one dtype, on one device) on `device` with one copy: stacked, moved, split. Copies are
+    exact, so each is what moving it alone gives.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.platform.norms import moved_together
+    >>> moved_together([torch.tensor(1.0), torch.tensor(2.0)], torch.device("meta"))[1].device
+    device(type='meta')
+    ```
+    """
+    if not tensors:
+        return []
+    return list(torch.stack(list(tensors)).to(device).unbind())
