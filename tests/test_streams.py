@@ -7,7 +7,7 @@ from helpers import tiny_llama, train, training_args
 
 from layerwise_hf.placement.local_shard import LocalShardOptimizer
 from layerwise_hf.platform import streams
-from layerwise_hf.routes.sink import BackwardEnd
+from layerwise_hf.platform.backward_end import BackwardEnd
 
 bnb = pytest.importorskip("bitsandbytes")
 bnb_functional = pytest.importorskip("bitsandbytes.functional")

@@ -20,10 +20,10 @@ import torch
 
 from ..bases.support import check_fp16_clip_mode, check_fp16_weights
 from ..placement.host_step import unwrap_host_step
+from ..platform.backward_end import BackwardEnd
 from ..platform.compat import checkpointing_kwargs_name
 from ..platform.norms import scale_grad
 from ..platform.streams import step_in_backward
-from ..routes.sink import BackwardEnd
 from .clipping import ClipMode, make_clipper
 from .grad_scaler import GradScalerBridge, NoLossScaling
 from .host_offload import NO_OFFLOAD, NoOffload, OffloadStage

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from ..platform.backward_end import BackwardEnd
 from ..platform.dtensor import local_tensor as _local
-from ..routes.sink import BackwardEnd
 from .window import StepWindow
 
 

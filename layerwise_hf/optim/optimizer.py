@@ -30,9 +30,9 @@ from ..bases.support import check_bool_argument, check_fsdp2_optimizers
 from ..placement.local_shard import wrap_local_shards
 from ..placement.offload import parse_offload
 from ..placement.offloading import host_step_factory
+from ..platform.backward_end import BackwardEnd
 from ..routes.distributed import choose_route
 from ..routes.hooks import GradientRoute, LocalHooks
-from ..routes.sink import BackwardEnd
 from . import norm_pass
 from .clipping import CLIP_MODES as CLIP_MODES
 from .clipping import ClipMode

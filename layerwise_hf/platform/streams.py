@@ -216,8 +216,8 @@ class GroupSteps:
 
     Args:
         backward_end (`BackwardEnd`):
-            The sink's owner of the end of each backward (`layerwise_hf.routes.sink.BackwardEnd`): anything with
-            `queue(stage, work) -> bool`.
+            The optimizer's owner of the end of each backward (`layerwise_hf.platform.backward_end.BackwardEnd`):
+            anything with `queue(stage, work) -> bool`.
 
     Example:
 
