@@ -315,10 +315,10 @@ def test_a_model_moved_over_two_gpus_after_setup_is_refused_at_its_first_copy(mo
         optimizer.attach()
         weights = list(model.parameters())
         weights[-1].grad = fake.place(torch.ones_like(weights[-1]), 0)
-        optimizer.gate.offload.buffers.stash(len(weights) - 1, weights[-1], measure=False)
+        optimizer.pipeline.offload.buffers.stash(len(weights) - 1, weights[-1], measure=False)
         weights[0].grad = fake.place(torch.ones_like(weights[0]), 1)
         with pytest.raises(ValueError, match="several GPUs in one process"):
-            optimizer.gate.offload.buffers.stash(0, weights[0], measure=False)
+            optimizer.pipeline.offload.buffers.stash(0, weights[0], measure=False)
         end_training(optimizer)
 
 

@@ -119,14 +119,14 @@ class StepPeaks:
         self._before = 0
 
     def step_begin(self, optimizer: Any) -> None:
-        meter = optimizer.gate.meter
+        meter = optimizer.pipeline.meter
         # NOTE: the meter keeps one running peak; it is lowered for the step and put back at its end, so what is
         # logged after the step is the whole run's peak, as without this.
         self._before = meter.peak_bytes
         meter.peak_bytes = meter.held_bytes
 
     def step_end(self, optimizer: Any) -> None:
-        meter = optimizer.gate.meter
+        meter = optimizer.pipeline.meter
         peak = meter.peak_bytes
         if self.first is None:
             self.first = peak

@@ -26,9 +26,8 @@ from .window import StepWindow
 
 class NoLossScaling:
     """
-    The gate's loss-scaling stage without fp16 loss scaling: every gradient is already unscaled and none is checked.
-    It answers the gate's calls as `GradScalerBridge` does when nothing overflows, so the gate has no branch per
-    feature.
+    The loss-scaling stage without fp16 loss scaling: every gradient is already unscaled and none is checked. It
+    answers as `GradScalerBridge` does when nothing overflows.
 
     Example:
 
@@ -181,7 +180,7 @@ class GradScalerBridge:
         With host offload: a final gradient of this window was offloaded (unscaled on the device, or its host sum
         queued for the host worker's check). At the end of this backward (an autograd-engine callback) the flags are
         gathered and recorded for GradScaler (`publish`), so whatever the driver calls next (`grad_norm()`,
-        `scaler.step`) sees every gradient checked. `offload` is the gate's `GradientOffload`; `measure`: the step
+        `scaler.step`) sees every gradient checked. `offload` is the pipeline's `GradientOffload`; `measure`: the step
         wants the norms of host sums finished there too.
         """
 

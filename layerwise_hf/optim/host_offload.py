@@ -1,5 +1,5 @@
-"""Where host offload joins the path of a gradient: the gate's offload stage. `enable_offload` gives the optimizer's
-gate an `OffloadStage` around a `GradientOffload` (`layerwise_hf.placement.offload`), through which accumulated and
+"""Where host offload joins the path of a gradient: the pipeline's offload stage. `enable_offload` gives the
+pipeline an `OffloadStage` around a `GradientOffload` (`layerwise_hf.placement.offload`), through which accumulated and
 held gradients wait on the host; without offload the stage is `NoOffload`, which keeps every gradient on the device.
 The mechanism (buffers, transfers, host steps) lives in `layerwise_hf.placement`.
 """
@@ -19,8 +19,8 @@ from ..platform.dtensor import local_tensor
 from .window import Action
 
 if TYPE_CHECKING:
-    from .gate import GradientGate
     from .optimizer import LayerwiseOptimizer
+    from .pipeline import GradientPipeline
 
 logger = logging.getLogger(__name__)
 
@@ -71,25 +71,25 @@ class NoOffload:
     active = False
     buffers: GradientOffload | None = None
 
-    def take(self, gate: GradientGate, i: int, action: Action) -> bool:
+    def take(self, gate: GradientPipeline, i: int, action: Action) -> bool:
         return False
 
     def holds(self, i: int) -> bool:
         return False
 
-    def merge_waiting(self, gate: GradientGate, i: int) -> None:
+    def merge_waiting(self, gate: GradientPipeline, i: int) -> None:
         pass
 
     def pending(self) -> list[int]:
         return []
 
-    def step(self, gate: GradientGate, indices: list[int]) -> None:
+    def step(self, gate: GradientPipeline, indices: list[int]) -> None:
         pass
 
-    def before_norm(self, gate: GradientGate) -> None:
+    def before_norm(self, gate: GradientPipeline) -> None:
         pass
 
-    def new_route(self, gate: GradientGate) -> None:
+    def new_route(self, gate: GradientPipeline) -> None:
         pass
 
     def end_window(self) -> None:
@@ -129,7 +129,7 @@ class OffloadStage:
     def pending(self) -> list[int]:
         return self.buffers.pending()
 
-    def take(self, gate: GradientGate, i: int, action: Action) -> bool:
+    def take(self, gate: GradientPipeline, i: int, action: Action) -> bool:
         """Take parameter `i`'s gradient to the host if it would wait there; `False`: it goes on as without offload."""
         # Accumulated and held gradients wait on the host; a gradient stepping at once with nothing on the host
         # (no accumulation, no clipping) steps as without offload.
@@ -162,12 +162,12 @@ class OffloadStage:
             scaler.check_offloaded(window, buffers, gate.params, gate.measures_all())
         return True
 
-    def merge_waiting(self, gate: GradientGate, i: int) -> None:
+    def merge_waiting(self, gate: GradientPipeline, i: int) -> None:
         """Add parameter `i`'s host sum of this window into its `.grad`, before a route's reduction."""
         if self.buffers.holds(i):
             self.buffers.merge_into(i, gate.params[i])
 
-    def step(self, gate: GradientGate, indices: list[int]) -> None:
+    def step(self, gate: GradientPipeline, indices: list[int]) -> None:
         """`step()`: step the parameters `indices` whose gradients wait on the host."""
         buffers = self.buffers
         if not indices:
@@ -188,14 +188,14 @@ class OffloadStage:
             gate.note_step(i)
             buffers.filled[i] = False
 
-    def before_norm(self, gate: GradientGate) -> None:
+    def before_norm(self, gate: GradientPipeline) -> None:
         """The window's norms include the host sums: finish those the last micro-batch did not reach."""
         if not gate.scaler.enabled and gate.sync():
             # A sum whose parameter got no gradient in the window's last micro-batch counts in the norm too.
             self.buffers.finish(gate.measures_all())
         self.buffers.settle(gate.window, gate.params)
 
-    def new_route(self, gate: GradientGate) -> None:
+    def new_route(self, gate: GradientPipeline) -> None:
         # Training (re)begins: host copies are taken again from the device's parameters.
         for inner in gate.inner:
             if isinstance(inner, HostStepOptimizer):
@@ -264,9 +264,9 @@ def enable_offload(
     ```
     """
     mode = parse_offload(mode, "mode")
-    gate = optimizer.gate
-    gate.offload.close()
-    gate.offload = NO_OFFLOAD
+    pipeline = optimizer.pipeline
+    pipeline.offload.close()
+    pipeline.offload = NO_OFFLOAD
     if mode == "none":
         return
     if mode == "optimizer":
@@ -277,7 +277,7 @@ def enable_offload(
             "layerwise_offload='optimizer' must be chosen when the optimizer is built (its states are created on the "
             "host): pass offload='optimizer' to build_layerwise_optimizer, or set args.layerwise_offload."
         )
-    check_one_device(gate.params)
+    check_one_device(pipeline.params)
     _warn_without_cuda(mode, transfer)
     if runner is not None and transfer is not None and runner.transfer is None:
         runner.transfer = transfer
@@ -289,7 +289,7 @@ def enable_offload(
 
     def reserve() -> list[torch.Tensor]:
         # NOTE: asked at the first host buffer, after Accelerate's FSDP2 prepare swapped in the DTensors (rebind).
-        return [local_tensor(p) for p in gate.params]
+        return [local_tensor(p) for p in pipeline.params]
 
     # Host buffers are views into one pinned block per dtype, sized for every parameter: pinned bytes equal the plan.
     buffers.reserve = reserve
@@ -297,10 +297,10 @@ def enable_offload(
         runner.reserve = reserve
     # NOTE: a route may ask what is held before any hook of the next window runs (the data-parallel route merges a
     # host sum before reducing); a window GradScaler skipped must be forgotten by then.
-    buffers.check_window = gate.close_skipped_window
-    gate.offload = OffloadStage(buffers)
+    buffers.check_window = pipeline.close_skipped_window
+    pipeline.offload = OffloadStage(buffers)
 
 
 def offload_of(optimizer: LayerwiseOptimizer) -> GradientOffload | None:
     """The host offload of `optimizer` (`enable_offload`), or `None`: its host buffers and device-side counters."""
-    return optimizer.gate.offload.buffers
+    return optimizer.pipeline.offload.buffers

@@ -91,13 +91,13 @@ class GradMeter:
 
 
 class MemoryReport:
-    """The memory figures a layer-wise optimizer reports (a mixin of `LayerwiseOptimizer`: its `gate`, `inner` and
+    """The memory figures a layer-wise optimizer reports (a mixin of `LayerwiseOptimizer`: its `pipeline`, `inner` and
     parameters)."""
 
     @property
     def peak_grad_bytes(self) -> int:
         """The most gradient bytes this optimizer held at once (accumulating, held, or about to step)."""
-        return self.gate.meter.peak_bytes
+        return self.pipeline.meter.peak_bytes
 
     def state_bytes(self) -> int:
         """Bytes held by every inner optimizer's state."""

@@ -36,10 +36,10 @@ from ..routes.hooks import GradientRoute, LocalHooks
 from . import norm_pass
 from .clipping import CLIP_MODES as CLIP_MODES
 from .clipping import ClipMode
-from .gate import GradientGate
 from .grad_scaler import GradScalerBridge
 from .host_offload import enable_offload
 from .memory import MemoryReport
+from .pipeline import GradientPipeline
 from .state import layerwise_state_dict, load_layerwise_state_dict, standard_groups_names
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class LayerwiseOptimizer(MemoryReport, torch.optim.Optimizer):
         self._route: GradientRoute | None = None  # the last route connected (kept after detach: `route` names it)
         self.backward_end = BackwardEnd()  # the one owner of the end of each backward (routes, hold, fp16 flags)
         self.norm_pass_choice = norm_pass.NormPassChoice()  # what layerwise_norm_pass="auto" decided
-        self.gate = GradientGate(
+        self.pipeline = GradientPipeline(
             self.names, self._params, self.inner, self.sync_gradients, track_grad_norm, self.backward_end
         )
         self.steps_taken = 0
@@ -145,14 +145,14 @@ class LayerwiseOptimizer(MemoryReport, torch.optim.Optimizer):
             loss = closure() if closure is not None else None
         self.rebind()
         self.backward_end.outside_backward()
-        self.gate.step_pending()
+        self.pipeline.step_pending()
         self.steps_taken += 1
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         self.backward_end.outside_backward()
-        self.gate.reset_window() if self.gate.offload.enabled else self.gate.meter.clear()
+        self.pipeline.reset_window() if self.pipeline.offload.enabled else self.pipeline.meter.clear()
 
     def state_dict(self) -> dict[str, Any]:
         """The standard layout, each group with its parameter's `name`, plus metadata (`layerwise_hf.optim.state`)."""
@@ -168,7 +168,7 @@ class LayerwiseOptimizer(MemoryReport, torch.optim.Optimizer):
             # Loading replaces the inner optimizers' group dicts; keep sharing them by reference.
             self.param_groups[:] = [inner.param_groups[0] for inner in self.inner]
         if last_grad_norm is not None:
-            self.gate.last_grad_norm = last_grad_norm.to(self._params[0].device)
+            self.pipeline.last_grad_norm = last_grad_norm.to(self._params[0].device)
 
     # ---- parameters and routes ----
 
@@ -211,7 +211,7 @@ class LayerwiseOptimizer(MemoryReport, torch.optim.Optimizer):
             if old is not new and old in inner.state:
                 inner.state[new] = inner.state.pop(old)
         self._params = current
-        self.gate.params = current
+        self.pipeline.params = current
         self._index = {id(p): i for i, p in enumerate(current)}
         if route is not None:
             route.attach(self)
@@ -223,7 +223,7 @@ class LayerwiseOptimizer(MemoryReport, torch.optim.Optimizer):
         if route.steps_shards:
             check_fsdp2_supported(self)
         # A window cut short by an exception (Ctrl-C, OOM, a callback) must not carry into the next step.
-        self.gate.new_route()
+        self.pipeline.new_route()
         self.backward_end.forget()
         route.attach(self)
         self._route = route
@@ -241,7 +241,7 @@ class LayerwiseOptimizer(MemoryReport, torch.optim.Optimizer):
         self.rebind()
         route = choose_route(self._params, model, accelerator)
         self.set_route(route)
-        self.gate.window.hold_all = hold_first_step
+        self.pipeline.window.hold_all = hold_first_step
         return route.name
 
     def detach(self) -> None:
@@ -263,51 +263,51 @@ class LayerwiseOptimizer(MemoryReport, torch.optim.Optimizer):
         """How gradients arrived in the last connect(): "local", "data_parallel", "ddp" or "fsdp2"."""
         return None if self._route is None else self._route.name
 
-    # ---- gradients: the per-parameter entry point, clipping, norm passes, fp16 (see `GradientGate`) ----
+    # ---- gradients: the per-parameter entry point, clipping, norm passes, fp16 (see `GradientPipeline`) ----
 
     def grad_ready(self, i: int) -> None:
         """Parameter `i`'s reduced gradient is in `.grad`: routes call this, the only way gradients come in."""
         if _frozen_since_built(self._params[i]):
             return
-        self.gate.grad_ready(i)
+        self.pipeline.grad_ready(i)
 
     def grad_held(self, i: int) -> None:
         """A route keeps parameter `i`'s gradient to hand it over later: count it among the gradients alive."""
-        self.gate.meter.hold(i, self._params[i].grad)
+        self.pipeline.meter.hold(i, self._params[i].grad)
 
     def merge_waiting(self, i: int) -> None:
         """Offload: add the window's host sum of parameter `i` into `.grad` before the route's one reduction."""
-        self.gate.merge_waiting(i)
+        self.pipeline.merge_waiting(i)
 
     def configure_clipping(self, max_grad_norm: float | None, mode: str = "exact") -> None:
         """Apply `max_grad_norm` (`<= 0` or `None`: no clipping) the way `mode` (a `layerwise_clip` value) says."""
-        self.gate.configure_clipping(max_grad_norm, mode)
+        self.pipeline.configure_clipping(max_grad_norm, mode)
 
     @property
     def clip_mode(self) -> str:
-        return self.gate.clipper.mode.value
+        return self.pipeline.clipper.mode.value
 
     def use_grad_scaler(self, scaler: Any) -> None:
         """Step under fp16 loss scaling with Accelerate's `accelerator.scaler` (`None`: none); see `grad_scaler`."""
-        self.gate.use_grad_scaler(scaler, self)
+        self.pipeline.use_grad_scaler(scaler, self)
 
     def needs_norm_pass(self) -> bool:
         """Whether the coming backward ends a window that exact clipping or fp16 wants measured first."""
-        return self.gate.needs_norm_pass(self.attached)
+        return self.pipeline.needs_norm_pass(self.attached)
 
     def steps_in_backward(self) -> bool:
         """Whether a gradient handed over now steps at once (not accumulated, measured, or held for `step()`)."""
-        return self.gate.steps_now()
+        return self.pipeline.steps_now()
 
     def norm_pass(self) -> contextlib.AbstractContextManager[None]:
         """Hooks within it only measure (and fp16-check) gradients and free them (`layerwise_hf.optim.norm_pass`)."""
         route = self._route
-        return self.gate.norm_pass(route.reduce_found_inf if route is not None else lambda flags: None)
+        return self.pipeline.norm_pass(route.reduce_found_inf if route is not None else lambda flags: None)
 
     @property
     def step_will_be_skipped(self) -> bool:
         """After a norm pass with a scaler: some gradient was inf/nan, so GradScaler will skip this step."""
-        return GradScalerBridge.will_skip(self.gate.window)
+        return GradScalerBridge.will_skip(self.pipeline.window)
 
     def backward_with_norm_pass(self, loss: torch.Tensor, backward: Callable[..., Any] | None = None, **kwargs):
         """`backward(loss)` after a measuring backward when needed; see `norm_pass.backward_with_norm_pass`."""
@@ -319,31 +319,31 @@ class LayerwiseOptimizer(MemoryReport, torch.optim.Optimizer):
 
     def note_accumulation(self) -> None:
         """A micro-batch that does not end the window ran backward (under DDP's no_sync no hook says so)."""
-        self.gate.note_accumulation()
+        self.pipeline.note_accumulation()
 
     def close_skipped_window(self) -> None:
         """Forget, without stepping, a window whose step GradScaler skipped (our step() never ran)."""
-        self.gate.close_skipped_window()
+        self.pipeline.close_skipped_window()
 
     def grad_norm(self) -> torch.Tensor | None:
         """The pre-clip global norm of this step's (or, after `step()`, the last step's) gradients, as
         `clip_grad_norm_` returns it (with fp16, of the unscaled gradients; inf/nan on a step GradScaler skips)."""
-        return self.gate.grad_norm(self)
+        return self.pipeline.grad_norm(self)
 
     @property
     def track_grad_norm(self) -> bool:
-        return self.gate.track_grad_norm
+        return self.pipeline.track_grad_norm
 
     @track_grad_norm.setter
     def track_grad_norm(self, value: bool) -> None:
-        self.gate.track_grad_norm = value
+        self.pipeline.track_grad_norm = value
 
     def applied_learning_rates(self) -> dict[str, float]:
-        return dict(self.gate.applied_lr)  # per inner optimizer class ("AdamW", "Muon"): its latest step's lr
+        return dict(self.pipeline.applied_lr)  # per inner optimizer class ("AdamW", "Muon"): its latest step's lr
 
     @property
     def last_grad_norm(self) -> torch.Tensor | None:
-        return self.gate.last_grad_norm
+        return self.pipeline.last_grad_norm
 
     def standard_groups_names(self) -> list[list[str]]:
         """The names in each param group of Trainer's standard optimizer: the weight-decay group, then the rest."""

@@ -6,21 +6,21 @@ device, so the device holds only the gradients in flight (at most `max_in_flight
 clipping (and without accumulation) the step needs the global norm before any layer steps, and the gradients wait for
 it on the host instead of on the device, so one forward and one backward per micro-batch suffice (no norm pass).
 
-The path of gradient `i` (the route has reduced it; `GradientGate.grad_ready` hands it over):
+The path of gradient `i` (the route has reduced it; `GradientPipeline.grad_ready` hands it over):
 
 1. `stash`: the device gradient is copied to the host (`Transfer.copy`, beside the compute) and freed. The first
    gradient of a window lands in the buffer itself; a later micro-batch's lands in a staging buffer that the host
    worker adds into it once the copy is done (`buffer += staged`: the order autograd accumulates `.grad` in, so the
    sum is bit-identical to the standard optimizer's). At most `max_staged` staging buffers are in use: when the
    host worker falls behind, the next stash waits for its oldest add (`StagingBuffers`), so pinned memory is bounded.
-   Without accumulation the gradient's norm is taken on the device before the copy (the gate does it); with
+   Without accumulation the gradient's norm is taken on the device before the copy (the pipeline does it); with
    accumulation the norm of the sum is taken by the host worker. Under fp16 loss scaling the inf check and unscale go
    the same way: on the device before the copy, or by the host worker on the sum once the window's last micro-batch is
    in (`found_inf`, the host's flag; GradScalerBridge gathers it).
 2. `settle`: the end of the window's last backward waits for every copy and host task and records the host norms in
    the step window, so the global norm is known.
 3. `restore_each`: each held gradient is copied back into a fresh device tensor, the next one's copy started before
-   the current one steps (the copy back overlaps the steps), and stepped by the gate (clip, inner step, free).
+   the current one steps (the copy back overlaps the steps), and stepped by the pipeline (clip, inner step, free).
 
 The device's asynchrony is `layerwise_hf.placement.transfer`'s (a side stream on CUDA, a copy thread on CPU).
 """
@@ -257,7 +257,7 @@ class GradientOffload:
         self.peak_device_bytes = 0
         self.final: set[int] = set()  # the window's last micro-batch's gradient is in (or finish() closed it)
         self.found_inf: torch.Tensor | None = None  # fp16: the host worker's inf/nan flag for this window's sums
-        # Called before a route asks what is held: forgets a window whose step GradScaler skipped (set by the gate).
+        # Called before a route asks what is held: forgets a window GradScaler skipped (the pipeline sets it).
         self.check_window: Callable[[], None] = lambda: None
 
     # ---- during backward ----

@@ -167,5 +167,5 @@ def close_offload(layerwise: Any) -> None:
     runners = {id(inner.runner): inner.runner for inner in layerwise.inner if isinstance(inner, HostStepOptimizer)}
     for runner in runners.values():
         runner.close()
-    if layerwise.gate.offload is not None:
-        layerwise.gate.offload.close()
+    if layerwise.pipeline.offload is not None:
+        layerwise.pipeline.offload.close()

@@ -1,4 +1,4 @@
-"""`GradientGate`: what happens to each gradient a route hands over, between two optimizer steps.
+"""`GradientPipeline`: what happens to each gradient a route hands over, between two optimizer steps.
 
 It owns the step window (what is known this step), the clipper and the gradient meter, and applies the window's
 decision table (`StepWindow`) to each gradient: accumulate it, measure it in a norm pass, hold it for `step()`, or clip
@@ -33,7 +33,7 @@ from .window import Action, StepWindow
 logger = logging.getLogger(__name__)
 
 
-class GradientGate:
+class GradientPipeline:
     """
     The per-gradient logic of a layer-wise optimizer.
 
@@ -50,11 +50,11 @@ class GradientGate:
 
     ```python
     >>> import torch
-    >>> from layerwise_hf.optim.gate import GradientGate
+    >>> from layerwise_hf.optim.pipeline import GradientPipeline
     >>> weight = torch.nn.Parameter(torch.ones(3))
-    >>> gate = GradientGate(["w"], [weight], [torch.optim.SGD([weight], lr=0.5)], sync=lambda: True)
+    >>> pipeline = GradientPipeline(["w"], [weight], [torch.optim.SGD([weight], lr=0.5)], sync=lambda: True)
     >>> weight.grad = torch.ones(3)
-    >>> gate.grad_ready(0); weight.data, weight.grad
+    >>> pipeline.grad_ready(0); weight.data, weight.grad
     (tensor([0.5000, 0.5000, 0.5000]), None)
     ```
     """
