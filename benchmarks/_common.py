@@ -309,7 +309,7 @@ def optimizer_state_tensors(optimizer) -> dict:
 
 
 def tensor_bytes(tensors: dict) -> int:
-    """What the tensors' (local) shapes say: numel x element size, what `LayerwiseOptimizer.state_bytes()` counts."""
+    """What the tensors' (local) shapes say: numel x element size, what `pipeline.memory.state_bytes()` counts."""
     return sum(nbytes(t) for t in tensors.values())
 
 

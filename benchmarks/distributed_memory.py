@@ -112,7 +112,7 @@ def train_meter(trainer, kind: str, sample_grads: bool = True):
 
         def total(self, held: dict) -> int:
             lw = getattr(trainer, "layerwise_optimizer", None)
-            route = lw.gradient_route if lw is not None else None
+            route = lw.pipeline.route if lw is not None else None
             if route is not None:
                 held = held | h.storages([b.buffer for b in getattr(route, "buckets", []) if b.buffer is not None])
             elif self.bucket_bytes is not None:
@@ -171,7 +171,8 @@ def trainer_worker(opts, optim: str, kind: str) -> dict:
             "grad_live_peak_bytes": meter.peak_total,
             "grad_tensor_peak_bytes": meter.peak_tensor, "ddp_bucket_bytes": meter.bucket_bytes,
             "optimizer_state_bytes": h.tensor_bytes(h.optimizer_state_tensors(trainer.optimizer)),
-            "package_peak_grad_bytes": lw.peak_grad_bytes if lw is not None else None, "step_times_s": meter.wall,
+            "package_peak_grad_bytes": lw.pipeline.memory.peak_grad_bytes if lw is not None else None,
+            "step_times_s": meter.wall,
         }  # fmt: skip
         meter.remove()
         # The DDP objects must die while the process group is alive (see write_gathered_and_finish).
@@ -279,7 +280,7 @@ def loop_worker(opts, optim: str, kind=None) -> dict:
         "step_grad_peaks_bytes": grad_peaks, "grad_tensor_peak_bytes": max(p[0] for p in grad_peaks),
         "grad_storage_peak_bytes": max(p[1] for p in grad_peaks), "grad_samples": meter.samples,
         "optimizer_state_bytes": h.tensor_bytes(h.optimizer_state_tensors(optimizer)),
-        "package_peak_grad_bytes": lw.peak_grad_bytes if lw is not None else None,
+        "package_peak_grad_bytes": lw.pipeline.memory.peak_grad_bytes if lw is not None else None,
         "step_times_s": step_times,
     }  # fmt: skip
     if lw is not None:

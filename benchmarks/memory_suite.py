@@ -390,7 +390,7 @@ def print_report(report: dict) -> None:
         if a and a["state_counted_bytes"] - a["state_view_bytes"] > MIB:
             print(f"NOTE {c['name']}: the optimizer state keeps {mib(a['state_counted_bytes'])} MiB allocated but its "
                   f"tensors' shapes say {mib(a['state_view_bytes'])} MiB (GaLore's projections are slices of their "
-                  "SVD factors; LayerwiseOptimizer.state_bytes() counts shapes).")  # fmt: skip
+                  "SVD factors; LayerwiseOptimizer.pipeline.memory.state_bytes() counts shapes).")  # fmt: skip
     print("\nTargets")
     for g in report["goals"]:
         print(f"  {g['config']:<42} {g['target']:<34} {g['value']:<9} {g['verdict']}{g['note']}")

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import _common as h
 from benchmarks import _thread_memory
 from layerwise_hf.optim.host_offload import offload_of
-from layerwise_hf.optim.norm_pass import forward_again
+from layerwise_hf.optim.norm_pass import backward_with_norm_pass, forward_again, run_with_norm_pass
 from layerwise_hf.placement import offload as offload_module
 from layerwise_hf.placement import transfer as transfer_module
 from layerwise_hf.placement.host_step import HostStepOptimizer
@@ -164,11 +164,11 @@ def real_step(run: SimpleNamespace, cfg: Config, max_grad_norm: float) -> None:
                 loss = model(input_ids=ids, labels=ids).loss / cfg.grad_accum
             del ids
             loss = scaler.scale(loss) if scaler is not None else loss
-            layerwise.backward_with_norm_pass(loss) if layerwise is not None else loss.backward()
+            backward_with_norm_pass(layerwise, loss) if layerwise is not None else loss.backward()
 
         # The plain-loop protocol of `forward_again`: a step whose last one chose `rerun` runs forward twice.
         if layerwise is not None and forward_again(layerwise):
-            layerwise.run_with_norm_pass(forward_backward, model)
+            run_with_norm_pass(layerwise, forward_backward, model)
         else:
             forward_backward()
     if layerwise is None and max_grad_norm > 0:

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
         soaked = h.build_llama(**SIZES)
         for end in range(opts.segment, opts.steps + 1, opts.segment):
             trainer = train(soaked, dataset, f"{work}/soak", opts.steps, opts.segment, end, end > opts.segment)
-            state_bytes = trainer.layerwise_optimizer.state_bytes()
+            state_bytes = trainer.layerwise_optimizer.pipeline.memory.state_bytes()
             del trainer
             gc.collect()
             hooks = sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in soaked.parameters())

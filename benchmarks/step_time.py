@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import _common as h
 from layerwise_hf.estimate.offload_choice import choose_clipping_offload
 from layerwise_hf.optim.host_offload import offload_of
+from layerwise_hf.optim.norm_pass import backward_with_norm_pass
 from layerwise_hf.placement import transfer
 from layerwise_hf.placement.host_step import unwrap_host_step
 from layerwise_hf.placement.offloading import wait_for_host_steps
@@ -143,7 +144,7 @@ class Run(h.TimedRun):
             if self.layerwise and self.clip:
                 # With offload the gradients wait on the host for the global norm instead: one backward. 'retain',
                 # the way whose cost this measures ('auto' holds instead where activations outweigh gradients).
-                self.optimizer.backward_with_norm_pass(loss, norm_pass="retain")
+                backward_with_norm_pass(self.optimizer, loss, norm_pass="retain")
             else:
                 loss.backward()
             t2 = time.perf_counter()
@@ -207,7 +208,7 @@ def breakdown(run: Run, timed: int) -> dict:
     med = {key: statistics.median(p[key] for p in parts) for key in parts[0]}
     out = {f"{key}_s": value for key, value in med.items() if key not in ("forwards", "backwards")}
     out |= {f"{key}_per_step": med[key] for key in ("forwards", "backwards")}
-    out["peak_grad_bytes"] = run.optimizer.peak_grad_bytes if run.layerwise else run.grad_bytes_at_step
+    out["peak_grad_bytes"] = run.optimizer.pipeline.memory.peak_grad_bytes if run.layerwise else run.grad_bytes_at_step
     if run.scales:
         out["skipped_steps"] = sum(b < a for a, b in zip(run.scales, run.scales[1:]))
     if "host_step" in med:

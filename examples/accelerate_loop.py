@@ -135,12 +135,12 @@ def main(argv=None) -> None:
     layerwise.detach()
     accelerator.wait_for_everyone()
     accelerator.save_model(model, os.path.join(opts.output_dir, "final"))
-    peak = layerwise.peak_grad_bytes / 2**20
-    full = layerwise.full_grad_bytes() / 2**20
+    peak = layerwise.pipeline.memory.peak_grad_bytes / 2**20
+    full = layerwise.pipeline.memory.full_grad_bytes() / 2**20
     accelerator.print(
         f"peak gradient memory {peak:.3f} MiB (all gradients: {full:.3f} MiB; "
         f"GA={opts.gradient_accumulation_steps} holds them for the window), "
-        f"optimizer state {layerwise.state_bytes() / 2**20:.3f} MiB, steps {math.ceil(step)}"
+        f"optimizer state {layerwise.pipeline.memory.state_bytes() / 2**20:.3f} MiB, steps {math.ceil(step)}"
     )
     accelerator.end_training()
 

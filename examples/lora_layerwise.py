@@ -169,15 +169,16 @@ def main(argv: list[str]) -> int:
     # for this very run next to the measured one.
     full = estimate(config, optimizer=base, dtype="float32")
     this_run = estimate(model, optimizer=training_args.optim)
-    state = optimizer.state_bytes()
+    memory = optimizer.pipeline.memory
+    state = memory.state_bytes()
     print(
         f"optimizer state: {format_bytes(state)} measured (estimate {format_bytes(this_run.optimizer_state_bytes)}); "
         f"a full fine-tune with {base} would hold {format_bytes(full.optimizer_state_bytes)} "
         f"({full.optimizer_state_bytes / max(state, 1):.0f}x more)"
     )
     print(
-        f"gradients alive at once: {format_bytes(optimizer.peak_grad_bytes)} (largest adapter tensor) vs "
-        f"{format_bytes(optimizer.full_grad_bytes())} for all adapters, {format_bytes(full.all_gradient_bytes)} for "
+        f"gradients alive at once: {format_bytes(memory.peak_grad_bytes)} (largest adapter tensor) vs "
+        f"{format_bytes(memory.full_grad_bytes())} for all adapters, {format_bytes(full.all_gradient_bytes)} for "
         "a full fine-tune"
     )
 

@@ -194,15 +194,19 @@ def print_memory_table(trainer: LayerwiseTrainer, model: torch.nn.Module) -> Non
         print(row.format("parameters", mib(param_bytes)))
         return
 
-    state_bytes = optimizer.state_bytes()
-    full_grad_bytes = optimizer.full_grad_bytes()
-    layerwise_total = optimizer.peak_grad_bytes + state_bytes
+    state_bytes = optimizer.pipeline.memory.state_bytes()
+    full_grad_bytes = optimizer.pipeline.memory.full_grad_bytes()
+    layerwise_total = optimizer.pipeline.memory.peak_grad_bytes + state_bytes
     # The same per-parameter states, stepped once for the whole model, with every gradient alive at the step.
     standard_total = full_grad_bytes + state_bytes
     saving = standard_total - layerwise_total
     print(row.format("", "layer-wise", "standard"))
     print(
-        row.format("gradients alive at once (layer-wise: peak)", mib(optimizer.peak_grad_bytes), mib(full_grad_bytes))
+        row.format(
+            "gradients alive at once (layer-wise: peak)",
+            mib(optimizer.pipeline.memory.peak_grad_bytes),
+            mib(full_grad_bytes),
+        )
     )
     print(row.format("optimizer state", mib(state_bytes), mib(state_bytes)))
     print(row.format("gradients + optimizer state", mib(layerwise_total), mib(standard_total)))

@@ -126,7 +126,9 @@ def test_newly_trainable_parameter_starts_fresh_with_a_warning(tmp_path, caplog)
     optimizer = resumed.layerwise_optimizer
     embed = optimizer.names.index("model.embed_tokens.weight")
     # Two steps since the resume: its AdamW step counter restarted, the others continued from 2.
-    steps = [float(inner.state[p]["step"]) for inner, (_, p) in zip(optimizer.inner, optimizer.named_parameters())]
+    steps = [
+        float(inner.state[p]["step"]) for inner, (_, p) in zip(optimizer.inner, zip(optimizer.names, optimizer.params))
+    ]
     assert steps[embed] == 2.0 and all(s == 4.0 for i, s in enumerate(steps) if i != embed)
 
 
@@ -208,7 +210,7 @@ def test_bad_clipping_arguments_are_named_by_configure_clipping(tmp_path):
     with pytest.raises(ValueError, match=names_field("max_grad_norm", "1.0", "a number")):
         optimizer.configure_clipping("1.0", "exact")
     optimizer.configure_clipping(None, "previous")  # None: no clipping
-    assert optimizer.clip_mode == "off"
+    assert optimizer.pipeline.clipper.mode.value == "off"
 
 
 def test_bad_layerwise_clip_set_between_train_calls_is_named_before_any_step(tmp_path):

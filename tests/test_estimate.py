@@ -423,9 +423,13 @@ def test_state_bytes_match_the_layerwise_optimizer(tmp_path, tie, dtype):
         optimizer.detach()
         from_config = estimate(config, optimizer=f"{name}_layerwise", dtype=str(dtype).removeprefix("torch."))
         from_model = estimate(model, optimizer=f"{name}_layerwise")
-        assert from_config.optimizer_state_bytes == from_model.optimizer_state_bytes == optimizer.state_bytes(), name
+        assert (
+            from_config.optimizer_state_bytes
+            == from_model.optimizer_state_bytes
+            == optimizer.pipeline.memory.state_bytes()
+        ), name
         assert from_config.weight_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
-        assert from_config.all_gradient_bytes == optimizer.full_grad_bytes()
+        assert from_config.all_gradient_bytes == optimizer.pipeline.memory.full_grad_bytes()
 
 
 def test_lora_estimate_matches_peft(tmp_path):
@@ -446,8 +450,11 @@ def test_lora_estimate_matches_peft(tmp_path):
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     optimizer.detach()
-    assert est.optimizer_state_bytes == optimizer.state_bytes()
-    assert estimate(model, optimizer="adamw_torch_layerwise").optimizer_state_bytes == optimizer.state_bytes()
+    assert est.optimizer_state_bytes == optimizer.pipeline.memory.state_bytes()
+    assert (
+        estimate(model, optimizer="adamw_torch_layerwise").optimizer_state_bytes
+        == optimizer.pipeline.memory.state_bytes()
+    )
 
 
 def test_lora_on_a_quantized_base_counts_adapters_only():

@@ -15,6 +15,7 @@ from helpers import TokenDataset, assert_params_equal, clone, held_grad_bound, l
 from transformers import Trainer, TrainerCallback
 
 from layerwise_hf import LayerwiseTrainer, LayerwiseTrainingArguments, build_layerwise_optimizer
+from layerwise_hf.optim.norm_pass import backward_with_norm_pass
 from layerwise_hf.platform.compat import checkpointing_kwargs, trainer_logs_grad_norm
 
 MAX_NORM = 0.5
@@ -136,7 +137,11 @@ def test_fp16_matches_standard_gradscaler(tmp_path, ga, max_grad_norm):
     assert optimizer.steps_taken == len(std_scales.scales) - skipped  # skipped steps never reached the optimizers
     if ga == 1:
         # Checked and stepped layer by layer (lm_head's step held): never all gradients at once.
-        assert optimizer.peak_grad_bytes == held_grad_bound(layerwise.model) < optimizer.full_grad_bytes()
+        assert (
+            optimizer.pipeline.memory.peak_grad_bytes
+            == held_grad_bound(layerwise.model)
+            < optimizer.pipeline.memory.full_grad_bytes()
+        )
 
 
 @pytest.mark.parametrize("max_grad_norm", [MAX_NORM, 0.0], ids=["exact_clip", "no_clip"])
@@ -204,7 +209,7 @@ def test_plain_loop_with_gradscaler_matches_standard(norm_pass):
         with torch.autocast("cpu", dtype=torch.float16):
             loss = model(**batch).loss
         if norm_pass:
-            optimizer.backward_with_norm_pass(scaler.scale(loss))
+            backward_with_norm_pass(optimizer, scaler.scale(loss))
         else:
             scaler.scale(loss).backward()
         norms.append(float(optimizer.grad_norm()))
@@ -246,7 +251,7 @@ def test_fp16_one_pass_modes_are_refused_with_alternatives(tmp_path, mode):
     optimizer.use_grad_scaler(torch.amp.GradScaler("cpu"))
     with pytest.raises(ValueError, match="cannot run with fp16 loss scaling"):
         optimizer.configure_clipping(1.0, mode)
-    assert optimizer.clip_mode == "exact"
+    assert optimizer.pipeline.clipper.mode.value == "exact"
 
 
 def test_fp16_weights_are_refused_before_any_step(tmp_path):

@@ -240,7 +240,9 @@ def test_apollo_projectors_get_the_whole_model_seeds(tmp_path):
     standard = optimizer_cls(kwargs.pop("params"), **kwargs)
     expected = {n: standard.state[p]["seed"] for n, p in model.named_parameters()}
     layerwise = build_layerwise_optimizer(model, galore_args(tmp_path, "apollo_adamw_layerwise"))
-    seeds = {n: inner.state[p]["seed"] for (n, p), inner in zip(layerwise.named_parameters(), layerwise.inner)}
+    seeds = {
+        n: inner.state[p]["seed"] for (n, p), inner in zip(zip(layerwise.names, layerwise.params), layerwise.inner)
+    }
     assert seeds == expected
     assert len(set(seeds.values())) == len(seeds)
 
@@ -251,7 +253,7 @@ def test_other_clipping_modes_run(tmp_path, mode):
         seen = set()
 
         def on_step_end(self, args, state, control, optimizer=None, **kwargs):
-            self.seen.add(unwrap_layerwise_optimizer(optimizer).clip_mode)
+            self.seen.add(unwrap_layerwise_optimizer(optimizer).pipeline.clipper.mode.value)
 
     trainer = train(
         tiny_llama(),

@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Trainer, TrainerCallback
 
 from layerwise_hf import LayerwiseOptimizer, LayerwiseParam, build_layerwise_optimizer
+from layerwise_hf.optim.norm_pass import run_with_norm_pass
 from layerwise_hf.routes.data_parallel import DataParallelConfig, DataParallelReducer
 
 KINDS = ("scalar", "tolist", "from_host")
@@ -243,7 +244,7 @@ def data_parallel_syncs(model, args, layerwise: bool, steps: int = 2) -> list[di
         optimizer = build_layerwise_optimizer(model, args, sync_gradients=lambda: final[0], track_grad_norm=True)
         optimizer.configure_clipping(clip, "exact")
         # Trainer's find_unused_parameters without activation checkpointing: the route's used-flag all-reduces run.
-        optimizer.set_route(DataParallelReducer(model, DataParallelConfig(find_unused_parameters=True)))
+        optimizer.connect(route=DataParallelReducer(model, DataParallelConfig(find_unused_parameters=True)))
         wrapped = model
     else:
         cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
@@ -271,7 +272,7 @@ def data_parallel_syncs(model, args, layerwise: bool, steps: int = 2) -> list[di
                     return loss
 
                 if layerwise:
-                    optimizer.run_with_norm_pass(forward_backward, model)
+                    run_with_norm_pass(optimizer, forward_backward, model)
                 elif final[0]:
                     forward_backward()
                 else:

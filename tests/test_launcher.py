@@ -336,7 +336,9 @@ def test_install_layerwise_clip_reaches_stock_arguments(tmp_path):
     try:
         args = TrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise", report_to="none")
         trainer = Trainer(model=tiny_llama(), args=args)
-        assert args.layerwise_clip == "previous" and trainer.create_optimizer().clip_mode == "previous"
+        assert (
+            args.layerwise_clip == "previous" and trainer.create_optimizer().pipeline.clipper.mode.value == "previous"
+        )
         explicit = LayerwiseTrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_layerwise")
         assert explicit.layerwise_clip == "exact", "the explicit class keeps its own field"
         with pytest.raises(ValueError, match="layerwise_clip"):

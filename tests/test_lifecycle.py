@@ -354,7 +354,7 @@ def test_optimizer_step_after_train_does_not_clip_like_torch(tmp_path):
         runs[optim] = trainer
     assert_params_equal(runs["sgd"].model, runs["sgd_layerwise"].model)
     optimizer = runs["sgd_layerwise"].layerwise_optimizer
-    assert (optimizer.clip_mode, optimizer.attached) == ("off", False)
+    assert (optimizer.pipeline.clipper.mode.value, optimizer.attached) == ("off", False)
 
 
 class AuxiliaryBackward:

@@ -365,7 +365,9 @@ def test_device_side_is_bounded_by_what_is_in_flight(mode, ga):
         assert peak_grads == sum(sizes)  # exact clipping without offload holds every gradient on the device
         return
     assert peak_grads <= 2 * max(sizes)  # the copies in flight, at GA 1 and 4 alike
-    assert optimizer.peak_grad_bytes <= 2 * max(sizes)  # what Trainer logs as layerwise_peak_grad_mib agrees
+    assert optimizer.pipeline.memory.peak_grad_bytes <= 2 * max(
+        sizes
+    )  # what Trainer logs as layerwise_peak_grad_mib agrees
     state_bytes = 2 * sum(sizes) + 4 * len(sizes)  # AdamW: exp_avg, exp_avg_sq and a float32 step count
     _, device_states, host = seen[-1]
     if mode == "optimizer":

@@ -94,7 +94,7 @@ def data_parallel_offload(ga, steps=2, transfer=None):
         params, lambda lp, _: torch.optim.AdamW([lp.param], lr=1e-2), sync_gradients=lambda: sync[0]
     )
     enable_offload(optimizer, "gradients", transfer=transfer or transfer_module.CudaTransfer(torch.device("cuda", 0)))
-    optimizer.set_route(DataParallelReducer(model, DataParallelConfig()))
+    optimizer.connect(route=DataParallelReducer(model, DataParallelConfig()))
     optimizer.attach()
     try:
         for window in _batches(ga, steps):

@@ -124,7 +124,11 @@ def test_plain_loop_without_trainer_matches_adamw():
             opt.zero_grad()
     assert_params_equal(reference, model)
     # One gradient alive at once, next to lm_head's while its step is held.
-    assert optimizer.peak_grad_bytes == held_grad_bound(model) < optimizer.full_grad_bytes()
+    assert (
+        optimizer.pipeline.memory.peak_grad_bytes
+        == held_grad_bound(model)
+        < optimizer.pipeline.memory.full_grad_bytes()
+    )
     optimizer.detach()
 
 

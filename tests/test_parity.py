@@ -72,7 +72,8 @@ def test_adamw_8bit_keeps_embeddings_in_32bit(tmp_path):
 
     optimizer = layerwise.layerwise_optimizer
     dtypes = {
-        name: inner.state[p]["state1"].dtype for (name, p), inner in zip(optimizer.named_parameters(), optimizer.inner)
+        name: inner.state[p]["state1"].dtype
+        for (name, p), inner in zip(zip(optimizer.names, optimizer.params), optimizer.inner)
     }
     assert dtypes["model.embed_tokens.weight"] == torch.float32
     assert dtypes["model.layers.0.mlp.up_proj.weight"] == torch.uint8

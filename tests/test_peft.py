@@ -22,8 +22,8 @@ def test_lora_state_is_adapters_only(tmp_path):
     assert optimizer.names == list(lora)
     # AdamW keeps exp_avg and exp_avg_sq (fp32, like the parameter) and a scalar step per adapter tensor.
     expected = sum(2 * p.numel() * p.element_size() + 4 for p in lora.values())
-    assert optimizer.state_bytes() == expected
-    assert optimizer.state_bytes() == sum(
+    assert optimizer.pipeline.memory.state_bytes() == expected
+    assert optimizer.pipeline.memory.state_bytes() == sum(
         v.numel() * v.element_size() for s in standard.optimizer.state.values() for v in s.values()
     )
     for n, p in model.named_parameters():

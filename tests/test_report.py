@@ -47,8 +47,10 @@ def test_exact_clipping_run_names_itself_and_says_it_held_every_gradient(tmp_pat
     assert "layerwise_clip='exact'" in begin and "holding every gradient until the step" in begin
     (summary,) = messages(trainer_log, "Layer-wise memory (adamw_torch_layerwise)")
     optimizer = trainer.layerwise_optimizer
-    assert optimizer.peak_grad_bytes == optimizer.full_grad_bytes()  # what the summary then explains
-    assert f"gradients alive at once {optimizer.full_grad_bytes() / 2**20:.3f} MiB" in summary
+    assert (
+        optimizer.pipeline.memory.peak_grad_bytes == optimizer.pipeline.memory.full_grad_bytes()
+    )  # what the summary then explains
+    assert f"gradients alive at once {optimizer.pipeline.memory.full_grad_bytes() / 2**20:.3f} MiB" in summary
     assert "Exact clipping held every gradient" in summary and "layerwise_clip='previous'" in summary
     # Where Trainer's own account of the run shows, at its level: the same logger, INFO.
     running = [r for r in trainer_log if "Running training" in r.getMessage()]
@@ -68,8 +70,12 @@ def test_previous_clipping_summary_shows_the_saving_and_no_excuse(tmp_path, trai
     assert "no gradient is held" in begin
     (summary,) = messages(trainer_log, "Layer-wise memory")
     optimizer = trainer.layerwise_optimizer
-    assert optimizer.peak_grad_bytes < optimizer.full_grad_bytes()
-    state, full, peak = optimizer.state_bytes(), optimizer.full_grad_bytes(), optimizer.peak_grad_bytes
+    assert optimizer.pipeline.memory.peak_grad_bytes < optimizer.pipeline.memory.full_grad_bytes()
+    state, full, peak = (
+        optimizer.pipeline.memory.state_bytes(),
+        optimizer.pipeline.memory.full_grad_bytes(),
+        optimizer.pipeline.memory.peak_grad_bytes,
+    )
     assert f"{100 * (full - peak) / (full + state):.1f}% less" in summary
     assert "held every gradient" not in summary
 
@@ -138,10 +144,10 @@ def test_a_first_step_that_alone_held_every_gradient_is_told_apart(tmp_path, tra
     trainer = train(model, args, dataset)
 
     optimizer = trainer.layerwise_optimizer
-    assert optimizer.norm_pass_choice.way is NormPass.RERUN  # the case this test is about
-    full = optimizer.full_grad_bytes()
+    assert optimizer.pipeline.norm_pass_choice.way is NormPass.RERUN  # the case this test is about
+    full = optimizer.pipeline.memory.full_grad_bytes()
     # The whole run's figure is unchanged: the first step did hold every gradient.
-    assert optimizer.peak_grad_bytes == full
+    assert optimizer.pipeline.memory.peak_grad_bytes == full
     assert [e["layerwise_peak_grad_mib"] for e in trainer.state.log_history if "loss" in e] == [
         round(full / 2**20, 3)
     ] * 3

@@ -32,7 +32,7 @@ class Recorder:
 
         def sample(param):
             self.alive.append(sum(tensor_bytes(p.grad) for p in params if p.grad is not None))
-            route = optimizer.gradient_route
+            route = optimizer.pipeline.route
             self.held_seen.append(route.held if route is not None else ())
 
         # Registered before the route's hooks, so each sample includes the gradient just computed.
@@ -50,7 +50,7 @@ def plain_loop(model, dataset, steps: int = 3, **args):
         recorder.alive.clear()
         ids = dataset.ids[4 * step : 4 * step + 4]
         model(input_ids=ids, labels=ids).loss.backward()
-        assert optimizer.gradient_route.held == ()  # everything released before backward returned
+        assert optimizer.pipeline.route.held == ()  # everything released before backward returned
         per_step.append((list(recorder.steps), max(recorder.alive)))
         optimizer.step()
         optimizer.zero_grad()
@@ -61,7 +61,7 @@ def plain_loop(model, dataset, steps: int = 3, **args):
 def test_lm_head_steps_right_before_the_embedding():
     model, data = model_and_data()
     per_step, optimizer = plain_loop(model, data)
-    sizes = {n: tensor_bytes(p) for n, p in optimizer.named_parameters()}
+    sizes = {n: tensor_bytes(p) for n, p in zip(optimizer.names, optimizer.params)}
     layer_largest = max(s for n, s in sizes.items() if n not in ("lm_head.weight", "model.embed_tokens.weight"))
     for order, alive in per_step:  # the first step too: planned from the reverse of the parameter order
         assert len(order) == len(sizes)
@@ -135,7 +135,7 @@ def test_no_hold_while_accumulating_or_measuring():
     optimizer.configure_clipping(MAX_NORM, "exact")
     sync["value"] = True
     recorder.held_seen.clear()
-    with optimizer.norm_pass():
+    with optimizer.pipeline.norm_pass():
         model(input_ids=ids, labels=ids).loss.backward()  # measuring: every gradient is freed at once
     assert recorder.held_seen and not any(recorder.held_seen)
     optimizer.detach()
@@ -159,13 +159,13 @@ def test_a_backward_cut_short_leaves_nothing_held():
     with pytest.raises(RuntimeError, match="boom"):
         model(input_ids=ids, labels=ids).loss.backward()
     handle.remove()
-    assert optimizer.gradient_route.held  # lm_head was held when the backward died
+    assert optimizer.pipeline.route.held  # lm_head was held when the backward died
     optimizer.zero_grad()
     # A new Trainer-style attach, or the next backward, starts clean: held again, released by its end.
-    optimizer.set_route(LocalHooks())
+    optimizer.connect(route=LocalHooks())
     recorder.held_seen.clear()
     model(input_ids=ids, labels=ids).loss.backward()
-    assert optimizer.gradient_route.held == () and any(recorder.held_seen)
+    assert optimizer.pipeline.route.held == () and any(recorder.held_seen)
     optimizer.step()
     optimizer.zero_grad()
     # Without a new route: the next backward notices the one cut short and drops its notes.
@@ -177,7 +177,7 @@ def test_a_backward_cut_short_leaves_nothing_held():
     optimizer.step()  # steps what the dead backward left in .grad (lm_head's) and closes the window
     optimizer.zero_grad()
     model(input_ids=ids, labels=ids).loss.backward()
-    assert optimizer.gradient_route.held == () and all(p.grad is None for p in model.parameters())
+    assert optimizer.pipeline.route.held == () and all(p.grad is None for p in model.parameters())
     optimizer.detach()
 
 

@@ -247,7 +247,7 @@ def test_the_layerwise_optimizer_drops_steps_held_by_a_backward_cut_short(record
         lambda lp, _: torch.optim.SGD([lp.param], lr=0.1),
     )
     optimizers = [LocalShardOptimizer(bnb.optim.AdamW8bit([p], lr=1e-3)) for p in params]
-    holder = streams.GroupSteps(layerwise.backward_end)  # as the FSDP2 route makes it, on the optimizer's end
+    holder = streams.GroupSteps(layerwise.pipeline.backward_end)  # as the FSDP2 route makes it, on the optimizer's end
     cut_short_backward(holder, optimizers, params, recorded.log)
     getattr(layerwise, call)()
     assert not holder.held and ("kernel", "default") not in recorded.log

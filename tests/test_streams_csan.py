@@ -178,7 +178,7 @@ def _fsdp2_backward(fake, reuse=False):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(SHAPE)) for _ in range(GROUPS * PER_GROUP)]
     optimizer = _8bit_shards(params)
-    optimizer.set_route(FSDP2Hooks())
+    optimizer.connect(route=FSDP2Hooks())
     run = _FSDP2Backward(fake, params, _reduce_scatter_outputs(), reuse)
     run.run()
     return run, params

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from layerwise_hf.optim.clipping import CLIP_MODES, ClipMode, clip_coef, make_clipper
+from layerwise_hf.optim.grad_scaler import GradScalerBridge
 from layerwise_hf.optim.window import Action, StepWindow
+from layerwise_hf.platform.backward_end import BackwardEnd
 
 
 def test_decision_table():
@@ -29,17 +31,30 @@ def test_reset_forgets_every_field():
     window.action(1, sync=True, whole_step=True)
     window.stepped[0] = True
     window.measured = window.in_norm_pass = True
-    window.clip_coef = window.running_sq = torch.tensor(1.0)
-    window.found_inf[torch.device("cpu")] = torch.tensor(1.0)
     window.record_norm(0, _param_with_grad([3.0, 4.0]))
-    found_inf = window.found_inf
     window.reset()
     after = vars(window)
     assert set(after) == set(fresh)
     for key, value in fresh.items():
         assert after[key] == value, key
+
+
+def test_each_stage_forgets_its_part_of_the_window():
+    exact, previous = make_clipper(1.0, "exact"), make_clipper(1.0, "previous")
+    exact.start_step(torch.tensor(4.0))
+    previous.coef(torch.tensor(3.0), None)
+    exact.end_window()
+    previous.end_window()
+    assert exact.coef(None, None) is None and previous.running_sq is None
+    weight = torch.nn.Parameter(torch.ones(2))
+    bridge = GradScalerBridge(torch.amp.GradScaler("cpu"), torch.optim.SGD([weight], lr=1.0), BackwardEnd())
+    bridge.found_inf[torch.device("cpu")] = torch.tensor(1.0)
+    bridge.capture()
+    found_inf = bridge.found_inf
+    bridge.end_window()
+    assert bridge.scaler_record is None and not bridge.found_inf and not bridge.inv_scale
     # A new dict, not a cleared one: GradScaler.update() may still read the skipped window's flags.
-    assert found_inf and window.found_inf is not found_inf
+    assert found_inf and bridge.found_inf is not found_inf
 
 
 def _param_with_grad(values):
@@ -69,17 +84,16 @@ def test_unknown_mode_lists_the_valid_ones():
 
 
 def test_clippers():
-    window = StepWindow(2)
     norm = torch.tensor(4.0)
-    assert make_clipper(0.0).coef(window, norm, None) is None
-    assert torch.equal(make_clipper(1.0, "per_param").coef(window, norm, None), clip_coef(1.0, norm))
+    assert make_clipper(0.0).coef(norm, None) is None
+    assert torch.equal(make_clipper(1.0, "per_param").coef(norm, None), clip_coef(1.0, norm))
     exact = make_clipper(1.0, "exact")
-    exact.start_step(window, torch.tensor(10.0))
-    assert torch.equal(exact.coef(window, norm, None), clip_coef(1.0, torch.tensor(10.0)))
+    exact.start_step(torch.tensor(10.0))
+    assert torch.equal(exact.coef(norm, None), clip_coef(1.0, torch.tensor(10.0)))
     previous = make_clipper(1.0, "previous")
     # Bounded by the larger of the running norm of this step (sqrt(4^2 + 3^2) = 5) and the last step's norm.
-    previous.coef(window, norm, None)
-    assert torch.equal(previous.coef(window, torch.tensor(3.0), torch.tensor(2.0)), clip_coef(1.0, torch.tensor(5.0)))
+    previous.coef(norm, None)
+    assert torch.equal(previous.coef(torch.tensor(3.0), torch.tensor(2.0)), clip_coef(1.0, torch.tensor(5.0)))
 
 
 @pytest.mark.parametrize(

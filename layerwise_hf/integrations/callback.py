@@ -125,7 +125,7 @@ def end_training(optimizer) -> None:
     ```python
     >>> from layerwise_hf.integrations.callback import end_training
     >>> end_training(trainer.layerwise_optimizer)
-    >>> trainer.layerwise_optimizer.clip_mode, trainer.layerwise_optimizer.attached
+    >>> trainer.layerwise_optimizer.pipeline.clipper.mode.value, trainer.layerwise_optimizer.attached
     ('off', False)
     ```
     """
@@ -159,8 +159,8 @@ def memory_logs(optimizer) -> dict[str, float]:
     ```
     """
     logs = {
-        "layerwise_peak_grad_mib": round(optimizer.peak_grad_bytes / MIB, 3),
-        "layerwise_optimizer_state_mib": round(optimizer.state_bytes() / MIB, 3),
+        "layerwise_peak_grad_mib": round(optimizer.pipeline.memory.peak_grad_bytes / MIB, 3),
+        "layerwise_optimizer_state_mib": round(optimizer.pipeline.memory.state_bytes() / MIB, 3),
     }
     if torch.cuda.is_available():
         logs["max_memory_allocated_mib"] = round(torch.cuda.max_memory_allocated() / MIB, 1)
@@ -180,7 +180,7 @@ def learning_rate_logs(optimizer, logs: dict) -> dict[str, float]:
     {'learning_rate_adamw': 0.001, 'learning_rate_muon': 0.02}
     ```
     """
-    applied = optimizer.applied_learning_rates()
+    applied = dict(optimizer.pipeline.applied_lr)
     configured = {float(i.param_groups[0].get("initial_lr", i.param_groups[0]["lr"])) for i in optimizer.inner}
     if "learning_rate" not in logs or len(configured) < 2 or len(applied) < 2:
         return {}

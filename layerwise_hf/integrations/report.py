@@ -161,7 +161,8 @@ def memory_summary(optimizer: Any, args: Any, steps: StepPeaks | None = None) ->
     ```
     """
     max_grad_norm, clip, accumulation, offload, norm_pass, fp16 = _settings(args)
-    peak, full, state = optimizer.peak_grad_bytes, optimizer.full_grad_bytes(), optimizer.state_bytes()
+    memory = optimizer.pipeline.memory
+    peak, full, state = memory.peak_grad_bytes, memory.full_grad_bytes(), memory.state_bytes()
     first_only = steps is not None and steps.later is not None and steps.first is not None and steps.later < peak
     if first_only:
         peak = steps.later
@@ -174,7 +175,7 @@ def memory_summary(optimizer: Any, args: Any, steps: StepPeaks | None = None) ->
         f"(the same); gradients + state {(peak + state) / MIB:.3f} MiB against {(full + state) / MIB:.3f} MiB: "
         + (f"{saving:.1f}% less." if saving > 0 else "no less.")
     )
-    choice = getattr(getattr(optimizer, "norm_pass_choice", None), "way", None)
+    choice = getattr(optimizer.pipeline.norm_pass_choice, "way", None)
     if first_only:
         why = (
             "while layerwise_norm_pass='auto' measured what the graph saves, and chose a second forward+backward "

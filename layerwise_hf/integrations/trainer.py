@@ -14,8 +14,9 @@ from transformers import Trainer, TrainingArguments
 from ..bases.params import canonical_name
 from ..bases.registry import is_layerwise_name
 from ..bases.support import check_deepspeed, check_fsdp2_optimizers, check_fsdp_version, fsdp_version_of_args
-from ..optim.norm_pass import NormPass, forward_again, parse_norm_pass
+from ..optim.norm_pass import NormPass, backward_with_norm_pass, forward_again, parse_norm_pass, run_with_norm_pass
 from ..optim.optimizer import build_layerwise_optimizer, unwrap_layerwise_optimizer
+from ..optim.state import standard_groups_names
 from ..placement.local_shard import local_shards_of
 from ..placement.offloading import check_fsdp2_accumulation, wait_for_host_steps
 from ..platform.compat import (
@@ -156,7 +157,7 @@ class LayerwiseTrainerMixin:
         optimizer = self.layerwise_optimizer
         if optimizer is None:
             return super().training_step(model, inputs, num_items_in_batch)
-        route = optimizer.gradient_route
+        route = optimizer.pipeline.route
         way = parse_norm_pass(getattr(self.args, "layerwise_norm_pass", "auto"), argument="layerwise_norm_pass")
         # Collectives run once per forward, and a compiled backward cannot run over a retained graph: there a norm
         # pass is a whole second forward+backward. On one process the way is chosen per step from what the graph
@@ -172,7 +173,7 @@ class LayerwiseTrainerMixin:
             with _extra_backwards_accumulate(self, optimizer, None if rerun else way):
                 return super(LayerwiseTrainerMixin, self).training_step(model, inputs, num_items_in_batch)
 
-        return optimizer.run_with_norm_pass(forward_backward, model) if rerun else forward_backward()
+        return run_with_norm_pass(optimizer, forward_backward, model) if rerun else forward_backward()
 
     def compute_loss_context_manager(self):
         # NOTE: Trainer's training_step (4.55 - 5.24) and TRL's trainers call compute_loss only inside this context, so
@@ -253,7 +254,7 @@ class LayerwiseTrainerMixin:
             converted = layerwise.state_dict()  # its own fresh state back: only the schedule is converted
             source_group = [0] * len(layerwise.names)
         elif layerwise is not None:
-            groups_names = layerwise.standard_groups_names()
+            groups_names = standard_groups_names(layerwise.names, layerwise.in_decay_group)
             converted = standard_to_layerwise(state_dict, groups_names)
             # Per parameter, the saved group it belonged to (Trainer's decay group 0, no-decay group 1).
             source_group = [0 if d else 1 for d in layerwise.in_decay_group]
@@ -309,14 +310,14 @@ def _extra_backwards_accumulate(trainer, optimizer, norm_pass: NormPass | None):
     in_compute_loss = [False]
 
     def trainer_backward(loss, **kwargs):
-        with optimizer.extra_backward(in_compute_loss[0]):
+        with optimizer.pipeline.extra_backward(in_compute_loss[0]):
             if norm_pass is not None:
-                return optimizer.backward_with_norm_pass(loss, backward, norm_pass=norm_pass, **kwargs)
+                return backward_with_norm_pass(optimizer, loss, backward, norm_pass=norm_pass, **kwargs)
             return backward(loss, **kwargs)
 
     trainer.accelerator.backward, trainer._layerwise_in_compute_loss = trainer_backward, in_compute_loss
     try:
-        with optimizer.extra_backward():
+        with optimizer.pipeline.extra_backward():
             yield
     finally:
         del trainer.accelerator.backward

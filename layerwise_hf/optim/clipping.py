@@ -1,4 +1,5 @@
-"""Gradient clipping when each layer steps during backward: the modes, one object each, and the clip coefficient.
+"""Gradient clipping when each layer steps during backward: the pipeline's clipping stage, one object per mode, and
+the clip coefficient.
 
 The norm kernels are torch's own (`layerwise_hf.platform.norms`, re-exported here) and the clip coefficient has the
 expression of `_clip_grads_with_norm_`, so exact clipping is bit-identical to Trainer's.
@@ -100,8 +101,9 @@ def clip_coef(max_grad_norm: float, norm: torch.Tensor) -> torch.Tensor:
 
 class Clipper:
     """
-    One clipping mode, stateless: what it computes for a step lives in the `StepWindow` it is given, so closing the
-    window forgets it. A mode that `needs_global_norm` is given the step's total first (`start_step`).
+    One clipping mode, the clipping stage of the pipeline: what it computes for a step (exact clipping's factor,
+    `previous` clipping's running sum) is its own, forgotten by `end_window()`. A mode that `needs_global_norm` is
+    given the step's total first (`start_step`).
 
     Args:
         max_grad_norm (`float`, *optional*, defaults to `0.0`):
@@ -112,9 +114,8 @@ class Clipper:
     ```python
     >>> import torch
     >>> from layerwise_hf.optim.clipping import make_clipper
-    >>> from layerwise_hf.optim.window import StepWindow
     >>> clipper = make_clipper(1.0, "per_param")
-    >>> clipper.coef(StepWindow(1), torch.tensor(4.0), None)
+    >>> clipper.coef(torch.tensor(4.0), None)
     tensor(0.2500)
     ```
     """
@@ -125,11 +126,15 @@ class Clipper:
 
     def __init__(self, max_grad_norm: float = 0.0):
         self.max_grad_norm = max_grad_norm
+        self.end_window()
 
-    def start_step(self, window, total: torch.Tensor | None) -> None:
+    def end_window(self) -> None:
+        """Forget what this step computed (the window ended, or was cut short)."""
+
+    def start_step(self, total: torch.Tensor | None) -> None:
         """Called once the step's global norm is known."""
 
-    def coef(self, window, norm: torch.Tensor | None, last_norm: torch.Tensor | None) -> torch.Tensor | None:
+    def coef(self, norm: torch.Tensor | None, last_norm: torch.Tensor | None) -> torch.Tensor | None:
         """The factor for the gradient whose norm is `norm`, or `None` to leave it as it is."""
         return None
 
@@ -143,18 +148,21 @@ class _ExactClip(Clipper):
     needs_global_norm = True
     needs_param_norm = True
 
-    def start_step(self, window, total):
-        window.clip_coef = clip_coef(self.max_grad_norm, total) if total is not None else None
+    def end_window(self):
+        self.factor: torch.Tensor | None = None  # the step's one factor
 
-    def coef(self, window, norm, last_norm):
-        return window.clip_coef
+    def start_step(self, total):
+        self.factor = clip_coef(self.max_grad_norm, total) if total is not None else None
+
+    def coef(self, norm, last_norm):
+        return self.factor
 
 
 class _PerParamClip(Clipper):
     mode = ClipMode.PER_PARAM
     needs_param_norm = True
 
-    def coef(self, window, norm, last_norm):
+    def coef(self, norm, last_norm):
         return clip_coef(self.max_grad_norm, norm)
 
 
@@ -162,14 +170,17 @@ class _PreviousClip(Clipper):
     mode = ClipMode.PREVIOUS
     needs_param_norm = True
 
-    def coef(self, window, norm, last_norm):
+    def end_window(self):
+        self.running_sq: torch.Tensor | None = None  # squares of the norms seen so far this step
+
+    def coef(self, norm, last_norm):
         sq = norm.float().square()
-        running = window.running_sq
+        running = self.running_sq
         if running is not None and mesh_of(running) != mesh_of(sq):
             # Norms on two meshes (tensor parallel x FSDP2) or a DTensor's and a plain one cannot be added.
             running, sq = whole(running), whole(sq)
-        window.running_sq = sq if running is None else running + sq.to(running.device)
-        bound = window.running_sq.sqrt()
+        self.running_sq = sq if running is None else running + sq.to(running.device)
+        bound = self.running_sq.sqrt()
         if last_norm is not None:
             bound = torch.maximum(bound, last_norm.float().to(bound.device))
         return clip_coef(self.max_grad_norm, bound)

@@ -6,8 +6,10 @@ The mechanism (buffers, transfers, host steps) lives in `layerwise_hf.placement`
 
 from __future__ import annotations
 
+import enum
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -16,11 +18,7 @@ from ..placement.offload import GradientOffload, parse_offload
 from ..placement.offloading import check_host_step_base
 from ..placement.transfer import Transfer, check_one_device, offload_simulated
 from ..platform.dtensor import local_tensor
-from .window import Action
-
-if TYPE_CHECKING:
-    from .optimizer import LayerwiseOptimizer
-    from .pipeline import GradientPipeline
+from .window import Action, StageContext
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +54,7 @@ class HostCoefficient:
 
 class NoOffload:
     """
-    The gate's offload stage with `layerwise_offload="none"`: every gradient stays on the device, none is taken.
+    The offload stage with `layerwise_offload="none"`: every gradient stays on the device, none is taken.
 
     Example:
 
@@ -71,25 +69,25 @@ class NoOffload:
     active = False
     buffers: GradientOffload | None = None
 
-    def take(self, gate: GradientPipeline, i: int, action: Action) -> bool:
-        return False
+    def where(self, i: int, action: Action) -> Where | None:
+        return None
 
-    def holds(self, i: int) -> bool:
-        return False
+    def take(self, ctx: StageContext, i: int, final: bool, inv_scale: torch.Tensor | None) -> None:
+        raise AssertionError("no offload takes no gradient")
 
-    def merge_waiting(self, gate: GradientPipeline, i: int) -> None:
+    def merge_waiting(self, ctx: StageContext, i: int) -> None:
         pass
 
     def pending(self) -> list[int]:
         return []
 
-    def step(self, gate: GradientPipeline, indices: list[int]) -> None:
+    def step(self, ctx: StageContext, indices: list[int]) -> None:
         pass
 
-    def before_norm(self, gate: GradientPipeline) -> None:
+    def before_norm(self, ctx: StageContext, finish: bool) -> None:
         pass
 
-    def new_route(self, gate: GradientPipeline) -> None:
+    def new_route(self, ctx: StageContext) -> None:
         pass
 
     def end_window(self) -> None:
@@ -102,11 +100,20 @@ class NoOffload:
 NO_OFFLOAD = NoOffload()
 
 
+class Where(enum.Enum):
+    """Where a gradient the offload stage takes is: whole on the device (checked and measured there before its copy),
+    or added to its parameter's host sum (checked by the host worker)."""
+
+    DEVICE = "device"
+    HOST_SUM = "host_sum"
+
+
 class OffloadStage:
     """
-    The gate's offload stage (`layerwise_offload="gradients"` or `"optimizer"`): a gradient that would wait on the
-    device for the step (accumulated, or held for exact clipping or fp16's checks) is copied into its host buffer of
-    `buffers` and freed; `step()` steps it from there, copied back (`"gradients"`) or on the host (`"optimizer"`).
+    The offload stage (`layerwise_offload="gradients"` or `"optimizer"`): a gradient that would wait on the device for
+    the step (accumulated, or held for exact clipping or fp16's checks) is copied into its host buffer of `buffers` and
+    freed; `step()` steps it from there, copied back (`"gradients"`) or on the host (`"optimizer"`). It runs after loss
+    scaling: under fp16 it is handed the gradient unscaled, or the inverse scale for the host worker, never the scaler.
 
     Args:
         buffers (`GradientOffload`): the host buffers, transfers and host worker.
@@ -123,81 +130,85 @@ class OffloadStage:
         """Some gradient of this window waits on the host, so the window's gradients step at `step()`."""
         return self.buffers.active
 
-    def holds(self, i: int) -> bool:
-        return self.buffers.holds(i)
-
     def pending(self) -> list[int]:
         return self.buffers.pending()
 
-    def take(self, gate: GradientPipeline, i: int, action: Action) -> bool:
-        """Take parameter `i`'s gradient to the host if it would wait there; `False`: it goes on as without offload."""
+    def where(self, i: int, action: Action) -> Where | None:
+        """Whether this stage takes parameter `i`'s gradient, and where it then is; `None`: it stays on the device."""
         # Accumulated and held gradients wait on the host; a gradient stepping at once with nothing on the host
         # (no accumulation, no clipping) steps as without offload.
-        buffers = self.buffers
-        if action not in (Action.ACCUMULATE, Action.HOLD) and not (action is Action.STEP and buffers.holds(i)):
-            return False
-        final, scaler, window, param = action is not Action.ACCUMULATE, gate.scaler, gate.window, gate.params[i]
-        inv_scale = None  # fp16: a host sum is unscaled and inf-checked by the host worker
-        if final and not buffers.holds(i):
-            # The whole gradient is on the device: checked and measured there, before it is copied.
-            scaler.capture(window)
-            scaler.unscale(window, param.grad)
-            window.record_norm(i, param)
-        elif final:
-            inv_scale = scaler.inverse_scale(window, buffers.host[i].device)
-        measure = final and gate.measures_all()
-        inner = gate.inner[i]
+        summed = self.buffers.holds(i)
+        if action not in (Action.ACCUMULATE, Action.HOLD) and not (action is Action.STEP and summed):
+            return None
+        return Where.HOST_SUM if summed else Where.DEVICE
+
+    def take(self, ctx: StageContext, i: int, final: bool, inv_scale: torch.Tensor | None) -> None:
+        """Copy parameter `i`'s gradient to the host and free it. `final`: the window's last micro-batch;
+        `inv_scale`: fp16's inverse scale on the host, for the host worker to unscale a host sum (a whole gradient
+        comes unscaled)."""
+        buffers, param = self.buffers, ctx.params[i]
+        measure = final and ctx.measures_all()
+        inner = ctx.inner[i]
         if not buffers.holds(i) and isinstance(inner, HostStepOptimizer):
             inner.wait_host()  # its last host step may still read the buffer this gradient is copied into
             if i not in buffers.host:
                 # One host gradient buffer per parameter, whether its gradient steps at once or waits for the step.
                 buffers.host[i] = inner.host_grad_like(local_tensor(param.grad))
-        meter = gate.meter
+        meter = ctx.meter
         meter.hold(i, param.grad)
         # Logged as the gradient bytes alive on the device: this one and the copies out still reading theirs.
         meter.peak_bytes = max(meter.peak_bytes, meter.held_bytes + buffers.device_bytes)
         buffers.stash(i, param, measure, final, inv_scale)
         meter.release(i)
-        if final:
-            scaler.check_offloaded(window, buffers, gate.params, gate.measures_all())
-        return True
 
-    def merge_waiting(self, gate: GradientPipeline, i: int) -> None:
+    def host_device(self, i: int) -> torch.device:
+        """Where parameter `i`'s host sum is (its inverse scale is made there)."""
+        return self.buffers.host[i].device
+
+    def host_flag(self, ctx: StageContext, at_end: bool, inv_scale: Callable[[], torch.Tensor | None]):
+        """fp16, at the end of the window's last backward: finish the host sums the last micro-batch did not reach
+        (still scaled: unscaled with `inv_scale()`), wait for the host checks, and return the host's found-inf flag."""
+        buffers = self.buffers
+        if at_end and buffers.unfinished():
+            buffers.finish(ctx.measures_all(), inv_scale())
+        buffers.settle(ctx.window, ctx.params)
+        return buffers.found_inf
+
+    def merge_waiting(self, ctx: StageContext, i: int) -> None:
         """Add parameter `i`'s host sum of this window into its `.grad`, before a route's reduction."""
         if self.buffers.holds(i):
-            self.buffers.merge_into(i, gate.params[i])
+            self.buffers.merge_into(i, ctx.params[i])
 
-    def step(self, gate: GradientPipeline, indices: list[int]) -> None:
+    def step(self, ctx: StageContext, indices: list[int]) -> None:
         """`step()`: step the parameters `indices` whose gradients wait on the host."""
         buffers = self.buffers
         if not indices:
             return
         if not buffers.host_steps:
-            buffers.restore_each(indices, gate.params, gate.step_param, gate.window)
+            buffers.restore_each(indices, ctx.params, ctx.step, ctx.window)
             return
-        buffers.settle(gate.window, gate.params)
-        window = gate.window
+        buffers.settle(ctx.window, ctx.params)
         for i in indices:
             # layerwise_offload="optimizer": stepped on the host from its host gradient, clipped there.
-            norm = window.norms[i]
-            coef = gate.clipper.coef(window, None if norm is None else norm[2], gate.last_grad_norm)
+            coef = ctx.coef(i)
             buffer = buffers.host[i]
             if coef is not None:
                 coef = self.coefficient(coef, buffer.device)
-            gate.inner[i].step_host(buffer, [], coef)
-            gate.note_step(i)
+            ctx.inner[i].step_host(buffer, [], coef)
+            ctx.stepped(i)
             buffers.filled[i] = False
 
-    def before_norm(self, gate: GradientPipeline) -> None:
-        """The window's norms include the host sums: finish those the last micro-batch did not reach."""
-        if not gate.scaler.enabled and gate.sync():
+    def before_norm(self, ctx: StageContext, finish: bool) -> None:
+        """The window's norms include the host sums: finish those the last micro-batch did not reach (`finish`: not
+        under fp16, whose end of backward finished them, and the window's last backward)."""
+        if finish:
             # A sum whose parameter got no gradient in the window's last micro-batch counts in the norm too.
-            self.buffers.finish(gate.measures_all())
-        self.buffers.settle(gate.window, gate.params)
+            self.buffers.finish(ctx.measures_all())
+        self.buffers.settle(ctx.window, ctx.params)
 
-    def new_route(self, gate: GradientPipeline) -> None:
+    def new_route(self, ctx: StageContext) -> None:
         # Training (re)begins: host copies are taken again from the device's parameters.
-        for inner in gate.inner:
+        for inner in ctx.inner:
             if isinstance(inner, HostStepOptimizer):
                 inner.stale = True
 
@@ -220,7 +231,7 @@ def _warn_without_cuda(mode: str, transfer: Transfer | None) -> None:
 
 
 def enable_offload(
-    optimizer: LayerwiseOptimizer,
+    optimizer: Any,
     mode: str = "gradients",
     transfer: Transfer | None = None,
     max_in_flight: int = 2,
@@ -249,7 +260,7 @@ def enable_offload(
     (`ThreadTransfer`) and warns, unless `LAYERWISE_HF_OFFLOAD_SIMULATE=1`. A model over several GPUs is refused.
 
     Args:
-        optimizer (`LayerwiseOptimizer`): the optimizer to offload.
+        optimizer (`LayerwiseOptimizer`): the optimizer to offload (its pipeline gets the offload stage).
         mode (`str`, *optional*, defaults to `"gradients"`): `"gradients"` (`"none"` turns offload off).
         transfer (`Transfer`, *optional*): the device's copies (`layerwise_hf.placement.transfer`); by default chosen
             at the first copy for the gradient's device (so the model may move to the GPU after this call).
@@ -295,12 +306,9 @@ def enable_offload(
     buffers.reserve = reserve
     if runner is not None:
         runner.reserve = reserve
-    # NOTE: a route may ask what is held before any hook of the next window runs (the data-parallel route merges a
-    # host sum before reducing); a window GradScaler skipped must be forgotten by then.
-    buffers.check_window = pipeline.close_skipped_window
     pipeline.offload = OffloadStage(buffers)
 
 
-def offload_of(optimizer: LayerwiseOptimizer) -> GradientOffload | None:
+def offload_of(optimizer: Any) -> GradientOffload | None:
     """The host offload of `optimizer` (`enable_offload`), or `None`: its host buffers and device-side counters."""
     return optimizer.pipeline.offload.buffers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -11,23 +12,21 @@ from ..platform.dtensor import local_tensor
 
 def tensor_bytes(obj: Any) -> int:
     """
-        Bytes of every tensor in `obj` (a tensor, or dicts, lists and objects holding tensors), counting only the local
-        shard of a DTensor.
+    Bytes of every tensor in `obj` (a tensor, or dicts, lists and objects holding tensors), counting only the local
+    shard of a DTensor.
 
-        Args:
-            obj (`Any`):
-                A tensor, or a dict, list, tuple or object holding tensors (e.g. an optimizer's `state`).
+    Args:
+        obj (`Any`):
+            A tensor, or a dict, list, tuple or object holding tensors (e.g. an optimizer's `state`).
 
-        Example:
+    Example:
 
-        ```python
-        >>> import torch
-
-    from ..platform.dtensor import local_tensor
-        >>> from layerwise_hf.optim.memory import tensor_bytes
-        >>> tensor_bytes({"exp_avg": torch.zeros(4, 4), "step": torch.tensor(1.0)})
-        68
-        ```
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.optim.memory import tensor_bytes
+    >>> tensor_bytes({"exp_avg": torch.zeros(4, 4), "step": torch.tensor(1.0)})
+    68
+    ```
     """
     if isinstance(obj, torch.Tensor):
         # A DTensor's numel() is the global size; this rank holds only its local shard.
@@ -50,22 +49,20 @@ def tensor_bytes(obj: Any) -> int:
 
 class GradMeter:
     """
-        The gradients a layer-wise optimizer holds (accumulating, or waiting for the step) and the most bytes held at
-        once. A gradient is counted from the moment its hook sees it until its parameter steps and frees it.
+    The gradients a layer-wise optimizer holds (accumulating, or waiting for the step) and the most bytes held at
+    once. A gradient is counted from the moment its hook sees it until its parameter steps and frees it.
 
-        Example:
+    Example:
 
-        ```python
-        >>> import torch
-
-    from ..platform.dtensor import local_tensor
-        >>> from layerwise_hf.optim.memory import GradMeter
-        >>> meter = GradMeter()
-        >>> meter.hold(0, torch.zeros(256))
-        >>> meter.release(0)
-        >>> meter.held_bytes, meter.peak_bytes
-        (0, 1024)
-        ```
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.optim.memory import GradMeter
+    >>> meter = GradMeter()
+    >>> meter.hold(0, torch.zeros(256))
+    >>> meter.release(0)
+    >>> meter.held_bytes, meter.peak_bytes
+    (0, 1024)
+    ```
     """
 
     def __init__(self) -> None:
@@ -91,13 +88,22 @@ class GradMeter:
 
 
 class MemoryReport:
-    """The memory figures a layer-wise optimizer reports (a mixin of `LayerwiseOptimizer`: its `pipeline`, `inner` and
-    parameters)."""
+    """
+    The memory figures a layer-wise optimizer reports (`LayerwiseOptimizer.pipeline.memory`).
+
+    Args:
+        meter (`GradMeter`): the pipeline's gradient meter.
+        inner (`Sequence[torch.optim.Optimizer]`): one optimizer per parameter.
+        params (`Sequence[torch.Tensor]`): the parameters.
+    """
+
+    def __init__(self, meter: GradMeter, inner: Sequence[Any], params: Sequence[torch.Tensor]):
+        self.meter, self.inner, self.params = meter, inner, params
 
     @property
     def peak_grad_bytes(self) -> int:
         """The most gradient bytes this optimizer held at once (accumulating, held, or about to step)."""
-        return self.pipeline.meter.peak_bytes
+        return self.meter.peak_bytes
 
     def state_bytes(self) -> int:
         """Bytes held by every inner optimizer's state."""

@@ -37,8 +37,6 @@ import torch
 if TYPE_CHECKING:
     from torch import nn
 
-    from .optimizer import LayerwiseOptimizer
-
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -188,15 +186,21 @@ class NormPassChoice:
     repeats: str | None = None
 
 
-def _choice(optimizer: LayerwiseOptimizer) -> NormPassChoice:
-    choice = getattr(optimizer, "norm_pass_choice", None)
-    if choice is None:  # an optimizer built before this attribute existed (unpickled, or a stand-in in a test)
-        choice = optimizer.norm_pass_choice = NormPassChoice()
+def _pipeline(optimizer: Any) -> Any:
+    # A `LayerwiseOptimizer` or its `GradientPipeline`: the driver's functions below take either.
+    return getattr(optimizer, "pipeline", optimizer)
+
+
+def _choice(optimizer: Any) -> NormPassChoice:
+    pipeline = _pipeline(optimizer)
+    choice = getattr(pipeline, "norm_pass_choice", None)
+    if choice is None:  # made at the first choice (or a stand-in in a test)
+        choice = pipeline.norm_pass_choice = NormPassChoice()
     return choice
 
 
-def _choose(optimizer: LayerwiseOptimizer, loss: torch.Tensor) -> NormPass:
-    params = optimizer.params
+def _choose(optimizer: Any, loss: torch.Tensor) -> NormPass:
+    params = _pipeline(optimizer).params
     activations = saved_activation_bytes(loss, params)
     sizes = [p.numel() * p.element_size() for p in params] or [0]
     chosen = choose_norm_pass(activations, sum(sizes), max(sizes))
@@ -222,7 +226,7 @@ def _choose(optimizer: LayerwiseOptimizer, loss: torch.Tensor) -> NormPass:
     return chosen
 
 
-def last_norm_pass(optimizer: LayerwiseOptimizer) -> NormPass | None:
+def last_norm_pass(optimizer: Any) -> NormPass | None:
     """
     The way `optimizer`'s last step measured by the rule chose (`backward_with_norm_pass` with `norm_pass="auto"`),
     or None before any.
@@ -238,7 +242,7 @@ def last_norm_pass(optimizer: LayerwiseOptimizer) -> NormPass | None:
     return _choice(optimizer).way
 
 
-def forward_again(optimizer: LayerwiseOptimizer) -> bool:
+def forward_again(optimizer: Any) -> bool:
     """
     Whether the coming step should measure with a second forward+backward (`run_with_norm_pass`) rather than
     `backward_with_norm_pass`: its last measured step chose `rerun` (see `choose_norm_pass`). False before any step
@@ -258,7 +262,7 @@ def forward_again(optimizer: LayerwiseOptimizer) -> bool:
 
 
 def backward_with_norm_pass(
-    optimizer: LayerwiseOptimizer,
+    optimizer: Any,
     loss: torch.Tensor,
     backward: Callable[..., Any] | None = None,
     *,
@@ -302,21 +306,22 @@ def backward_with_norm_pass(
     """
     way = _norm_pass_arg(norm_pass)
     backward = backward or (lambda tensor, **kw: tensor.backward(**kw))
+    pipeline = _pipeline(optimizer)
     # First: a window GradScaler skipped must be closed before this one notes its accumulation.
-    optimizer.close_skipped_window()
-    if not optimizer.sync_gradients():
-        optimizer.note_accumulation()
+    pipeline.close_skipped_window()
+    if not pipeline.sync_gradients():
+        pipeline.note_accumulation()
         return backward(loss, **kwargs)
-    if not optimizer.needs_norm_pass():
+    if not pipeline.needs_norm_pass():
         return backward(loss, **kwargs)
     if way is NormPass.AUTO:
         way = _choose(optimizer, loss)
     if way is not NormPass.RETAIN:
         # No norm pass: every gradient is held (the step window's HOLD), and step() clips and steps them.
         return backward(loss, **kwargs)
-    with optimizer.norm_pass():
+    with pipeline.norm_pass():
         result = backward(loss, retain_graph=True, **kwargs)
-    if optimizer.step_will_be_skipped:
+    if pipeline.scaling.will_skip():
         return result  # nothing will step: the second backward would be wasted
     return backward(loss, **kwargs)
 
@@ -335,9 +340,7 @@ def _norm_pass_arg(value: str | NormPass) -> NormPass:
     return way
 
 
-def run_with_norm_pass(
-    optimizer: LayerwiseOptimizer, forward_backward: Callable[[], T], model: nn.Module | None = None
-) -> T:
+def run_with_norm_pass(optimizer: Any, forward_backward: Callable[[], T], model: nn.Module | None = None) -> T:
     """
     Run `forward_backward` (forward + backward of one micro-batch) twice when exact clipping or fp16 needs every
     gradient before any layer steps: first to measure, then to clip and step. The RNG state is replayed so
@@ -374,14 +377,15 @@ def run_with_norm_pass(
     """
     # First: a window GradScaler skipped must be closed before this one notes its accumulation (under DDP's
     # no_sync no hook fires that would close it).
-    optimizer.close_skipped_window()
-    if not optimizer.sync_gradients():
+    pipeline = _pipeline(optimizer)
+    pipeline.close_skipped_window()
+    if not pipeline.sync_gradients():
         # Under DDP's no_sync no hook fires on this micro-batch, so note the accumulation here.
-        optimizer.note_accumulation()
+        pipeline.note_accumulation()
         return forward_backward()
-    if not optimizer.needs_norm_pass():
+    if not pipeline.needs_norm_pass():
         return forward_backward()
-    route = optimizer.gradient_route
+    route = pipeline.route
     collective = route is not None and getattr(route, "collective_per_forward", False)
     if model is not None and not collective and _choice(optimizer).way is NormPass.RERUN:
         repeats = rerun_repeats(model)
@@ -398,9 +402,9 @@ def run_with_norm_pass(
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     state = ForwardState(model) if model is not None else None
-    with optimizer.norm_pass():
+    with pipeline.norm_pass():
         result = forward_backward()
-    if optimizer.step_will_be_skipped:
+    if pipeline.scaling.will_skip():
         return result  # every rank agrees (reduced gradients): no second pass anywhere
     if state is not None:
         state.restore()

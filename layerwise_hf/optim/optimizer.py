@@ -4,21 +4,18 @@ The object Trainer and Accelerate see is a real `torch.optim.Optimizer`. Its `pa
 optimizers' own (single) param groups, shared by reference, so whatever the LR scheduler writes into a group is what
 the inner optimizer reads when it steps: the logged lr is the applied lr by construction.
 
-The class only wires its parts together (docs/architecture.md draws the path of a gradient through them):
+The class is the Optimizer's face (docs/architecture.md draws the path of a gradient behind it):
 
-- a route (`layerwise_hf.routes`) hands each reduced gradient to `grad_ready(i)`: the optimizer is the route's
-  `GradientSink` (`layerwise_hf.routes.sink`), and owns the one `BackwardEnd` that runs the end-of-backward work;
-- the step window (`layerwise_hf.optim.window`) decides what that gradient is for: accumulate, measure, hold or step;
-- the clipper (`layerwise_hf.optim.clipping`) scales it; the GradScaler bridge (`layerwise_hf.optim.grad_scaler`)
-  unscales and inf-checks it under fp16; the meter (`layerwise_hf.optim.memory`) counts the gradient bytes alive;
+- its `pipeline` (`layerwise_hf.optim.pipeline`) is the route's `GradientSink`: each reduced gradient goes there,
+  through the step window and the stages (loss scaling, offload, clipping, the step);
+- `connect` picks the route (`layerwise_hf.routes`) and attaches it to the pipeline;
 - `layerwise_hf.optim.state` saves and loads the inner optimizers' states by parameter name.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -26,38 +23,29 @@ from torch import nn
 
 from ..bases.params import LayerwiseFactory, LayerwiseParam, canonical_name
 from ..bases.registry import resolve_factory
-from ..bases.support import check_bool_argument, check_fsdp2_optimizers
+from ..bases.support import check_bool_argument, check_fp16_clip_mode, check_fp16_weights, check_fsdp2_optimizers
 from ..placement.local_shard import wrap_local_shards
 from ..placement.offload import parse_offload
 from ..placement.offloading import host_step_factory
-from ..platform.backward_end import BackwardEnd
 from ..routes.distributed import choose_route
 from ..routes.hooks import GradientRoute, LocalHooks
 from . import norm_pass
 from .clipping import CLIP_MODES as CLIP_MODES
-from .clipping import ClipMode
-from .grad_scaler import GradScalerBridge
+from .clipping import ClipMode, make_clipper
+from .grad_scaler import GradScalerBridge, NoLossScaling
 from .host_offload import enable_offload
-from .memory import MemoryReport
 from .pipeline import GradientPipeline
-from .state import layerwise_state_dict, load_layerwise_state_dict, standard_groups_names
+from .state import layerwise_state_dict, load_layerwise_state_dict
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-def _accelerate_sync_gradients() -> bool:
-    # NOTE: accelerate sets `sync_gradients` before the backward of each micro-batch (False on all but the last of
-    # a gradient-accumulation window), and Trainer sets it explicitly; outside Accelerate it stays True.
-    from accelerate.state import GradientState
-
-    return GradientState().sync_gradients
-
-
-class LayerwiseOptimizer(MemoryReport, torch.optim.Optimizer):
+class LayerwiseOptimizer(torch.optim.Optimizer):
     """
-    A proxy optimizer over one inner optimizer per trainable parameter.
+    A proxy optimizer over one inner optimizer per trainable parameter: the `torch.optim.Optimizer` Trainer and
+    Accelerate see. What happens to each gradient is its `pipeline`'s (`layerwise_hf.optim.pipeline`).
 
     Once a route is attached (`connect(model)`, or `attach()` for local hooks), each inner optimizer steps as soon
     as its parameter's (reduced) gradient is ready and the gradient is freed; `step()` steps what no hook consumed
@@ -111,15 +99,8 @@ class LayerwiseOptimizer(MemoryReport, torch.optim.Optimizer):
         decay = in_decay_group if in_decay_group is not None else [lp.weight_decay != 0 for lp in params]
         self.in_decay_group = list(decay)
         self.inner: list[torch.optim.Optimizer] = [_build_inner(factory, lp, args) for lp in params]
-        self._params = [lp.param for lp in params]
-        self._index = {id(p): i for i, p in enumerate(self._params)}
-        self._sync_gradients = sync_gradients or _accelerate_sync_gradients
-        self._extra_backward = False
-        self._route: GradientRoute | None = None  # the last route connected (kept after detach: `route` names it)
-        self.backward_end = BackwardEnd()  # the one owner of the end of each backward (routes, hold, fp16 flags)
-        self.norm_pass_choice = norm_pass.NormPassChoice()  # what layerwise_norm_pass="auto" decided
         self.pipeline = GradientPipeline(
-            self.names, self._params, self.inner, self.sync_gradients, track_grad_norm, self.backward_end
+            self.names, [lp.param for lp in params], self.inner, sync_gradients, track_grad_norm
         )
         self.steps_taken = 0
         # NOTE: some transformers schedulers read `optimizer.defaults["lr"]` (polynomial, cosine_with_min_lr).
@@ -143,224 +124,130 @@ class LayerwiseOptimizer(MemoryReport, torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None):
         with torch.enable_grad():
             loss = closure() if closure is not None else None
-        self.rebind()
-        self.backward_end.outside_backward()
-        self.pipeline.step_pending()
+        self._rebind()
+        self.pipeline.step()
         self.steps_taken += 1
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
-        self.backward_end.outside_backward()
-        self.pipeline.reset_window() if self.pipeline.offload.enabled else self.pipeline.meter.clear()
+        self.pipeline.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
         """The standard layout, each group with its parameter's `name`, plus metadata (`layerwise_hf.optim.state`)."""
-        self.rebind()
+        self._rebind()
         return layerwise_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load by parameter name, checked before anything loads; see `state.load_layerwise_state_dict`."""
-        self.rebind()
+        self._rebind()
         try:
             last_grad_norm = load_layerwise_state_dict(self, state_dict)
         finally:
             # Loading replaces the inner optimizers' group dicts; keep sharing them by reference.
             self.param_groups[:] = [inner.param_groups[0] for inner in self.inner]
         if last_grad_norm is not None:
-            self.pipeline.last_grad_norm = last_grad_norm.to(self._params[0].device)
+            self.pipeline.last_grad_norm = last_grad_norm.to(self.params[0].device)
 
     # ---- parameters and routes ----
 
     @property
     def params(self) -> tuple[torch.Tensor, ...]:
-        """The trainable parameters, in order (after `rebind`, the ones Accelerate's prepare put in the groups)."""
-        return tuple(self._params)
+        """The trainable parameters, in order (the ones Accelerate's prepare put in the groups, once stepped)."""
+        return tuple(self.pipeline.params)
 
-    def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
-        return zip(self.names, self._params)
-
-    def index_of(self, param: torch.Tensor) -> int | None:
-        """The index of `param` (the very tensor, not a copy), or `None`."""
-        i = self._index.get(id(param))
-        return i if i is not None and self._params[i] is param else None
-
-    def sync_gradients(self) -> bool:
-        """Whether the current backward ends a gradient-accumulation window."""
-        return not self._extra_backward and self._sync_gradients()
-
-    @contextlib.contextmanager
-    def extra_backward(self, active: bool = True) -> Iterator[None]:
-        """Backward passes within only accumulate into `.grad`, as a micro-batch that does not end the window (an
-        auxiliary loss's own backward in `compute_loss`); `active=False` lifts that for the step's real backward."""
-        previous, self._extra_backward = self._extra_backward, active
-        try:
-            yield
-        finally:
-            self._extra_backward = previous
-
-    def rebind(self) -> None:
-        """Follow parameters replaced in the groups (Accelerate's FSDP2 `prepare` swaps in DTensors): route, state."""
+    def _rebind(self) -> None:
+        # Follow parameters replaced in the groups (Accelerate's FSDP2 `prepare` swaps in DTensors): route, state.
         current = [inner.param_groups[0]["params"][0] for inner in self.inner]
-        if all(a is b for a, b in zip(current, self._params)):
+        params = self.pipeline.params
+        if all(a is b for a, b in zip(current, params)):
             return
-        route = self._route if self.attached else None
+        route = self.pipeline.route if self.attached else None
         if route is not None:
             route.detach()
-        for inner, old, new in zip(self.inner, self._params, current):
+        for inner, old, new in zip(self.inner, params, current):
             if old is not new and old in inner.state:
                 inner.state[new] = inner.state.pop(old)
-        self._params = current
-        self.pipeline.params = current
-        self._index = {id(p): i for i, p in enumerate(current)}
+        params[:] = current  # in place: the pipeline's stages and the offload's reserve read this list
         if route is not None:
-            route.attach(self)
+            route.attach(self.pipeline)
 
-    def set_route(self, route: GradientRoute) -> None:
-        """Feed the per-layer steps through `route`, replacing the current one."""
-        self.rebind()
+    def connect(
+        self,
+        model: nn.Module | None = None,
+        accelerator: Any = None,
+        hold_first_step: bool = False,
+        route: GradientRoute | None = None,
+    ) -> str:
+        """
+        Attach to `model` as Accelerate prepared it (local hooks, DDP comm hook, FSDP2), or through `route` when given
+        (replacing the current one); returns the route's name. With `hold_first_step`, an exception in the first
+        step's backward (OOM) steps nothing: it holds every gradient.
+        """
+        self._rebind()
+        if route is None:
+            route = choose_route(self.pipeline.params, model, accelerator)
         self.detach()
         if route.steps_shards:
             check_fsdp2_supported(self)
-        # A window cut short by an exception (Ctrl-C, OOM, a callback) must not carry into the next step.
-        self.pipeline.new_route()
-        self.backward_end.forget()
-        route.attach(self)
-        self._route = route
+        self.pipeline.attach(route)
+        self.pipeline.window.hold_all = hold_first_step
+        return route.name
 
     def attach(self, sync_gradients: Callable[[], bool] | None = None) -> None:
         """Register local post-accumulate-grad hooks (idempotent), taking them over from another optimizer."""
         if sync_gradients is not None:
-            self._sync_gradients = sync_gradients
+            self.pipeline.sync_source = sync_gradients
         if not self.attached:
-            self.set_route(LocalHooks())
-
-    def connect(self, model: nn.Module | None = None, accelerator: Any = None, hold_first_step: bool = False) -> str:
-        """Attach to `model` as Accelerate prepared it (local hooks, DDP comm hook, FSDP2); returns the route. With
-        `hold_first_step`, an exception in the first step's backward (OOM) steps nothing: it holds every gradient."""
-        self.rebind()
-        route = choose_route(self._params, model, accelerator)
-        self.set_route(route)
-        self.pipeline.window.hold_all = hold_first_step
-        return route.name
+            self.connect(route=LocalHooks())
 
     def detach(self) -> None:
         """Stop routing gradients to the per-layer steps (remove the hooks; a DDP comm hook goes back to averaging)."""
-        if self._route is not None and self._route.attached:
-            self._route.detach()
+        route = self.pipeline.route
+        if route is not None and route.attached:
+            route.detach()
 
     @property
     def attached(self) -> bool:
         """Whether gradients reach the per-layer steps."""
-        return self._route is not None and self._route.attached
-
-    @property
-    def gradient_route(self) -> GradientRoute | None:
-        return self._route  # the route of the last connect() / attach(), kept after detach()
+        route = self.pipeline.route
+        return route is not None and route.attached
 
     @property
     def route(self) -> str | None:
         """How gradients arrived in the last connect(): "local", "data_parallel", "ddp" or "fsdp2"."""
-        return None if self._route is None else self._route.name
+        route = self.pipeline.route
+        return None if route is None else route.name
 
-    # ---- gradients: the per-parameter entry point, clipping, norm passes, fp16 (see `GradientPipeline`) ----
+    # ---- clipping, fp16 and the gradient norm ----
 
-    def grad_ready(self, i: int) -> None:
-        """Parameter `i`'s reduced gradient is in `.grad`: routes call this, the only way gradients come in."""
-        if _frozen_since_built(self._params[i]):
-            return
-        self.pipeline.grad_ready(i)
-
-    def grad_held(self, i: int) -> None:
-        """A route keeps parameter `i`'s gradient to hand it over later: count it among the gradients alive."""
-        self.pipeline.meter.hold(i, self._params[i].grad)
-
-    def merge_waiting(self, i: int) -> None:
-        """Offload: add the window's host sum of parameter `i` into `.grad` before the route's one reduction."""
-        self.pipeline.merge_waiting(i)
-
-    def configure_clipping(self, max_grad_norm: float | None, mode: str = "exact") -> None:
+    def configure_clipping(self, max_grad_norm: float | None, mode: str | ClipMode = "exact") -> None:
         """Apply `max_grad_norm` (`<= 0` or `None`: no clipping) the way `mode` (a `layerwise_clip` value) says."""
-        self.pipeline.configure_clipping(max_grad_norm, mode)
-
-    @property
-    def clip_mode(self) -> str:
-        return self.pipeline.clipper.mode.value
+        clipper = make_clipper(max_grad_norm, mode)
+        if self.pipeline.scaling.enabled:
+            check_fp16_clip_mode(clipper.mode.value, True, clipper.max_grad_norm)
+        self.pipeline.clipper = clipper
 
     def use_grad_scaler(self, scaler: Any) -> None:
         """Step under fp16 loss scaling with Accelerate's `accelerator.scaler` (`None`: none); see `grad_scaler`."""
-        self.pipeline.use_grad_scaler(scaler, self)
-
-    def needs_norm_pass(self) -> bool:
-        """Whether the coming backward ends a window that exact clipping or fp16 wants measured first."""
-        return self.pipeline.needs_norm_pass(self.attached)
-
-    def steps_in_backward(self) -> bool:
-        """Whether a gradient handed over now steps at once (not accumulated, measured, or held for `step()`)."""
-        return self.pipeline.steps_now()
-
-    def norm_pass(self) -> contextlib.AbstractContextManager[None]:
-        """Hooks within it only measure (and fp16-check) gradients and free them (`layerwise_hf.optim.norm_pass`)."""
-        route = self._route
-        return self.pipeline.norm_pass(route.reduce_found_inf if route is not None else lambda flags: None)
-
-    @property
-    def step_will_be_skipped(self) -> bool:
-        """After a norm pass with a scaler: some gradient was inf/nan, so GradScaler will skip this step."""
-        return GradScalerBridge.will_skip(self.pipeline.window)
-
-    def backward_with_norm_pass(self, loss: torch.Tensor, backward: Callable[..., Any] | None = None, **kwargs):
-        """`backward(loss)` after a measuring backward when needed; see `norm_pass.backward_with_norm_pass`."""
-        return norm_pass.backward_with_norm_pass(self, loss, backward, **kwargs)
-
-    def run_with_norm_pass(self, forward_backward: Callable[[], T], model: nn.Module | None = None) -> T:
-        """Forward+backward, run twice when a norm pass is needed; see `norm_pass.run_with_norm_pass`."""
-        return norm_pass.run_with_norm_pass(self, forward_backward, model)
-
-    def note_accumulation(self) -> None:
-        """A micro-batch that does not end the window ran backward (under DDP's no_sync no hook says so)."""
-        self.pipeline.note_accumulation()
-
-    def close_skipped_window(self) -> None:
-        """Forget, without stepping, a window whose step GradScaler skipped (our step() never ran)."""
-        self.pipeline.close_skipped_window()
+        pipeline = self.pipeline
+        if scaler is not None and not scaler.is_enabled():
+            scaler = None
+        if scaler is None:
+            pipeline.scaling = NoLossScaling()
+            return
+        check_fp16_clip_mode(pipeline.clipper.mode.value, True, pipeline.clipper.max_grad_norm)
+        check_fp16_weights(zip(self.names, pipeline.params))
+        pipeline.scaling = GradScalerBridge(scaler, self, pipeline.backward_end, route=lambda: pipeline.route)
 
     def grad_norm(self) -> torch.Tensor | None:
         """The pre-clip global norm of this step's (or, after `step()`, the last step's) gradients, as
         `clip_grad_norm_` returns it (with fp16, of the unscaled gradients; inf/nan on a step GradScaler skips)."""
         return self.pipeline.grad_norm(self)
 
-    @property
-    def track_grad_norm(self) -> bool:
-        return self.pipeline.track_grad_norm
-
-    @track_grad_norm.setter
-    def track_grad_norm(self, value: bool) -> None:
-        self.pipeline.track_grad_norm = value
-
-    def applied_learning_rates(self) -> dict[str, float]:
-        return dict(self.pipeline.applied_lr)  # per inner optimizer class ("AdamW", "Muon"): its latest step's lr
-
-    @property
-    def last_grad_norm(self) -> torch.Tensor | None:
-        return self.pipeline.last_grad_norm
-
-    def standard_groups_names(self) -> list[list[str]]:
-        """The names in each param group of Trainer's standard optimizer: the weight-decay group, then the rest."""
-        return standard_groups_names(self.names, self.in_decay_group)
-
     def __repr__(self) -> str:
         kinds = sorted({type(inner).__name__ for inner in self.inner})
         return f"LayerwiseOptimizer({self.optimizer_name or '/'.join(kinds)}, {len(self.inner)} parameters)"
-
-
-def _frozen_since_built(param: torch.Tensor) -> bool:
-    # Not stepped, as a standard optimizer skips a parameter without a gradient (the routes hook no frozen tensor);
-    # only the data-parallel route's zero-filled bucket slot hands one over: dropped.
-    if param.requires_grad:
-        return False
-    param.grad = None
-    return True
 
 
 def _check_params(params: Sequence[LayerwiseParam]) -> None:

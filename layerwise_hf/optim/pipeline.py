@@ -1,12 +1,12 @@
-"""`GradientPipeline`: what happens to each gradient a route hands over, between two optimizer steps.
+"""`GradientPipeline`: the path of each gradient a route hands over, between two optimizer steps.
 
-It owns the step window (what is known this step), the clipper and the gradient meter, and applies the window's
-decision table (`StepWindow`) to each gradient: accumulate it, measure it in a norm pass, hold it for `step()`, or clip
-and step its parameter's inner optimizer and free it. Two features join that path as stages, each behind one
-interface with a stand-in for "off", so the path has no branch per feature:
-- loss scaling (`scaler`): `GradScalerBridge` under fp16, else `NoLossScaling`;
-- host offload (`offload`): `OffloadStage` with `layerwise_offload`, else `NO_OFFLOAD`; a gradient it takes waits on
-  the host and leaves the path here.
+The pipeline is the routes' `GradientSink` (`layerwise_hf.routes.sink`). It owns the step window (what is known this
+step), the gradient meter and the end of each backward (`BackwardEnd`), and runs the stages in one order for each
+gradient: the window decides (accumulate, measure, hold or step), loss scaling unscales and inf-checks, offload takes
+a gradient that waits to the host, clipping gives its factor, and the step steps the parameter's inner optimizer and
+frees the gradient. Each stage is one object with a stand-in for "off" (`NoLossScaling`, `NO_OFFLOAD`, the `off`
+clipper), owns its part of the window, and is handed what it needs (a `StageContext`, an inverse scale): no stage
+calls another or the pipeline.
 """
 
 from __future__ import annotations
@@ -18,33 +18,40 @@ from typing import Any
 
 import torch
 
-from ..bases.support import check_fp16_clip_mode, check_fp16_weights
 from ..placement.host_step import unwrap_host_step
 from ..platform.backward_end import BackwardEnd
 from ..platform.compat import checkpointing_kwargs_name
+from ..platform.dtensor import local_tensor
 from ..platform.norms import scale_grad
 from ..platform.streams import step_in_backward
-from .clipping import ClipMode, make_clipper
+from .clipping import ClipMode, Clipper, make_clipper
 from .grad_scaler import GradScalerBridge, NoLossScaling
-from .host_offload import NO_OFFLOAD, NoOffload, OffloadStage
-from .memory import GradMeter
-from .window import Action, StepWindow
+from .host_offload import NO_OFFLOAD, NoOffload, OffloadStage, Where
+from .memory import GradMeter, MemoryReport
+from .window import Action, StageContext, StepWindow
 
 logger = logging.getLogger(__name__)
 
 
+def _accelerate_sync_gradients() -> bool:
+    # NOTE: accelerate sets `sync_gradients` before the backward of each micro-batch (False on all but the last of
+    # a gradient-accumulation window), and Trainer sets it explicitly; outside Accelerate it stays True.
+    from accelerate.state import GradientState
+
+    return GradientState().sync_gradients
+
+
 class GradientPipeline:
     """
-    The per-gradient logic of a layer-wise optimizer.
+    The per-gradient path of a layer-wise optimizer, and the `GradientSink` its route feeds.
 
     Args:
         names (`Sequence[str]`): the parameters' names, for error messages.
-        params (`list[torch.Tensor]`): the parameters (replaced by the owner on `rebind`).
+        params (`Sequence[torch.Tensor]`): the parameters (followed in place when the owner rebinds them).
         inner (`Sequence[torch.optim.Optimizer]`): one optimizer per parameter.
-        sync (`Callable[[], bool]`): whether the current backward ends an accumulation window.
+        sync_gradients (`Callable[[], bool]`, *optional*): whether the current backward ends an accumulation window
+            (default: Accelerate's `sync_gradients`).
         track_grad_norm (`bool`): measure every gradient's norm even when clipping does not need it.
-        backward_end (`BackwardEnd`, *optional*): the owner's end-of-backward work (fp16 flags of offloaded
-            gradients are gathered there).
 
     Example:
 
@@ -52,7 +59,7 @@ class GradientPipeline:
     >>> import torch
     >>> from layerwise_hf.optim.pipeline import GradientPipeline
     >>> weight = torch.nn.Parameter(torch.ones(3))
-    >>> pipeline = GradientPipeline(["w"], [weight], [torch.optim.SGD([weight], lr=0.5)], sync=lambda: True)
+    >>> pipeline = GradientPipeline(["w"], [weight], [torch.optim.SGD([weight], lr=0.5)], lambda: True)
     >>> weight.grad = torch.ones(3)
     >>> pipeline.grad_ready(0); weight.data, weight.grad
     (tensor([0.5000, 0.5000, 0.5000]), None)
@@ -62,59 +69,71 @@ class GradientPipeline:
     def __init__(
         self,
         names: Sequence[str],
-        params: list[torch.Tensor],
+        params: Sequence[torch.Tensor],
         inner: Sequence[torch.optim.Optimizer],
-        sync: Callable[[], bool],
+        sync_gradients: Callable[[], bool] | None = None,
         track_grad_norm: bool = False,
-        backward_end: BackwardEnd | None = None,
     ):
         self.names = names
-        self.params = params
+        self.params = list(params)
         self.inner = inner
-        self.sync = sync
-        self.backward_end = backward_end if backward_end is not None else BackwardEnd()
-        self.window = StepWindow(len(params))
+        self.backward_end = BackwardEnd()  # one per pipeline: the routes, the hold and the stages queue on it
+        self.window = StepWindow(len(self.params))
         self.meter = GradMeter()
-        self.clipper = make_clipper(0.0, ClipMode.OFF)
-        self.scaler: GradScalerBridge | NoLossScaling = NoLossScaling()
+        self.clipper: Clipper = make_clipper(0.0, ClipMode.OFF)
+        self.scaling: GradScalerBridge | NoLossScaling = NoLossScaling()
         self.offload: OffloadStage | NoOffload = NO_OFFLOAD
+        self.route: Any = None  # the route attached last (kept after detach: its name is the optimizer's `route`)
         self.track_grad_norm = track_grad_norm
         self.last_grad_norm: torch.Tensor | None = None
         self.applied_lr: dict[str, float] = {}  # per optimizer class, the lr of its latest step
+        self.norm_pass_choice: Any = None  # what layerwise_norm_pass="auto" decided (`norm_pass.NormPassChoice`)
+        self.sync_source = sync_gradients or _accelerate_sync_gradients  # Accelerate's, or the caller's
+        self._extra_backward = False
+        self.context = StageContext(
+            self.params, inner, self.window, self.meter, self.backward_end, self.sync_gradients,
+            self.measures_all, self.step_param, self.note_step, self.coef,
+        )  # fmt: skip
 
-    # ---- one gradient ----
+    # ---- the sink: what a route calls ----
 
     def grad_ready(self, i: int) -> None:
         """Parameter `i`'s (reduced) gradient is in its `.grad`: act on it as the step window decides."""
-        window, scaler = self.window, self.scaler
-        if scaler.window_was_skipped(window):
+        param, scaling = self.params[i], self.scaling
+        if not param.requires_grad:
+            # Frozen since the optimizer was built: not stepped, as a standard optimizer skips a parameter without a
+            # gradient (the routes hook no frozen tensor; only the data-parallel route's zero-filled slot hands one).
+            param.grad = None
+            return
+        if scaling.window_was_skipped():
             self.end_window()
-        param = self.params[i]
-        action = window.action(i, self.sync(), self.whole_step())
-        if self.offload.take(self, i, action):
-            return
-        if action is Action.ACCUMULATE:
+        action = self.window.action(i, self.sync_gradients(), self.whole_step())
+        where = self.offload.where(i, action)
+        if where is not None:
+            self._to_host(i, action is not Action.ACCUMULATE, where)
+        elif action is Action.ACCUMULATE:
             self.meter.hold(i, param.grad)  # the gradient stays in .grad until the window's last micro-batch
-            return
-        scaler.capture(window)
-        if action is Action.STEP:
-            if not scaler.unscale_to_step(window, param.grad):
+        elif action is Action.STEP:
+            scaling.capture()
+            if scaling.unscale_to_step(param.grad):
+                self.step_param(i)
+            else:
                 # Overflowed in this pass only: GradScaler will skip the step; this and later gradients do not step.
                 param.grad = None
-                return
-            self.step_param(i)
         elif action is Action.MEASURE:
+            scaling.capture()
             self.meter.hold(i, param.grad)
-            scaler.unscale(window, param.grad)
+            scaling.unscale(param.grad)
             if self.wants_norms():
-                window.record_norm(i, param)
+                self.window.record_norm(i, param)
             param.grad = None
             self.meter.release(i)
         elif action is Action.HOLD:
             # step() clips and steps exactly; a scaled gradient is measured there, once GradScaler has unscaled it.
+            scaling.capture()
             self.meter.hold(i, param.grad)
-            if not scaler.enabled:
-                window.record_norm(i, param)
+            if not scaling.enabled:
+                self.window.record_norm(i, param)
         else:
             raise RuntimeError(
                 f"The gradient hook of {self.names[i]} fired twice before optimizer.step(): it would be stepped "
@@ -124,18 +143,66 @@ class GradientPipeline:
                 "gradient_accumulation_steps)."
             )
 
+    def _to_host(self, i: int, final: bool, where: Where) -> None:
+        # Loss scaling first: a whole gradient is unscaled (and measured) on the device before its copy; a host sum
+        # gets the inverse scale for the host worker.
+        scaling, param, inv_scale = self.scaling, self.params[i], None
+        if final and where is Where.DEVICE:
+            scaling.capture()
+            scaling.unscale(param.grad)
+            self.window.record_norm(i, param)
+        elif final:
+            inv_scale = scaling.inverse_scale(self.offload.host_device(i))
+        self.offload.take(self.context, i, final, inv_scale)
+        if final:
+            offload, ctx = self.offload, self.context
+
+            def host_flag(at_end: bool) -> torch.Tensor | None:
+                return offload.host_flag(ctx, at_end, lambda: scaling.inverse_scale(torch.device("cpu")))
+
+            scaling.publish_at_end(local_tensor(self.params[0]).device, host_flag)
+
+    def grad_held(self, i: int) -> None:
+        """A route keeps parameter `i`'s gradient to hand it over later: count it among the gradients alive."""
+        self.meter.hold(i, self.params[i].grad)
+
+    def merge_waiting(self, i: int) -> None:
+        """Add parameter `i`'s host sum of this window (offload) into its `.grad`, before a route's reduction."""
+        # NOTE: a route may ask before any hook of the next window runs; a window GradScaler skipped is closed first.
+        self.close_skipped_window()
+        self.offload.merge_waiting(self.context, i)
+
+    def steps_in_backward(self) -> bool:
+        """Whether a gradient handed over now steps at once: the window's decision table, asked without noting."""
+        if self.offload.active:
+            return False  # this window's gradients step from the host at step()
+        return self.window.steps_now(self.sync_gradients(), self.whole_step())
+
+    def sync_gradients(self) -> bool:
+        """Whether the current backward ends a gradient-accumulation window."""
+        return not self._extra_backward and self.sync_source()
+
+    @contextlib.contextmanager
+    def extra_backward(self, active: bool = True) -> Iterator[None]:
+        """Backward passes within only accumulate into `.grad`, as a micro-batch that does not end the window (an
+        auxiliary loss's own backward in `compute_loss`); `active=False` lifts that for the step's real backward."""
+        previous, self._extra_backward = self._extra_backward, active
+        try:
+            yield
+        finally:
+            self._extra_backward = previous
+
+    # ---- the step of one parameter ----
+
     @torch.no_grad()
     def step_param(self, i: int) -> None:
         """Clip parameter `i`'s gradient, step its optimizer, free the gradient."""
         p = self.params[i]
         grad = p.grad
-        window = self.window
         self.meter.hold(i, grad)
-        clipper = self.clipper
-        if clipper.needs_param_norm or self.track_grad_norm:
-            window.record_norm(i, p)
-        norm = window.norms[i]
-        coef = clipper.coef(window, None if norm is None else norm[2], self.last_grad_norm)
+        if self.clipper.needs_param_norm or self.track_grad_norm:
+            self.window.record_norm(i, p)
+        coef = self.coef(i)
         if coef is not None:
             scale_grad(grad, coef)
         step_in_backward(self.inner[i], p)
@@ -143,20 +210,22 @@ class GradientPipeline:
         p.grad = None
         self.meter.release(i)
 
+    def coef(self, i: int) -> torch.Tensor | None:
+        """Parameter `i`'s clip coefficient (`None`: leave its gradient as it is)."""
+        norm = self.window.norms[i]
+        return self.clipper.coef(None if norm is None else norm[2], self.last_grad_norm)
+
     def note_step(self, i: int) -> None:
         """Parameter `i` stepped in this window (on the device or on the host)."""
         inner = self.inner[i]
         self.applied_lr[type(unwrap_host_step(inner)).__name__] = inner.param_groups[0]["lr"]
         self.window.stepped[i] = True
 
-    def merge_waiting(self, i: int) -> None:
-        """Add parameter `i`'s host sum of this window (offload) into its `.grad`, before a route's reduction."""
-        self.offload.merge_waiting(self, i)
-
     # ---- the step ----
 
-    def step_pending(self) -> None:
+    def step(self) -> None:
         """`optimizer.step()`: step what no hook consumed (held or hand-set gradients), then close the window."""
+        self.backward_end.outside_backward()
         self.close_skipped_window()
         window = self.window
         pending = [i for i, p in enumerate(self.params) if p.grad is not None and not window.stepped[i]]
@@ -166,11 +235,16 @@ class GradientPipeline:
             for i in pending:
                 window.record_norm(i, self.params[i])
             if self.clipper.needs_global_norm:
-                self.clipper.start_step(window, self.total_norm())
+                self.clipper.start_step(self.total_norm())
             for i in pending:
                 self.step_param(i)
-            self.offload.step(self, offloaded)
+            self.offload.step(self.context, offloaded)
         self.end_window()
+
+    def zero_grad(self) -> None:
+        """`optimizer.zero_grad()`: a window with host sums is forgotten; otherwise only the meter."""
+        self.backward_end.outside_backward()
+        self.reset_window() if self.offload.enabled else self.meter.clear()
 
     def end_window(self) -> None:
         total = self.total_norm()
@@ -178,52 +252,40 @@ class GradientPipeline:
             self.last_grad_norm = total
         self.reset_window()
 
-    def new_route(self) -> None:
-        """A route is attached (training begins): a fresh window, and host copies taken again from the device."""
+    def attach(self, route: Any) -> None:
+        """Feed `route`'s gradients into this pipeline, from a fresh window (training begins); host copies are taken
+        again from the device."""
+        # A window cut short by an exception (Ctrl-C, OOM, a callback) must not carry into the next step.
         self.reset_window()
-        self.offload.new_route(self)
+        self.offload.new_route(self.context)
+        self.backward_end.forget()
+        route.attach(self)
+        self.route = route
 
     def reset_window(self) -> None:
         """Forget a window that will not be finished (a new route, or an exception in the middle of a step)."""
         self.window.reset()
         self.meter.clear()
+        self.clipper.end_window()
+        self.scaling.end_window()
         self.offload.end_window()
 
     def close_skipped_window(self) -> None:
         """Forget, without stepping, a window whose step GradScaler skipped (our step() never ran)."""
-        if self.scaler.window_was_skipped(self.window):
+        if self.scaling.window_was_skipped():
             self.end_window()
 
     def note_accumulation(self) -> None:
+        """A micro-batch that does not end the window ran backward (under DDP's no_sync no hook says so)."""
         self.close_skipped_window()
         self.window.accumulating = True
 
-    # ---- clipping and fp16 ----
-
-    def configure_clipping(self, max_grad_norm: float | None, mode: str | ClipMode = ClipMode.EXACT) -> None:
-        clipper = make_clipper(max_grad_norm, mode)
-        if self.scaler.enabled:
-            check_fp16_clip_mode(clipper.mode.value, True, clipper.max_grad_norm)
-        self.clipper = clipper
-
-    def use_grad_scaler(self, scaler: Any, owner: Any) -> None:
-        if scaler is not None and not scaler.is_enabled():
-            scaler = None
-        if scaler is not None:
-            check_fp16_clip_mode(self.clipper.mode.value, True, self.clipper.max_grad_norm)
-            check_fp16_weights(zip(self.names, self.params))
-        self.scaler = NoLossScaling() if scaler is None else GradScalerBridge(scaler, owner, self.backward_end)
+    # ---- what the step needs ----
 
     def whole_step(self) -> bool:
         # Exact clipping needs the global norm, and fp16 loss scaling every gradient's inf check, before any layer
         # steps: from a norm pass, or by holding the gradients until step().
-        return self.clipper.needs_global_norm or self.scaler.enabled
-
-    def steps_now(self) -> bool:
-        """Whether a gradient handed over now steps at once: the window's decision table, asked without noting."""
-        if self.offload.active:
-            return False  # this window's gradients step from the host at step()
-        return self.window.steps_now(self.sync(), self.whole_step())
+        return self.clipper.needs_global_norm or self.scaling.enabled
 
     def wants_norms(self) -> bool:
         return self.track_grad_norm or self.clipper.needs_param_norm
@@ -234,40 +296,44 @@ class GradientPipeline:
 
     # ---- norm passes ----
 
-    def needs_norm_pass(self, attached: bool) -> bool:
+    def needs_norm_pass(self) -> bool:
+        """Whether the coming backward ends a window that exact clipping or fp16 wants measured first."""
         self.close_skipped_window()
         # With offload the gradients wait on the host for the global norm: one backward, no norm pass.
         return (
-            attached
+            self.route is not None
+            and self.route.attached
             and not self.offload.enabled
             and self.whole_step()
-            and self.sync()
+            and self.sync_gradients()
             and not self.window.accumulating
         )
 
     @contextlib.contextmanager
-    def norm_pass(self, reduce_found_inf: Callable[[dict], None]) -> Iterator[None]:
+    def norm_pass(self) -> Iterator[None]:
+        """Hooks within it only measure (and fp16-check) gradients and free them (`layerwise_hf.optim.norm_pass`)."""
         self.close_skipped_window()
         self.window.in_norm_pass = True
         try:
             yield
         finally:
             self.window.in_norm_pass = False
-        window = self.window
-        window.measured = True
-        self.clipper.start_step(window, self.total_norm())
-        self.scaler.publish(window, reduce_found_inf)
+        self.window.measured = True
+        self.clipper.start_step(self.total_norm())
+        route = self.route
+        self.scaling.publish(route.reduce_found_inf if route is not None else lambda flags: None)
 
-    # ---- gradient norm ----
+    # ---- gradient norm and memory ----
 
     def total_norm(self) -> torch.Tensor | None:
-        self.offload.before_norm(self)
+        self.offload.before_norm(self.context, not self.scaling.enabled and self.sync_gradients())
         return self.window.total_norm(self.params)
 
     def grad_norm(self, owner: Any) -> torch.Tensor | None:
+        """See `LayerwiseOptimizer.grad_norm`; `owner` is the optimizer GradScaler knows."""
         self.close_skipped_window()
-        if not self.window.measured and self.sync():
-            self.scaler.unscale_held(owner, self.params)
+        if not self.window.measured and self.sync_gradients():
+            self.scaling.unscale_held(owner, self.params)
         current = self.total_norm()
         if current is None and not self.wants_norms():
             # Norms of gradients that already stepped were not measured: nobody asked for them until now.
@@ -278,3 +344,8 @@ class GradientPipeline:
             )
             self.track_grad_norm = True
         return current if current is not None else self.last_grad_norm
+
+    @property
+    def memory(self) -> MemoryReport:
+        """The memory figures: the gradient bytes held at most, the optimizer states' and all gradients' bytes."""
+        return MemoryReport(self.meter, self.inner, self.params)

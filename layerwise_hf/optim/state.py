@@ -11,7 +11,7 @@ which Trainer uses, loads them.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -20,9 +20,6 @@ from ..placement.host_step import unwrap_host_step
 from ..platform.dtensor import local_tensor as _local
 from ..platform.dtensor import state_to_global as _to_global
 from ..platform.dtensor import state_to_local as _to_local
-
-if TYPE_CHECKING:
-    from .optimizer import LayerwiseOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +34,7 @@ _RENAMED_MODULES = {
 STATE_DICT_VERSION = 1
 
 
-def layerwise_state_dict(optimizer: LayerwiseOptimizer) -> dict[str, Any]:
+def layerwise_state_dict(optimizer: Any) -> dict[str, Any]:
     """
     The standard layout (integer keys, one param group per parameter) with each group's parameter `name`, plus a
     `layerwise_hf` entry (names, shapes, inner optimizer classes) for validated, name-keyed loading. This is what
@@ -69,7 +66,7 @@ def layerwise_state_dict(optimizer: LayerwiseOptimizer) -> dict[str, Any]:
         if sd["state"].get(saved_id):
             state[i] = _shards_as_dtensors(optimizer, i, sd["state"][saved_id])
         groups.append({**sd["param_groups"][0], "params": [i]})
-    last = optimizer.last_grad_norm
+    last = optimizer.pipeline.last_grad_norm
     meta = {
         "version": STATE_DICT_VERSION,
         "optimizer_name": optimizer.optimizer_name,
@@ -83,11 +80,11 @@ def layerwise_state_dict(optimizer: LayerwiseOptimizer) -> dict[str, Any]:
     return {"state": state, "param_groups": groups, STATE_DICT_KEY: meta}
 
 
-def _host_stepped(optimizer: LayerwiseOptimizer, i: int) -> bool:
+def _host_stepped(optimizer: Any, i: int) -> bool:
     return unwrap_host_step(optimizer.inner[i]) is not optimizer.inner[i]
 
 
-def _shards_as_dtensors(optimizer: LayerwiseOptimizer, i: int, state: dict[str, Any]) -> dict[str, Any]:
+def _shards_as_dtensors(optimizer: Any, i: int, state: dict[str, Any]) -> dict[str, Any]:
     # NOTE: a host-stepped parameter (layerwise_offload="optimizer") keeps its states on the host as plain tensors of
     # its FSDP2 local shard. Saved as they are, DCP takes them for whole tensors, every rank writes its shard under
     # the same key and all but one shard is lost; laid out like the parameter, each rank's shard is written.
@@ -99,12 +96,12 @@ def _shards_as_dtensors(optimizer: LayerwiseOptimizer, i: int, state: dict[str, 
     return {**_to_global(optimizer.params[i], rest), **scalars}
 
 
-def _host_shards(optimizer: LayerwiseOptimizer, i: int, state: dict[str, Any] | None) -> dict[str, Any] | None:
+def _host_shards(optimizer: Any, i: int, state: dict[str, Any] | None) -> dict[str, Any] | None:
     """The inverse of `_shards_as_dtensors` for loading: a host-stepped parameter's own shards as plain tensors."""
     return _to_local(optimizer.params[i], state) if state and _host_stepped(optimizer, i) else state
 
 
-def _check_fits(optimizer: LayerwiseOptimizer, state_dict: dict[str, Any]) -> tuple[dict[str, int], list[str]]:
+def _check_fits(optimizer: Any, state_dict: dict[str, Any]) -> tuple[dict[str, int], list[str]]:
     """Name -> saved group index, and the names with no saved state; raises before anything is loaded."""
     saved_names = [g["name"] for g in state_dict["param_groups"]]
     by_name = {n: i for i, n in enumerate(saved_names)}
@@ -143,7 +140,7 @@ def _current_name(saved: str) -> str:
     return saved
 
 
-def load_layerwise_state_dict(optimizer: LayerwiseOptimizer, state_dict: dict[str, Any]) -> Any:
+def load_layerwise_state_dict(optimizer: Any, state_dict: dict[str, Any]) -> Any:
     """
     Load `state_dict` (layer-wise, or a standard one, converted first) into `optimizer`'s inner optimizers by
     parameter name. Everything is checked before anything is loaded, and a failure while loading restores the
@@ -167,7 +164,9 @@ def load_layerwise_state_dict(optimizer: LayerwiseOptimizer, state_dict: dict[st
     ```
     """
     if not is_layerwise_state_dict(state_dict):
-        state_dict = standard_to_layerwise(state_dict, optimizer.standard_groups_names())
+        state_dict = standard_to_layerwise(
+            state_dict, standard_groups_names(optimizer.names, optimizer.in_decay_group)
+        )
         logger.warning(
             "Converted a standard optimizer state to the layer-wise layout (%d parameters).", len(optimizer.names)
         )

@@ -1,14 +1,18 @@
-"""The step window: what a layer-wise optimizer knows between two `step()` calls, and what each hook does."""
+"""The step window: what a layer-wise optimizer knows between two `step()` calls, what each hook does, and what a
+stage of the pipeline is given (`StageContext`). What a stage knows of a window (fp16's flags, clipping's factor) is
+the stage's own, forgotten by its own `end_window()`."""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
+from ..platform.backward_end import BackwardEnd
 from ..platform.norms import grad_norm_kernel, total_norm
+from .memory import GradMeter
 
 
 class Action(enum.Enum):
@@ -76,14 +80,6 @@ class StepWindow:
         self.accumulating = False  # an earlier micro-batch of this window left gradients in .grad
         self.in_norm_pass = False
         self.measured = False  # a norm pass measured (and, with a scaler, inf-checked) this window
-        self.clip_coef: torch.Tensor | None = None  # exact clipping: the step's factor
-        self.running_sq: torch.Tensor | None = None  # `previous` clipping: squares of the norms seen so far
-        # fp16 loss scaling (GradScalerBridge): per-device found-inf flags and inverse scales, and the scaler's
-        # record of the optimizer for this window (GradScaler.update() replaces it). New dicts on every reset, not
-        # clear(): step() runs inside GradScaler.step, and update() reads the flags afterwards.
-        self.found_inf: dict[torch.device, torch.Tensor] = {}
-        self.inv_scale: dict[torch.device, torch.Tensor] = {}
-        self.scaler_record: dict[str, Any] | None = None
         # Hold every gradient for step() even where the step needs none first (`connect(hold_first_step=True)`).
         self.hold_all = False
 
@@ -136,3 +132,33 @@ class StepWindow:
             elif p.grad is not None:
                 norms.append((p.device, p.grad.dtype, grad_norm_kernel(p.grad)))
         return total_norm(norms)
+
+
+class StageContext(NamedTuple):
+    """
+    What a stage of the pipeline (offload; loss scaling and clipping are asked by the pipeline itself) may read, and
+    the one call that steps a parameter: never the pipeline itself.
+
+    Attributes:
+        params (`list[torch.Tensor]`): the parameters (the same list across `rebind`).
+        inner (`Sequence[torch.optim.Optimizer]`): one optimizer per parameter.
+        window (`StepWindow`): this step's window (the same object across `reset`).
+        meter (`GradMeter`): the gradient bytes alive.
+        backward_end (`BackwardEnd`): the end of the current backward.
+        sync (`Callable[[], bool]`): whether the current backward ends the window.
+        measures_all (`Callable[[], bool]`): whether every gradient's norm is measured.
+        step (`Callable[[int], None]`): clip parameter `i`'s gradient, step it and free it.
+        stepped (`Callable[[int], None]`): parameter `i` was stepped elsewhere (on the host).
+        coef (`Callable[[int], torch.Tensor | None]`): the clip coefficient of parameter `i` (`None`: none).
+    """
+
+    params: list[torch.Tensor]
+    inner: Sequence[torch.optim.Optimizer]
+    window: StepWindow
+    meter: GradMeter
+    backward_end: BackwardEnd
+    sync: Callable[[], bool]
+    measures_all: Callable[[], bool]
+    step: Callable[[int], None]
+    stepped: Callable[[int], None]
+    coef: Callable[[int], torch.Tensor | None]

@@ -257,14 +257,11 @@ class GradientOffload:
         self.peak_device_bytes = 0
         self.final: set[int] = set()  # the window's last micro-batch's gradient is in (or finish() closed it)
         self.found_inf: torch.Tensor | None = None  # fp16: the host worker's inf/nan flag for this window's sums
-        # Called before a route asks what is held: forgets a window GradScaler skipped (the pipeline sets it).
-        self.check_window: Callable[[], None] = lambda: None
 
     # ---- during backward ----
 
     def holds(self, i: int) -> bool:
         """Whether gradient `i` of this window is (partly) in its host buffer."""
-        self.check_window()
         return self.filled.get(i, False)
 
     @property

@@ -332,7 +332,7 @@ class RankRoute:
                 gradient_state=types.SimpleNamespace(plugin_kwargs={"sync_each_batch": self.setup.sync_each_batch}),
             )
         name = optimizer.connect(model, accelerator=accelerator)
-        route = optimizer.gradient_route
+        route = optimizer.pipeline.route
         if name == "data_parallel":
             # NOTE: rank 0's gradient order wins the bucket agreement (a broadcast from rank 0), and the simulated
             # rank is rank 0; a fake tensor has no values to read that order back from.

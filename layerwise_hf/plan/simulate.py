@@ -286,7 +286,7 @@ def run_step(model, optimizer, layerwise, setup: StepSetup, tracker: LiveBytes, 
     """One optimizer step: `grad_accum` micro-batches of forward, loss, backward, then clip, `step()`, `zero_grad()`.
     `window["last"]` tells the layer-wise optimizer which backward ends the accumulation window; `rank` gives the
     module to call (DDP's wrapper) and Accelerate's no-sync context."""
-    from ..optim.norm_pass import forward_again
+    from ..optim.norm_pass import backward_with_norm_pass, forward_again, run_with_norm_pass
 
     inner = model
     model = rank.ddp if rank.ddp is not None else model
@@ -303,7 +303,7 @@ def run_step(model, optimizer, layerwise, setup: StepSetup, tracker: LiveBytes, 
             del ids
             tracker.phase = "backward: start, before any weight gradient"
             if layerwise is not None:
-                layerwise.backward_with_norm_pass(loss, backward=_labelled_backward(tracker))
+                backward_with_norm_pass(layerwise, loss, backward=_labelled_backward(tracker))
             else:
                 loss.backward()
 
@@ -311,7 +311,7 @@ def run_step(model, optimizer, layerwise, setup: StepSetup, tracker: LiveBytes, 
             if layerwise is not None and forward_again(layerwise):
                 # The plain-loop protocol of `norm_pass.forward_again`: the last step chose a second forward+backward.
                 tracker.stage = "norm pass (second forward)"
-                layerwise.run_with_norm_pass(forward_backward, inner)
+                run_with_norm_pass(layerwise, forward_backward, inner)
                 tracker.stage = "backward"
             else:
                 forward_backward()

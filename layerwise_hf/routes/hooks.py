@@ -52,7 +52,7 @@ class GradientRoute:
 
     ```python
     >>> from layerwise_hf.routes.hooks import LocalHooks
-    >>> route = LocalHooks()  # optimizer.set_route(route) attaches it; optimizer.detach() removes it
+    >>> route = LocalHooks()  # optimizer.connect(route=route) attaches it; optimizer.detach() removes it
     >>> route.name, route.attached
     ('local', False)
     ```
@@ -83,7 +83,7 @@ class LocalHooks(GradientRoute):
 
     ```python
     >>> from layerwise_hf.routes.hooks import LocalHooks
-    >>> optimizer.set_route(LocalHooks())  # `optimizer`: a LayerwiseOptimizer on one process (= optimizer.attach())
+    >>> optimizer.connect(route=LocalHooks())  # `optimizer`: a LayerwiseOptimizer on one process (= attach())
     >>> optimizer.route, optimizer.attached
     ('local', True)
     ```

@@ -1,12 +1,11 @@
-"""What a route needs from whatever receives its gradients (`GradientSink`), and the one owner of a backward's end.
+"""What a route needs from whatever receives its gradients (`GradientSink`).
 
 A route (`layerwise_hf.routes.hooks`, `.data_parallel`, `.ddp`) knows how a reduced gradient reaches `.grad`; the sink
-(`layerwise_hf.optim.optimizer.LayerwiseOptimizer`) knows what to do with it. The routes import nothing from the
-optimizer's side: they are handed a sink and call only the members of `GradientSink`.
+(`layerwise_hf.optim.pipeline.GradientPipeline`, a `LayerwiseOptimizer`'s) knows what to do with it. The routes import
+nothing from the optimizer's side: they are handed a sink and call only the members of `GradientSink`.
 
-Work that must run once a backward has ended (the data-parallel route's last buckets, a held step, the last FSDP2
-group's 8-bit steps, fp16's found-inf flags) registers with the sink's `BackwardEnd`, which queues one autograd-engine
-callback per backward and runs the registered work in the order of `BackwardEnd.ORDER`.
+Work that must run once a backward has ended (the data-parallel route's last buckets, a held step) is queued on the
+sink's `BackwardEnd` (`layerwise_hf.platform.backward_end`), which runs it in the order of `BackwardEnd.ORDER`.
 """
 
 from __future__ import annotations
@@ -22,7 +21,8 @@ from ..platform.backward_end import BackwardEnd
 @runtime_checkable
 class GradientSink(Protocol):
     """
-    What a route calls on the receiver of its gradients; `LayerwiseOptimizer` implements it.
+    What a route calls on the receiver of its gradients; the optimizer's pipeline
+    (`layerwise_hf.optim.pipeline.GradientPipeline`) implements it.
 
     Attributes:
         params (`Sequence[torch.Tensor]`): the trainable parameters, indexed as `grad_ready(i)` indexes them.
@@ -33,7 +33,7 @@ class GradientSink(Protocol):
 
     ```python
     >>> from layerwise_hf.routes.sink import GradientSink
-    >>> isinstance(layerwise_optimizer, GradientSink)
+    >>> isinstance(layerwise_optimizer.pipeline, GradientSink)
     True
     ```
     """

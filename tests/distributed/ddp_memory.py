@@ -60,7 +60,7 @@ def run(optim, out, bucket_view=False):
     def on_train_begin(*a, **k):
         optimizer = getattr(trainer, "layerwise_optimizer", None)
         if optimizer is not None:
-            routes.append(optimizer.gradient_route)
+            routes.append(optimizer.pipeline.route)
             for inner in optimizer.inner:
                 inner.register_step_pre_hook(meter.measure)
         else:
@@ -85,7 +85,7 @@ def run(optim, out, bucket_view=False):
         ).gradient_bytes,
         "ddp_wrappers_alive": ddp_wrappers_alive(),
         # What the package counts and logs as alive: every gradient from its hook until it steps, buckets included.
-        "package_peak_grad_bytes": optimizer.peak_grad_bytes if optimizer is not None else None,
+        "package_peak_grad_bytes": optimizer.pipeline.memory.peak_grad_bytes if optimizer is not None else None,
         "logged_peak_grad_mib": max(
             (e["layerwise_peak_grad_mib"] for e in trainer.state.log_history if "layerwise_peak_grad_mib" in e),
             default=None,
