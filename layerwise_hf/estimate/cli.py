@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from .accelerate_mode import accelerate_estimate
 from .core import MemoryEstimate, estimate
+from .mesh import add_mesh_arguments, layout_words, mesh_of
 from .models import ModelSpec, ModuleSpec, list_presets, load_model_spec
 from .offload import OFFLOAD_MODES
 from .optimizers import known_names, parse_optimizer
@@ -18,7 +19,6 @@ from .units import (
     ACCELERATE_DTYPES,
     DEFAULT_LORA_TARGETS,
     FROZEN_DTYPES,
-    SHARDINGS,
     EstimateError,
     format_bytes,
     format_count,
@@ -143,6 +143,7 @@ ESTIMATE_OPTIONS = (
     "gradient_as_bucket_view",
     "bucket_cap_mb",
     "dp_replicate",
+    "tp",
 )
 
 
@@ -172,15 +173,8 @@ def _add_training_setup_arguments(parser: argparse.ArgumentParser) -> None:
         help="layerwise_offload of the layer-wise rows: 'gradients' (gradients wait in host memory), 'optimizer' "
         "(states, a copy of the parameters and the gradients in host memory); adds a Host column.",
     )
-    parser.add_argument("--world-size", type=int, default=1, help="Number of devices.")
-    parser.add_argument("--sharding", choices=SHARDINGS, help="Default: none on one device, ddp on several.")
-    parser.add_argument(
-        "--dp-replicate",
-        type=int,
-        default=1,
-        help="HSDP with --sharding fsdp2: the devices as this many replicas (e.g. one per node) of --world-size / "
-        "--dp-replicate shards (Accelerate's ParallelismConfig dp_replicate_size; default 1: plain FSDP2).",
-    )
+    add_mesh_arguments(parser, "ddp or fsdp2 for several devices (default: fsdp2 with --dp-shard, --tp or "
+                       "--dp-replicate, else none on one device, ddp on several).")  # fmt: skip
     parser.add_argument(
         "--gradient-as-bucket-view", action="store_true", help="Standard DDP's gradient_as_bucket_view=True."
     )
@@ -229,7 +223,10 @@ def _run(args: argparse.Namespace) -> str:
         raise EstimateError(f"give a model: a preset ({', '.join(list_presets())}) or a config.json path.")
     if args.accelerate:
         return _run_accelerate(args)
+    mesh = mesh_of(args)
     spec = load_model_spec(args.model)
+    args = argparse.Namespace(**{**vars(args), "world_size": mesh.world_size, "sharding": mesh.sharding,
+                                 "dp_replicate": mesh.dp_replicate, "tp": mesh.tp})  # fmt: skip
     # The command line's options are estimate()'s keyword arguments, under the same names.
     options = {name: getattr(args, name) for name in ESTIMATE_OPTIONS}
     # A standard optimizer has no offload: its rows stay the comparison.
@@ -257,9 +254,13 @@ def _run_accelerate(args: argparse.Namespace) -> str:
         for flag, value, default in (
             ("--lora-rank", args.lora_rank, None),
             ("--trainable-fraction", args.trainable_fraction, None),
-            ("--world-size", args.world_size, 1),
+            ("--world-size", args.world_size, None),
+            ("--nodes", args.nodes, None),
+            ("--gpus-per-node", args.gpus_per_node, None),
             ("--sharding", args.sharding, None),
-            ("--dp-replicate", args.dp_replicate, 1),
+            ("--dp-replicate", args.dp_replicate, None),
+            ("--dp-shard", args.dp_shard, None),
+            ("--tp", args.tp, None),
             ("--gradient-accumulation-steps", args.gradient_accumulation_steps, 1),
             ("--frozen-dtype", args.frozen_dtype, None),
             ("--offload", args.offload, "none"),
@@ -278,8 +279,8 @@ def _run_accelerate(args: argparse.Namespace) -> str:
 def _estimates_table(spec: ModelSpec | ModuleSpec, estimates: list[MemoryEstimate], units: str) -> str:
     first = estimates[0]
     setup = "1 device" if first.world_size == 1 else f"{first.world_size} devices, {first.sharding}"
-    if first.dp_replicate > 1:
-        setup += f" (HSDP: {first.dp_replicate} replicas x {first.world_size // first.dp_replicate} shards)"
+    if first.dp_replicate > 1 or first.tp > 1:
+        setup += f" ({layout_words(first.world_size, first.dp_replicate, first.tp)})"
     if first.gradient_accumulation_steps > 1:
         setup += f", gradient accumulation {first.gradient_accumulation_steps}"
     title = (

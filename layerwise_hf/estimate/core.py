@@ -15,7 +15,7 @@ from .buckets import assign_buckets, bucket_size_limits, ddp_in_flight_bound, he
 from .models import ModelSpec, ModuleSpec, TensorSpec, load_model_spec
 from .offload import apply_offload
 from .optimizers import OPTIMIZER_RULES, OptimizerRule, parse_optimizer, tensor_state_bytes, uses_qmaps
-from .sharding import check_replicas, per_device
+from .sharding import check_replicas, check_tensor_parallel, per_device, tp_sharded
 from .units import DEFAULT_LORA_TARGETS, DTYPE_BYTES, SHARDINGS, EstimateError, blocks, format_bytes, normalize_dtype
 
 
@@ -58,6 +58,9 @@ class MemoryEstimate:
         offload (`str`), host_bytes (`int`): `layerwise_offload` and what one device's process holds in host memory.
         dp_replicate (`int`): HSDP's replicas under FSDP2 (1: plain FSDP2); each device holds 1 / (`world_size` /
             `dp_replicate`).
+        tp (`int`): tensor parallel under FSDP2: what the model's tensor-parallel plan shards is cut in `world_size /
+            dp_replicate` pieces, the rest (norms) in `world_size / (dp_replicate x tp)`.
+        per_gpu_split (`dict[str, int]`): `per_gpu_bytes` as weights, gradients and optimizer_state.
 
     Example:
 
@@ -93,6 +96,8 @@ class MemoryEstimate:
     offload: str = "none"
     host_bytes: int = 0
     dp_replicate: int = 1
+    tp: int = 1
+    per_gpu_split: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -200,6 +205,8 @@ class _Counts:
     # Trainable gradient bytes (and all weight bytes) per FSDP2 unit (`_fsdp2_unit`).
     unit_grads: dict[str, int] = field(default_factory=dict)
     unit_weights: dict[str, int] = field(default_factory=dict)
+    # What tensor parallel leaves whole on each of its ranks (`sharding.tp_sharded`): weights, gradients, state.
+    tp_whole: dict[str, int] = field(default_factory=lambda: dict(weights=0, gradients=0, optimizer_state=0))
 
     def add_frozen(self, tensor: TensorSpec, stored: int, unit: str, per_unit: int) -> None:
         self.weight_bytes += tensor.count * stored
@@ -225,13 +232,15 @@ class _Counts:
             self.largest_untied = max(self.largest_untied, grad)
 
 
-def _count(entries: Sequence[Entry], rule: OptimizerRule, opts: _Options) -> _Counts:
+def _count(entries: Sequence[Entry], rule: OptimizerRule, opts: _Options, tp_sharded=None) -> _Counts:
     """
-    Step 1: weights, every gradient and the optimizer state, summed over `entries` (from `_entries`).
+    Step 1: weights, every gradient and the optimizer state, summed over `entries` (from `_entries`); with
+    `tp_sharded` (a predicate on a tensor), what tensor parallel leaves whole apart.
 
     """
     counts = _Counts()
     for tensor, elem_bytes, trainable, fraction in entries:
+        before = (counts.weight_bytes, counts.all_grads, counts.state)
         counts.total_params += tensor.numel * tensor.count
         unit = _fsdp2_unit(tensor)
         if trainable:
@@ -240,6 +249,10 @@ def _count(entries: Sequence[Entry], rule: OptimizerRule, opts: _Options) -> _Co
             # A real model's frozen tensors are counted as stored; a config's follow frozen_dtype.
             stored = tensor.numel * elem_bytes if elem_bytes else _frozen_bytes(tensor, opts.frozen_dtype, opts.dtype)
             counts.add_frozen(tensor, stored, unit, 1 if "*" in unit else tensor.count)
+        if tp_sharded is not None and not tp_sharded(tensor):
+            after = (counts.weight_bytes, counts.all_grads, counts.state)
+            for key, a, b in zip(counts.tp_whole, before, after):
+                counts.tp_whole[key] += b - a
     return counts
 
 
@@ -409,6 +422,7 @@ class _Options:
     bucket_cap_mb: float | None = None
     offload: str = "none"
     dp_replicate: int = 1
+    tp: int = 1
 
     @property
     def shards(self) -> int:
@@ -435,6 +449,7 @@ class _Options:
                 f"world_size={self.world_size} with sharding='none': use ddp or fsdp2 for several devices."
             )
         check_replicas(self.world_size, self.sharding, self.dp_replicate)
+        check_tensor_parallel(self.world_size, self.sharding, self.dp_replicate, self.tp)
         if self.gradient_accumulation_steps < 1:
             raise EstimateError("gradient_accumulation_steps must be at least 1.")
         if self.lora_rank is not None and self.trainable_fraction is not None:
@@ -465,6 +480,7 @@ def estimate(
     bucket_cap_mb: float | None = None,
     offload: str = "none",
     dp_replicate: int = 1,
+    tp: int = 1,
 ) -> MemoryEstimate:
     """
     Estimate the weights, gradients and optimizer state of training `model`.
@@ -506,9 +522,10 @@ def estimate(
             DDP's `bucket_cap_mb` (Trainer's `ddp_bucket_cap_mb`): the layer-wise route's bucket size under DDP.
             `None`: DDP's default, 25 MiB after a first bucket of 1 MiB.
         offload (`str`, *optional*, defaults to `"none"`): `layerwise_offload`, see `layerwise_hf.estimate.offload`.
-        dp_replicate (`int`, *optional*, defaults to `1`):
-            HSDP under `"fsdp2"`: `world_size` devices as this many replicas of `world_size // dp_replicate` shards
-            (`ParallelismConfig(dp_replicate_size, dp_shard_size)`); each device holds its replica's share.
+        dp_replicate, tp (`int`, *optional*, defaults to `1`):
+            Under `"fsdp2"`: HSDP's replicas (`ParallelismConfig(dp_replicate_size, dp_shard_size)`: each device holds
+            its replica's share) and tensor parallel (`DistributedConfig(tp_size=tp, ...)`: what the model's
+            tensor-parallel plan shards is divided by `tp` too, the rest only by the FSDP2 shards).
 
     Example:
 
@@ -530,7 +547,7 @@ def _steps(spec: ModelSpec | ModuleSpec, rule: OptimizerRule, layerwise: bool, o
     """`estimate()` once its options are checked: what trains, counting, the gradient term, sharding."""
     notes: list[str] = []
     entries, weight_dtype = _entries(spec, opts, notes)
-    counts = _count(entries, rule, opts)
+    counts = _count(entries, rule, opts, tp_sharded(spec, opts.tp) if opts.tp > 1 else None)
     if counts.trainable_params == 0:
         raise EstimateError(f"{spec.name}: nothing is trainable.")
     state = _state_notes(counts, rule, layerwise, notes)
@@ -539,7 +556,7 @@ def _steps(spec: ModelSpec | ModuleSpec, rule: OptimizerRule, layerwise: bool, o
     in_flight = None
     if opts.sharding == "ddp" and layerwise and opts.gradient_accumulation_steps == 1:
         in_flight = _ddp_in_flight(entries, getattr(spec, "use_order", ()), counts, opts, notes)
-    grads, total, per_gpu = per_device(counts, grads, state, rule.name, layerwise, opts, notes, in_flight)
+    grads, total, per_gpu, split = per_device(counts, grads, state, rule.name, layerwise, opts, notes, in_flight)
     notes.append("Not included: activations, autocast copies, temporary buffers, CUDA context.")
     return MemoryEstimate(
         model=spec.name,
@@ -559,6 +576,7 @@ def _steps(spec: ModelSpec | ModuleSpec, rule: OptimizerRule, layerwise: bool, o
         optimizer_state_bytes=state,
         total_bytes=total,
         per_gpu_bytes=per_gpu,
+        per_gpu_split=split,
         all_gradient_bytes=counts.all_grads,
         notes=notes,
         bucket_cap_mb=opts.bucket_cap_mb if opts.sharding == "ddp" else None,
@@ -566,4 +584,5 @@ def _steps(spec: ModelSpec | ModuleSpec, rule: OptimizerRule, layerwise: bool, o
         offload=opts.offload,
         host_bytes=host,
         dp_replicate=opts.dp_replicate,
+        tp=opts.tp,
     )

@@ -227,6 +227,8 @@ class ModelSpec:
         use_order (`tuple[str, ...]`, *optional*):
             Parameter names in the order a forward first uses them (from a forward on the meta device; empty when
             that forward fails): gradients become ready in the reverse order, which decides DDP's buckets.
+        tp_plan (`dict[str, str]`, *optional*):
+            The model's tensor-parallel plan as transformers applies it (`model.tp_plan`: module pattern -> style).
 
     Example:
 
@@ -245,6 +247,7 @@ class ModelSpec:
     head: frozenset[str] = frozenset()
     source: str = ""
     use_order: tuple[str, ...] = field(default=(), repr=False, compare=False)
+    tp_plan: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def __getattr__(self, name: str) -> Any:
         # NOTE: only reached for names the dataclass does not define; copy and pickle probe before `config` exists.
@@ -306,6 +309,7 @@ class ModelSpec:
             head=head,
             source=source,
             use_order=forward_use_order(model),
+            tp_plan=dict(getattr(model, "tp_plan", None) or {}),
         )
 
 
@@ -322,6 +326,7 @@ class ModuleSpec:
             Every parameter tensor once, in `named_parameters()` order.
         source (`str`, *optional*, defaults to `""`):
             Where the model comes from.
+        tp_plan (`dict[str, str]`, *optional*): the model's tensor-parallel plan (`model.tp_plan`).
 
     Example:
 
@@ -338,6 +343,7 @@ class ModuleSpec:
     name: str
     parameters: tuple[TensorSpec, ...]
     source: str = ""
+    tp_plan: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def tensors(self, include_lm_head: bool = True) -> list[TensorSpec]:
         return list(self.parameters)
@@ -347,7 +353,8 @@ class ModuleSpec:
 
     @classmethod
     def from_module(cls, model: Any, name: str | None = None, source: str = "") -> ModuleSpec:
-        return cls(name=name or type(model).__name__, parameters=tuple(module_tensors(model)), source=source)
+        return cls(name=name or type(model).__name__, parameters=tuple(module_tensors(model)), source=source,
+                   tp_plan=dict(getattr(model, "tp_plan", None) or {}))  # fmt: skip
 
 
 # ---- presets ----

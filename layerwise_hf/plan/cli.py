@@ -7,9 +7,10 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
+from ..estimate.mesh import Mesh, add_mesh_arguments, mesh_of
 from ..estimate.models import list_presets
 from ..estimate.optimizers import known_names
-from ..estimate.units import DTYPE_BYTES, SHARDINGS, EstimateError, format_bytes
+from ..estimate.units import DTYPE_BYTES, EstimateError, format_bytes
 
 if TYPE_CHECKING:
     from .core import Plan, PlanRow
@@ -19,6 +20,9 @@ from .options import CLIP_MODES, DEVICES, OFFLOAD_MODES
 JSON_SCHEMA = """--json prints one object:
   model, source          the model's name and where its dimensions come from
   world_size, sharding   the run's ranks and sharding (none, ddp, fsdp2); every figure is per rank
+  mesh                   nodes, gpus_per_node (as given, or null), dp_replicate, dp_shard, tp (dp_replicate x
+                         dp_shard x tp = world_size under fsdp2), launch (the DistributedConfig / ParallelismConfig
+                         that builds it)
   rank                   the simulated rank (null on one process)
   setup                  seq_len, micro_batch, grad_accum, max_grad_norm, clip_mode, bf16, fp16, torch_dtype,
                          gradient_checkpointing, lora_r, lora_targets, weight_decay, learning_rate, device,
@@ -158,31 +162,12 @@ def _add_offload_time_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_rank_arguments(parser: argparse.ArgumentParser) -> None:
-    """The run's ranks: how many, their sharding, and whether each micro-batch is reduced."""
-    parser.add_argument(
-        "--world-size", type=int, default=1, help="Ranks (devices) of the run; the plan is per rank (default 1)."
-    )
-    parser.add_argument(
-        "--sharding",
-        choices=SHARDINGS,
-        default=None,
-        help="ddp or fsdp2 (Accelerate's FSDP2 config) for several ranks, simulated as one rank with a fake process "
-        "group (default: none on one rank, ddp on several).",
-    )
-    parser.add_argument(
-        "--dp-replicate",
-        type=int,
-        default=1,
-        help="HSDP with --sharding fsdp2: the ranks as this many replicas (e.g. one per node) of --world-size / "
-        "--dp-replicate shards (Accelerate's ParallelismConfig dp_replicate_size; default 1: plain FSDP2).",
-    )
-    parser.add_argument(
-        "--tp",
-        type=int,
-        default=1,
-        help="Tensor parallel with --sharding fsdp2: the model sharded as transformers' DistributedConfig(tp_size=TP, "
-        "fsdp_size=world / (dp-replicate x TP)) shards it at the load (fsdp_size 1: tensor parallel alone; default "
-        "1).",
+    """The run's ranks (`estimate.mesh`: nodes, world size, sharding, the mesh's dimensions) and whether each
+    micro-batch is reduced."""
+    add_mesh_arguments(
+        parser,
+        "ddp or fsdp2 (Accelerate's FSDP2 config) for several ranks, simulated as one rank with a fake process group "
+        "(default: fsdp2 with --dp-shard, --tp or --dp-replicate, else none on one rank, ddp on several).",
     )
     parser.add_argument(
         "--sync-each-batch",
@@ -192,7 +177,7 @@ def _add_rank_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _options(args: argparse.Namespace) -> dict:
+def _options(args: argparse.Namespace, mesh: Mesh) -> dict:
     return dict(
         seq_len=args.seq_len,
         micro_batch=args.micro_batch,
@@ -208,11 +193,11 @@ def _options(args: argparse.Namespace) -> dict:
         device_memory=args.device_memory,
         device=args.device,
         extrapolate=not args.no_extrapolate,
-        world_size=args.world_size,
-        sharding=args.sharding or ("none" if args.world_size == 1 else "ddp"),
+        world_size=mesh.world_size,
+        sharding=mesh.sharding,
         sync_each_batch=args.sync_each_batch,
-        dp_replicate=args.dp_replicate,
-        tp=args.tp,
+        dp_replicate=mesh.dp_replicate,
+        tp=mesh.tp,
         offload=tuple(args.offload),
         host_memory=args.host_memory,
     )
@@ -243,12 +228,16 @@ def _run(args: argparse.Namespace) -> str:
         raise EstimateError("--max-batch-size needs --device-memory.")
     from .core import plan
 
-    options = _options(args)
+    mesh = mesh_of(args)
+    options = _options(args, mesh)
     result = plan(args.model, args.optim, **options)
+    result.notes += mesh.notes()
     batches = _max_batches(args, options, result) if args.max_batch_size else {}
     times = _offload_times(args, result)
     if args.json:
         payload = result.to_dict()
+        payload["mesh"] = dict(nodes=mesh.nodes, gpus_per_node=mesh.gpus_per_node, dp_replicate=mesh.dp_replicate,
+                               dp_shard=mesh.dp_shard, tp=mesh.tp, launch=mesh.describe())  # fmt: skip
         for row in payload["optimizers"]:
             if row["offload"] != "none":
                 row["host_pinned_bytes"], row["host_pageable_bytes"] = host_pinned_pageable(row["host_categories"])

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..bases.support import SUFFIX
+from ..estimate.mesh import layout_words
 from ..estimate.models import resolve_config
 from ..estimate.optimizers import LAYERWISE_ONLY, parse_optimizer
 from ..estimate.units import DEFAULT_LORA_TARGETS, EstimateError, format_bytes
@@ -386,12 +387,9 @@ def plan(
 
 
 def _layout(setup: StepSetup) -> str:
-    fsdp = f"{setup.shards // setup.tp} FSDP2 shards"
-    if setup.tp > 1:
-        fsdp = f"tensor parallel {setup.tp}" + (f" x {fsdp}" if setup.shards > setup.tp else " alone")
-    if setup.dp_replicate > 1:
-        return f"HSDP: {setup.dp_replicate} replicas x {fsdp}"
-    return fsdp if setup.tp > 1 else setup.sharding
+    if setup.dp_replicate > 1 or setup.tp > 1:
+        return layout_words(setup.world_size, setup.dp_replicate, setup.tp)
+    return setup.sharding
 
 
 def _config_of(model: Any) -> tuple[Any, str, str]:
