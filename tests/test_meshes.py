@@ -1,7 +1,8 @@
 """Meshes past flat FSDP2: global norms over DTensors of several meshes (as Trainer's `_mixed_mesh_grad_norm`), the
 clip coefficient on plain and DTensor gradients, the CPU shim for Accelerate's `ParallelismConfig` check, and real
 4-rank launches (tensor parallel x FSDP2, tensor parallel alone, HSDP 2x2 made at the load and through
-`ParallelismConfig`) against stock Trainer."""
+`ParallelismConfig`) against stock Trainer; 8-bit and factored states under tensor parallel against the same optimizer
+applied by hand on each shard."""
 
 import os
 import subprocess
@@ -56,6 +57,29 @@ def test_tensor_parallel_and_hsdp_match_stock_trainer_on_four_ranks(tmp_path):
     previous = next(c for c in report["results"] if c["case"] == "previous tp_fsdp")
     assert previous["ranks_agree"] and len(previous["loss"]) == 3, previous
     assert all(torch.isfinite(torch.tensor(previous["loss"] + previous["grad_norm"]))), previous
+    check_local_shards([c for c in report["results"] if c["case"].startswith("local_shard")])
+
+
+def check_local_shards(cases):
+    # Stock bitsandbytes and Adafactor cannot step these DTensors: each rank's shard is checked against the same
+    # optimizer applied by hand on that shard and its gradients instead, for every trainable parameter.
+    assert [c["case"].split()[1:3] for c in cases] == [
+        ["tp_fsdp", "adamw_8bit"],
+        ["tp", "adamw_8bit"],
+        ["tp_fsdp", "adafactor"],
+    ]
+    for case in cases:
+        assert case["hand_max_diff"] == 0.0 and case["stepped"] == 21 and case["ranks_agree"], case
+        assert all(torch.isfinite(torch.tensor(case["loss"] + case["grad_norm"]))), case
+        # State saved (DCP) at step 2 and loaded into optimizers that had dropped theirs: the same weights at step 3.
+        assert case["resume_max_diff"] == 0.0, case
+    eight_bit_tp_fsdp, eight_bit_tp, _ = cases
+    assert eight_bit_tp_fsdp["meshes"] == [["fsdp"], ["fsdp", "tp"]] and eight_bit_tp["meshes"] == [[], ["tp"]]
+    # lm_head's shards (256 x 32) reach min_8bit_size; the embedding keeps 32-bit states, as Trainer sets.
+    assert eight_bit_tp_fsdp["eight_bit_states"] == eight_bit_tp["eight_bit_states"] == 1
+    # The same number of shards (4) cut another way: TP 2 x FSDP2 2's state refused on TP 4, before anything loads.
+    (refusal,) = eight_bit_tp["refusals"]
+    assert "nothing was loaded" in refusal and "cannot resume on shards cut as Shard(dim=0)x4" in refusal, refusal
 
 
 def test_norms_on_two_meshes_are_totalled_per_mesh_as_trainer_does(tmp_path):

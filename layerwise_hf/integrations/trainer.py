@@ -128,7 +128,7 @@ class LayerwiseTrainerMixin:
             self.args,
             decay_parameter_names=self.get_decay_parameter_names(opt_model),
             track_grad_norm=True,
-            local_shards=self.is_fsdp_enabled,
+            local_shards=self.is_fsdp_enabled or _sharded_at_load(self),
         )
         set_ddp_handler_early(self)
         if self.is_fsdp_enabled:
@@ -286,6 +286,12 @@ class LayerwiseTrainerMixin:
         if optimizer is None:
             return super()._get_grad_norm(model, grad_norm=grad_norm)
         return grad_norm if grad_norm is not None else optimizer.grad_norm()
+
+
+def _sharded_at_load(trainer) -> bool:
+    """Whether transformers sharded the model at its load (`from_pretrained(distributed_config=...)`: tensor parallel,
+    FSDP2 or HSDP as DTensors, outside Accelerate's FSDP config); transformers < 5.24 has no such loading."""
+    return bool(getattr(trainer, "is_distributed_loading_by_transformers", False))
 
 
 def _fsdp_version(trainer) -> int:

@@ -25,6 +25,7 @@ from ..bases.params import LayerwiseFactory, LayerwiseParam
 from ..bases.support import qualname
 from ..platform.dtensor import is_dtensor as _is_dtensor
 from ..platform.dtensor import shard_count as _shard_count
+from ..platform.dtensor import sharded_dims
 from ..platform.dtensor import state_to_global as _to_global
 from ..platform.dtensor import state_to_local as _to_local
 from ..platform.streams import step_in_backward
@@ -34,6 +35,7 @@ from ..platform.streams import step_in_backward
 _LOCAL_SHARD_CLASSES = frozenset({"transformers.optimization.Adafactor"})
 
 _SHARDS_KEY = "local_shards"  # saved per parameter state: the number of shards its state was computed for
+_LAYOUT_KEY = "local_shard_layout"  # and how the parameter was cut into them (`_layout`)
 
 
 class LocalShardOptimizer(torch.optim.Optimizer):
@@ -93,7 +95,7 @@ class LocalShardOptimizer(torch.optim.Optimizer):
         grad = param.grad
         if grad is None:
             return None
-        local_grad = grad.to_local() if _is_dtensor(grad) else grad
+        local_grad = _local_grad(param, grad)
         if closure is None:
             # FSDP2 calls this from its hook with the reduce-scatter stream current: bitsandbytes' kernels are ordered
             # after it, and held until the next group's hooks (`streams.step_in_backward`, `streams.GroupSteps`).
@@ -114,23 +116,54 @@ class LocalShardOptimizer(torch.optim.Optimizer):
         group = {**{k: v for k, v in self.param_groups[0].items() if k != "params"}, "params": [0]}
         out = {"state": {}, "param_groups": [group]}
         if state:
-            out["state"][0] = {**_to_global(param, _unwrap(self.base, state)), _SHARDS_KEY: _shard_count(param)}
+            layout = {_SHARDS_KEY: _shard_count(param), _LAYOUT_KEY: _layout(param)}
+            out["state"][0] = {**_to_global(param, _unwrap(self.base, state)), **layout}
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         param = self._bind()
         state = dict(state_dict["state"].get(0) or {})
-        shards = state.pop(_SHARDS_KEY, _shard_count(param))
+        shards, layout = state.pop(_SHARDS_KEY, _shard_count(param)), state.pop(_LAYOUT_KEY, _layout(param))
         if state and shards != _shard_count(param):
             raise ValueError(
                 f"This {type(self.base).__name__} state was saved on {shards} FSDP2 shards and cannot resume on "
                 f"{_shard_count(param)}: bitsandbytes' quantization blocks follow the shards. Resume on {shards} "
                 "ranks, or train on from the model weights alone."
             )
+        if state and layout != _layout(param):
+            # NOTE: the same number of shards cut another way (FSDP2 over tensor parallel 2 against tensor parallel 4)
+            # would hand each rank the block scales of another shard's elements.
+            raise ValueError(
+                f"This {type(self.base).__name__} state was saved on shards cut as {layout} and cannot resume on "
+                f"shards cut as {_layout(param)}: bitsandbytes' quantization blocks follow the shards. Resume on the "
+                "mesh that saved it, or train on from the model weights alone."
+            )
         local = _to_local(param, state)
         group = {k: v for k, v in state_dict["param_groups"][0].items() if k != "params"}
         self.base.load_state_dict({"state": {0: local} if local else {}, "param_groups": [{**group, "params": [0]}]})
         self.param_groups[0].update(group)
+
+
+def _layout(param) -> str:
+    """How a parameter is cut into its local shards, whatever replicates it (HSDP's replicas, a tensor-parallel dim a
+    weight is not split over): each cutting mesh dim's size and placement, in mesh order (`"Shard(dim=0)x2"`)."""
+    if not _is_dtensor(param):
+        return "whole"
+    mesh, placements = param.device_mesh, param.placements
+    return ", ".join(f"{placements[d]!r}x{mesh.size(d)}" for d in sharded_dims(param)) or "whole"
+
+
+def _local_grad(param, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient's part that matches the parameter's local shard."""
+    if not _is_dtensor(grad):
+        return grad
+    # NOTE: under tensor parallel a gradient can arrive laid out unlike its parameter (transformers' rowwise embedding
+    # under TP alone: a Shard(0) weight with a Replicate gradient); torch's optimizers on DTensors redistribute it to
+    # the parameter's placements inside their ops, so the shard steps with the same slice here (from a Replicate one a
+    # local slice, no collective).
+    if grad.placements != param.placements or grad.device_mesh != param.device_mesh:
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return grad.to_local()
 
 
 def _unwrap(base, state: dict[str, Any]) -> dict[str, Any]:

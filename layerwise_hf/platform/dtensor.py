@@ -59,23 +59,26 @@ def shard_count(param: Any) -> int:
     """How many local shards the parameter is cut into (the product of the mesh dims it is sharded over)."""
     if not is_dtensor(param):
         return 1
-    from torch.distributed.tensor import Shard
-
-    mesh = param.device_mesh
-    return math.prod(mesh.size(d) for d, p in enumerate(param.placements) if isinstance(p, Shard))
+    return math.prod(param.device_mesh.size(d) for d in sharded_dims(param))
 
 
 def shard_index(param: Any) -> int:
     """This rank's shard among `shard_count` (ranks that replicate one shard, as under HSDP, share the index)."""
     if not is_dtensor(param):
         return 0
+    mesh, coordinate, index = param.device_mesh, param.device_mesh.get_coordinate(), 0
+    for d in sharded_dims(param):
+        index = index * mesh.size(d) + coordinate[d]
+    return index
+
+
+def sharded_dims(param: Any) -> list[int]:
+    """The mesh dims a DTensor is cut over."""
     from torch.distributed.tensor import Shard
 
-    mesh, coordinate, index = param.device_mesh, param.device_mesh.get_coordinate(), 0
-    for d, placement in enumerate(param.placements):
-        if isinstance(placement, Shard):
-            index = index * mesh.size(d) + coordinate[d]
-    return index
+    # NOTE: FSDP2 over a tensor-parallel weight places it `_StridedShard` on the FSDP dim, which in torch 2.13 is no
+    # Shard (nor `is_shard()`), yet cuts the tensor: left out, two ranks' different shards would share one index.
+    return [d for d, p in enumerate(param.placements) if isinstance(p, Shard) or type(p).__name__ == "_StridedShard"]
 
 
 def state_to_global(param: Any, state: dict[str, Any]) -> dict[str, Any]:

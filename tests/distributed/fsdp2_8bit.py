@@ -9,7 +9,6 @@ Adafactor), which the test compares with the FSDP2 ones.
         --config_file configs/accelerate/cpu_fsdp2.yaml tests/distributed/fsdp2_8bit.py REPORT.json
 """
 
-import inspect
 import os
 import sys
 import tempfile
@@ -17,10 +16,10 @@ import tempfile
 import torch
 from common import finish_ranks, max_diff, summary, tiny_llama, training_args, write_report
 from helpers import TokenDataset
+from local_shards import HandRun
 from transformers import TrainerCallback
 
-from layerwise_hf import LayerwiseTrainer, unwrap_layerwise_optimizer  # applies LAYERWISE_HF_FORCE_FSDP_CPU
-from layerwise_hf.bases.params import isolate_bnb_overrides
+from layerwise_hf import LayerwiseTrainer  # applies LAYERWISE_HF_FORCE_FSDP_CPU
 from layerwise_hf.placement.local_shard import LocalShardOptimizer
 
 torch.set_num_threads(1)
@@ -36,53 +35,6 @@ def trainer_for(optim, out, **overrides):
     args = training_args(out, optim, **overrides)
     # A learnable pattern (helpers.TokenDataset), so that the loss curves move.
     return LayerwiseTrainer(model=model(), args=args, train_dataset=TokenDataset(n=512, vocab=VOCAB))
-
-
-def rebuild(base, param):
-    """The optimizer `base` is, built anew over `param` from its settings (bitsandbytes keeps some in `args`)."""
-    accepted = inspect.signature(type(base).__init__).parameters
-    kwargs = {k: v for k, v in base.defaults.items() if k in accepted}
-    settings = getattr(base, "args", None)
-    kwargs.update({k: getattr(settings, k) for k in accepted if settings is not None and hasattr(settings, k)})
-    # A private override manager, as the layer-wise factory gives: the process-wide one holds Trainer's overrides.
-    return isolate_bnb_overrides(type(base)([param], **kwargs))
-
-
-class HandRun(TrainerCallback):
-    """Builds each wrapped optimizer anew before its first step, over a copy of the starting shard, and records every
-    step's local gradient and hyperparameters; `max_diff` replays them on it."""
-
-    def __init__(self):
-        self.records = {}
-
-    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
-        optimizer = unwrap_layerwise_optimizer(optimizer)
-        for name, inner in zip(optimizer.names, optimizer.inner):
-            inner.register_step_pre_hook(self._pre(name))
-
-    def _pre(self, name):
-        def hook(inner, args, kwargs):
-            param = inner.param_groups[0]["params"][0]
-            if name not in self.records:
-                start = torch.nn.Parameter(param.to_local().detach().clone())
-                self.records[name] = {"by_hand": rebuild(inner.base, start), "inner": inner, "steps": []}
-            group = {k: v for k, v in inner.param_groups[0].items() if k not in ("params", "name")}
-            self.records[name]["steps"].append((param.grad.to_local().detach().clone(), group))
-
-        return hook
-
-    def max_diff(self) -> float:
-        worst = 0.0
-        for record in self.records.values():
-            by_hand = record["by_hand"]
-            local = by_hand.param_groups[0]["params"][0]
-            for grad, group in record["steps"]:
-                by_hand.param_groups[0].update(group)
-                local.grad = grad
-                by_hand.step()
-            final = record["inner"].param_groups[0]["params"][0].to_local()
-            worst = max(worst, float((final - local.detach()).abs().max()) if final.numel() else 0.0)
-        return worst
 
 
 def losses(trainer):
