@@ -164,13 +164,10 @@ def in_backward(work):
 def fsdp2_hook(holder, optimizer, param, log):
     """One FSDP2 hook through `holder`: the reduce-scatter's gradient handed to the local-shard step, then freed."""
 
-    def ready(i):
-        param.grad = torch.randn_like(param)
-        optimizer.step()
-        param.grad = None
-        log.append(("hook returned",))
-
-    holder.around(ready)(0)
+    param.grad = torch.randn_like(param)
+    optimizer.step(steps=holder)  # the pipeline hands the route's holder on to the local-shard step
+    param.grad = None
+    log.append(("hook returned",))
 
 
 def test_an_8bit_step_is_held_only_in_a_backward_and_off_the_default_stream(recorded):
@@ -203,14 +200,10 @@ def cut_short_backward(holder, optimizers, params, log):
     grads = flat.split([p.numel() for p in params])
 
     def hooks():
-        for i, (optimizer, param, grad) in enumerate(zip(optimizers, params, grads)):
-
-            def ready(_, optimizer=optimizer, param=param, grad=grad):
-                param.grad = grad.view_as(param)
-                optimizer.step()
-                param.grad = None
-
-            holder.around(ready)(i)
+        for optimizer, param, grad in zip(optimizers, params, grads):
+            param.grad = grad.view_as(param)
+            optimizer.step(steps=holder)
+            param.grad = None
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
     with pytest.raises(torch.OutOfMemoryError):

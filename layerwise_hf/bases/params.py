@@ -136,3 +136,38 @@ def share_quantization_maps(optimizer: torch.optim.Optimizer, device: torch.devi
         optimizer.fill_qmap()
         maps = shared[device] = {name: qmap.to(device) for name, qmap in optimizer.name2qmap.items()}
     optimizer.name2qmap = dict(maps)
+
+
+class StateView:
+    """
+    An optimizer whose `state` is a view of the states of the optimizers it wraps (`LayerwiseOptimizer`: one per
+    parameter; a local-shard or host-step wrapper: its base), built by `_state_view()`. It stays a view: assigning a
+    non-empty state is refused (torch's `Optimizer.__init__` assigns an empty one).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.bases.params import StateView
+    >>> class Wrapper(StateView, torch.optim.Optimizer):
+    ...     def __init__(self, base):
+    ...         self.base = base
+    ...         super().__init__(base.param_groups, base.defaults)
+    ...     def _state_view(self):
+    ...         return self.base.state
+    >>> Wrapper(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)).state
+    defaultdict(<class 'dict'>, {})
+    ```
+    """
+
+    def _state_view(self) -> dict[torch.Tensor, dict]:
+        raise NotImplementedError
+
+    @property
+    def state(self) -> dict[torch.Tensor, dict]:
+        return self._state_view()
+
+    @state.setter
+    def state(self, value) -> None:
+        if value:
+            raise AttributeError(f"{type(self).__name__}.state is a view of the wrapped optimizers' states.")

@@ -18,6 +18,7 @@ from ..placement.offload import GradientOffload, parse_offload
 from ..placement.offloading import check_host_step_base
 from ..placement.transfer import Transfer, check_one_device, offload_simulated
 from ..platform.dtensor import local_tensor
+from ..platform.norms import whole
 from .window import Action, StageContext
 
 logger = logging.getLogger(__name__)
@@ -47,8 +48,7 @@ class HostCoefficient:
         cached = self._cached
         if cached is None or cached[0] is not coef or cached[1].device != device:
             # Under FSDP2 the coefficient is a replicated DTensor; the host buffer is a plain local shard.
-            whole = coef.full_tensor() if hasattr(coef, "full_tensor") else coef
-            cached = self._cached = (coef, whole.to(device))
+            cached = self._cached = (coef, whole(coef).to(device))
         return cached[1]
 
 

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from ..bases.params import LayerwiseFactory, LayerwiseParam, canonical_name
+from ..bases.params import LayerwiseFactory, LayerwiseParam, StateView, canonical_name
 from ..bases.registry import resolve_factory
 from ..bases.support import check_bool_argument, check_fp16_clip_mode, check_fp16_weights, check_fsdp2_optimizers
 from ..placement.local_shard import wrap_local_shards
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class LayerwiseOptimizer(torch.optim.Optimizer):
+class LayerwiseOptimizer(StateView, torch.optim.Optimizer):
     """
     A proxy optimizer over one inner optimizer per trainable parameter: the `torch.optim.Optimizer` Trainer and
     Accelerate see. What happens to each gradient is its `pipeline`'s (`layerwise_hf.optim.pipeline`).
@@ -109,16 +109,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     # ---- torch.optim.Optimizer surface ----
 
-    @property
-    def state(self) -> dict[torch.Tensor, dict]:
+    def _state_view(self) -> dict[torch.Tensor, dict]:
         # NOTE: only populated states: DCP's `_init_optim_state` treats any truthy `optim.state` as initialised.
         return {p: s for inner in self.inner for p, s in inner.state.items() if s}
-
-    @state.setter
-    def state(self, value) -> None:
-        # torch.optim.Optimizer.__init__ assigns an empty defaultdict; the real state lives in the inner optimizers.
-        if value:
-            raise AttributeError("LayerwiseOptimizer.state is a view of the per-parameter optimizers' states.")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
@@ -197,7 +190,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def attach(self, sync_gradients: Callable[[], bool] | None = None) -> None:
         """Register local post-accumulate-grad hooks (idempotent), taking them over from another optimizer."""
         if sync_gradients is not None:
-            self.pipeline.sync_source = sync_gradients
+            self.pipeline.sync.source = sync_gradients
         if not self.attached:
             self.connect(route=LocalHooks())
 

@@ -23,7 +23,7 @@ from ..platform.backward_end import BackwardEnd
 from ..platform.compat import checkpointing_kwargs_name
 from ..platform.dtensor import local_tensor
 from ..platform.norms import scale_grad
-from ..platform.streams import step_in_backward
+from ..platform.streams import GroupSteps, step_in_backward
 from .clipping import ClipMode, Clipper, make_clipper
 from .grad_scaler import GradScalerBridge, NoLossScaling
 from .host_offload import NO_OFFLOAD, NoOffload, OffloadStage, Where
@@ -39,6 +39,28 @@ def _accelerate_sync_gradients() -> bool:
     from accelerate.state import GradientState
 
     return GradientState().sync_gradients
+
+
+class WindowEnd:
+    """Whether the current backward ends the window: the source's answer (Accelerate's `sync_gradients`), unless
+    inside `extra_backward`."""
+
+    def __init__(self, source: Callable[[], bool]):
+        self.source = source
+        self.extra = False
+
+    def __call__(self) -> bool:
+        return not self.extra and self.source()
+
+    @contextlib.contextmanager
+    def extra_backward(self, active: bool = True) -> Iterator[None]:
+        """Backward passes within only accumulate into `.grad`, as a micro-batch that does not end the window (an
+        auxiliary loss's own backward in `compute_loss`); `active=False` lifts that for the step's real backward."""
+        previous, self.extra = self.extra, active
+        try:
+            yield
+        finally:
+            self.extra = previous
 
 
 class GradientPipeline:
@@ -88,8 +110,7 @@ class GradientPipeline:
         self.last_grad_norm: torch.Tensor | None = None
         self.applied_lr: dict[str, float] = {}  # per optimizer class, the lr of its latest step
         self.norm_pass_choice: Any = None  # what layerwise_norm_pass="auto" decided (`norm_pass.NormPassChoice`)
-        self.sync_source = sync_gradients or _accelerate_sync_gradients  # Accelerate's, or the caller's
-        self._extra_backward = False
+        self.sync = WindowEnd(sync_gradients or _accelerate_sync_gradients)
         self.context = StageContext(
             self.params, inner, self.window, self.meter, self.backward_end, self.sync_gradients,
             self.measures_all, self.step_param, self.note_step, self.coef,
@@ -97,8 +118,9 @@ class GradientPipeline:
 
     # ---- the sink: what a route calls ----
 
-    def grad_ready(self, i: int) -> None:
-        """Parameter `i`'s (reduced) gradient is in its `.grad`: act on it as the step window decides."""
+    def grad_ready(self, i: int, steps: GroupSteps | None = None) -> None:
+        """Parameter `i`'s (reduced) gradient is in its `.grad`: act on it as the step window decides (`steps`: the
+        FSDP2 route's holder of 8-bit steps, handed on to the step)."""
         param, scaling = self.params[i], self.scaling
         if not param.requires_grad:
             # Frozen since the optimizer was built: not stepped, as a standard optimizer skips a parameter without a
@@ -116,7 +138,7 @@ class GradientPipeline:
         elif action is Action.STEP:
             scaling.capture()
             if scaling.unscale_to_step(param.grad):
-                self.step_param(i)
+                self.step_param(i, steps)
             else:
                 # Overflowed in this pass only: GradScaler will skip the step; this and later gradients do not step.
                 param.grad = None
@@ -180,22 +202,12 @@ class GradientPipeline:
 
     def sync_gradients(self) -> bool:
         """Whether the current backward ends a gradient-accumulation window."""
-        return not self._extra_backward and self.sync_source()
-
-    @contextlib.contextmanager
-    def extra_backward(self, active: bool = True) -> Iterator[None]:
-        """Backward passes within only accumulate into `.grad`, as a micro-batch that does not end the window (an
-        auxiliary loss's own backward in `compute_loss`); `active=False` lifts that for the step's real backward."""
-        previous, self._extra_backward = self._extra_backward, active
-        try:
-            yield
-        finally:
-            self._extra_backward = previous
+        return self.sync()
 
     # ---- the step of one parameter ----
 
     @torch.no_grad()
-    def step_param(self, i: int) -> None:
+    def step_param(self, i: int, steps: GroupSteps | None = None) -> None:
         """Clip parameter `i`'s gradient, step its optimizer, free the gradient."""
         p = self.params[i]
         grad = p.grad
@@ -205,7 +217,7 @@ class GradientPipeline:
         coef = self.coef(i)
         if coef is not None:
             scale_grad(grad, coef)
-        step_in_backward(self.inner[i], p)
+        step_in_backward(self.inner[i], p, steps=steps)
         self.note_step(i)
         p.grad = None
         self.meter.release(i)
@@ -247,15 +259,15 @@ class GradientPipeline:
         self.reset_window() if self.offload.enabled else self.meter.clear()
 
     def end_window(self) -> None:
+        """Close the window: its global norm is the last one (`grad_norm()` after `step()`)."""
         total = self.total_norm()
         if total is not None:
             self.last_grad_norm = total
         self.reset_window()
 
     def attach(self, route: Any) -> None:
-        """Feed `route`'s gradients into this pipeline, from a fresh window (training begins); host copies are taken
-        again from the device."""
-        # A window cut short by an exception (Ctrl-C, OOM, a callback) must not carry into the next step.
+        """Feed `route`'s gradients into this pipeline (training begins): a fresh window, as one cut short by an
+        exception (Ctrl-C, OOM, a callback) must not carry into the next step; host copies are taken again."""
         self.reset_window()
         self.offload.new_route(self.context)
         self.backward_end.forget()
@@ -300,9 +312,9 @@ class GradientPipeline:
         """Whether the coming backward ends a window that exact clipping or fp16 wants measured first."""
         self.close_skipped_window()
         # With offload the gradients wait on the host for the global norm: one backward, no norm pass.
+        attached = self.route is not None and self.route.attached
         return (
-            self.route is not None
-            and self.route.attached
+            attached
             and not self.offload.enabled
             and self.whole_step()
             and self.sync_gradients()

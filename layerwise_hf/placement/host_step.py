@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ..bases.params import LayerwiseFactory, LayerwiseParam, share_quantization_maps
+from ..bases.params import LayerwiseFactory, LayerwiseParam, StateView, share_quantization_maps
 from ..platform.dtensor import local_tensor
 from .host_kernel import claim_thread_share, host_kernel_flags, host_threads_for
 from .offload import HostWorker
@@ -191,7 +191,7 @@ class HostRunner:
             self.transfer.close()
 
 
-class HostStepOptimizer(torch.optim.Optimizer):
+class HostStepOptimizer(StateView, torch.optim.Optimizer):
     """
     Steps `base`, an optimizer over one parameter, on a host copy of that parameter (see the module docstring).
 
@@ -265,15 +265,9 @@ class HostStepOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer (checkpoints name its class)."""
         return self.base
 
-    @property
-    def state(self) -> dict[torch.Tensor, dict]:
+    def _state_view(self) -> dict[torch.Tensor, dict]:
         s = self.base.state.get(self.host)
         return {self.param_groups[0]["params"][0]: s} if s else {}
-
-    @state.setter
-    def state(self, value) -> None:
-        if value:
-            raise AttributeError("HostStepOptimizer.state is a view of the wrapped optimizer's state.")
 
     # ---- stepping ----
 

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from ..bases.params import LayerwiseFactory, LayerwiseParam
+from ..bases.params import LayerwiseFactory, LayerwiseParam, StateView
 from ..bases.support import qualname
 from ..platform.dtensor import is_dtensor as _is_dtensor
+from ..platform.dtensor import local_tensor, sharded_dims
 from ..platform.dtensor import shard_count as _shard_count
-from ..platform.dtensor import sharded_dims
 from ..platform.dtensor import state_to_global as _to_global
 from ..platform.dtensor import state_to_local as _to_local
 from ..platform.streams import step_in_backward
@@ -38,7 +38,7 @@ _SHARDS_KEY = "local_shards"  # saved per parameter state: the number of shards 
 _LAYOUT_KEY = "local_shard_layout"  # and how the parameter was cut into them (`_layout`)
 
 
-class LocalShardOptimizer(torch.optim.Optimizer):
+class LocalShardOptimizer(StateView, torch.optim.Optimizer):
     """
     Steps `base`, an optimizer over one plain tensor, on the local shard of its parameter (a DTensor under FSDP2;
     a plain parameter steps as is).
@@ -59,30 +59,26 @@ class LocalShardOptimizer(torch.optim.Optimizer):
     ```
     """
 
+    takes_steps = True  # `step_in_backward` hands it the FSDP2 hook's `GroupSteps`, for its base's step
+
     def __init__(self, base: torch.optim.Optimizer):
         (param,) = base.param_groups[0]["params"]
         self.base = base
         # A stable plain parameter for `base` to key its state by; bound to the current local shard before each use.
-        local = param.to_local() if _is_dtensor(param) else param
+        local = local_tensor(param)
         self.local = torch.nn.Parameter(local.detach(), requires_grad=False)
         base.param_groups[0]["params"] = [self.local]
         group = {k: v for k, v in base.param_groups[0].items() if k != "params"}
         super().__init__([{**group, "params": [param]}], base.defaults)
 
-    @property
-    def state(self) -> dict[torch.Tensor, dict]:
+    def _state_view(self) -> dict[torch.Tensor, dict]:
         s = self.base.state.get(self.local)
         return {self.param_groups[0]["params"][0]: s} if s else {}
-
-    @state.setter
-    def state(self, value) -> None:
-        if value:
-            raise AttributeError("LocalShardOptimizer.state is a view of the wrapped optimizer's state.")
 
     def _bind(self) -> torch.Tensor:
         """Point the plain parameter at the local shard and hand the wrapped optimizer the current hyperparameters."""
         param = self.param_groups[0]["params"][0]
-        local = param.to_local() if _is_dtensor(param) else param
+        local = local_tensor(param)
         if self.local.data_ptr() != local.data_ptr() or self.local.shape != local.shape:
             self.local.data = local.detach()
         base_group = self.base.param_groups[0]
@@ -90,7 +86,8 @@ class LocalShardOptimizer(torch.optim.Optimizer):
         return param
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None):
+    def step(self, closure: Callable[[], Any] | None = None, steps: Any = None):
+        """Step the local shard; `steps`: the FSDP2 hook's `GroupSteps`, which may hold the base's step."""
         param = self._bind()
         grad = param.grad
         if grad is None:
@@ -98,8 +95,8 @@ class LocalShardOptimizer(torch.optim.Optimizer):
         local_grad = _local_grad(param, grad)
         if closure is None:
             # FSDP2 calls this from its hook with the reduce-scatter stream current: bitsandbytes' kernels are ordered
-            # after it, and held until the next group's hooks (`streams.step_in_backward`, `streams.GroupSteps`).
-            return step_in_backward(self.base, self.local, local_grad)
+            # after it, and held by `steps` until the next group's hooks (`streams.step_in_backward`, `GroupSteps`).
+            return step_in_backward(self.base, self.local, local_grad, steps)
         self.local.grad = local_grad
         try:
             return self.base.step(closure)
@@ -163,7 +160,7 @@ def _local_grad(param, grad: torch.Tensor) -> torch.Tensor:
     # local slice, no collective).
     if grad.placements != param.placements or grad.device_mesh != param.device_mesh:
         grad = grad.redistribute(param.device_mesh, param.placements)
-    return grad.to_local()
+    return local_tensor(grad)
 
 
 def _unwrap(base, state: dict[str, Any]) -> dict[str, Any]:

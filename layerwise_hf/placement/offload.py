@@ -77,7 +77,7 @@ def shard_norm(param: torch.Tensor, local_norm: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor._ops._math_ops import _NormPartial
 
     placements = [_NormPartial(2.0) if isinstance(p, Shard) else p for p in param.placements]
-    local = local_norm.to(param.to_local().device)
+    local = local_norm.to(local_tensor(param).device)
     return DTensor.from_local(local, param.device_mesh, placements, run_check=False)
 
 

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from ..platform.dtensor import local_tensor
 from .host_kernel import claim_thread_share, host_threads
 
 SIMULATE_ENV = "LAYERWISE_HF_OFFLOAD_SIMULATE"
@@ -389,7 +390,7 @@ def several_devices_error(devices: Sequence[Any]) -> ValueError:
 
 def check_one_device(params: Sequence[torch.Tensor]) -> None:
     """Refuse offload for parameters on more than one CUDA device (`several_devices_error`)."""
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    local = [local_tensor(p) for p in params]
     devices = sorted({device_of(p) for p in local if p.is_cuda}, key=str)
     if len(devices) > 1:
         raise several_devices_error(devices)

@@ -22,6 +22,7 @@ from ..estimate.optimizers import OPTIMIZER_RULES
 from ..estimate.units import DEFAULT_LORA_TARGETS
 from ..placement.host_step import HostStepOptimizer
 from ..platform.compat import dtype_kwargs, enable_activation_checkpointing
+from ..platform.norms import whole
 from .offload import close_offload, label_host_side, stand_ins
 from .ranks import RankRoute, fake_group
 from .rules import RuleOptimizer, needs_rule, tensor_spec
@@ -118,7 +119,7 @@ def _mixed_mesh_clip(params: list[torch.Tensor], max_norm: float) -> None:
         if p.grad is not None:
             groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
     norms = [get_total_norm([p.grad for p in group]) for group in groups.values()]
-    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+    norms = [whole(n) for n in norms]
     total = torch.linalg.vector_norm(torch.stack(norms))
     for group in groups.values():
         clip_grads_with_norm_(group, max_norm, total)

@@ -25,7 +25,6 @@ backward.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -143,7 +142,12 @@ def _no_sync(tensor: torch.Tensor) -> None:
     return None
 
 
-def step_in_backward(optimizer: torch.optim.Optimizer, param: torch.Tensor, grad: torch.Tensor | None = None) -> Any:
+def step_in_backward(
+    optimizer: torch.optim.Optimizer,
+    param: torch.Tensor,
+    grad: torch.Tensor | None = None,
+    steps: GroupSteps | None = None,
+) -> Any:
     """
     Step one parameter's optimizer from a gradient hook: a bitsandbytes optimizer runs ordered on the default stream
     and, unless paged, without its per-parameter device sync; any other optimizer steps as is.
@@ -154,9 +158,12 @@ def step_in_backward(optimizer: torch.optim.Optimizer, param: torch.Tensor, grad
         param (`torch.Tensor`):
             The tensor it updates (its device decides the streams).
         grad (`torch.Tensor`, *optional*):
-            The gradient to step with, set as `param.grad` for the step alone. Given, a bitsandbytes step in an FSDP2
-            hook is held until the next reduce-scatter group's hooks (`GroupSteps`); the caller may drop its own
-            reference to the gradient at once.
+            The gradient to step with, set as `param.grad` for the step alone; the caller may drop its own reference
+            to it at once.
+        steps (`GroupSteps`, *optional*):
+            The FSDP2 route's holder of this hook's group (`FSDP2Hooks` hands it to the pipeline, which hands it
+            here): given with `grad`, a bitsandbytes step is held until the next reduce-scatter group's hooks. A
+            wrapper that steps a base optimizer of its own (`takes_steps`: a local shard's) is handed it on.
 
     Example:
 
@@ -168,11 +175,12 @@ def step_in_backward(optimizer: torch.optim.Optimizer, param: torch.Tensor, grad
     tensor([0.5000, 0.5000])
     ```
     """
-    run = optimizer.step if grad is None else _StepWith(optimizer, param, grad)
     if not launches_on_default_stream(optimizer):
-        return run()
-    holder = _HOLDER.get()
-    if grad is not None and holder is not None and holder.hold(optimizer, param, grad, run):
+        if steps is not None and getattr(optimizer, "takes_steps", False):
+            return optimizer.step(steps=steps)
+        return optimizer.step() if grad is None else _StepWith(optimizer, param, grad)()
+    run = optimizer.step if grad is None else _StepWith(optimizer, param, grad)
+    if grad is not None and steps is not None and steps.hold(optimizer, param, grad, run):
         return None
     with ordered_on_default_stream(param.device), without_device_sync(optimizer):
         return run()
@@ -191,10 +199,6 @@ class _StepWith:
             return self.optimizer.step()
         finally:
             self.param.grad = None
-
-
-# The `GroupSteps` of the FSDP2 hook running now on this thread (set around the hook by `GroupSteps.around`).
-_HOLDER: contextvars.ContextVar[GroupSteps | None] = contextvars.ContextVar("layerwise_hf_group_steps", default=None)
 
 
 class GroupSteps:
@@ -223,8 +227,8 @@ class GroupSteps:
 
     ```python
     >>> from layerwise_hf.platform.streams import GroupSteps
-    >>> hook = GroupSteps(sink.backward_end).around(sink.grad_ready)  # what FSDP2Hooks registers per parameter
-    >>> hook(0)  # steps parameter 0: at once, or held one group later under FSDP2 on CUDA
+    >>> steps = GroupSteps(sink.backward_end)  # FSDP2Hooks makes one, and hands it with each gradient
+    >>> sink.grad_ready(0, steps)  # steps parameter 0: at once, or held one group later under FSDP2 on CUDA
     ```
     """
 
@@ -237,10 +241,6 @@ class GroupSteps:
         self.event: Any = None
         self.device: torch.device | None = None
         backward_end.when_cut_short(self.drop)
-
-    def around(self, ready: Callable[[int], None]) -> Callable[[int], None]:
-        """`ready`, run with this holder taking the steps it makes through `step_in_backward`."""
-        return _Holding(self, ready)
 
     def hold(self, optimizer: Any, param: torch.Tensor, grad: torch.Tensor, run: Callable[[], Any]) -> bool:
         """Hold `run`, `optimizer`'s step of `param` with `grad`; `False`, holding nothing, where it must run now."""
@@ -292,18 +292,3 @@ class GroupSteps:
             # gradients, whose memory goes back to the current stream's allocations once `held` is dropped.
             if current != default:
                 current.wait_stream(default)
-
-
-class _Holding:
-    # A small callable rather than a closure: it runs once per parameter per backward.
-    __slots__ = ("holder", "ready")
-
-    def __init__(self, holder: GroupSteps, ready: Callable[[int], None]):
-        self.holder, self.ready = holder, ready
-
-    def __call__(self, i: int) -> None:
-        token = _HOLDER.set(self.holder)
-        try:
-            self.ready(i)
-        finally:
-            _HOLDER.reset(token)

@@ -14,6 +14,7 @@ A route is handed a `GradientSink` (`layerwise_hf.routes.sink`; the optimizer is
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -330,7 +331,7 @@ class FSDP2Hooks(LocalHooks):
     def _entry(self, sink: GradientSink) -> Callable[[int], None]:
         # FSDP2 calls a group's hooks before the next layer's backward is queued: an 8-bit step, which the default
         # stream must order after the reduce-scatter, is held until the next group's hooks (`streams.GroupSteps`).
-        return GroupSteps(sink.backward_end).around(sink.grad_ready)
+        return functools.partial(sink.grad_ready, steps=GroupSteps(sink.backward_end))
 
     def reduce_found_inf(self, flags):
         import torch.distributed as dist

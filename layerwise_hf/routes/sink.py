@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..platform.backward_end import BackwardEnd
+from ..platform.streams import GroupSteps
 
 
 @runtime_checkable
@@ -42,8 +43,9 @@ class GradientSink(Protocol):
     names: Sequence[str]
     backward_end: BackwardEnd
 
-    def grad_ready(self, i: int) -> None:
-        """Parameter `i`'s reduced gradient is in `.grad`: accumulate, measure, hold or step it."""
+    def grad_ready(self, i: int, steps: GroupSteps | None = None) -> None:
+        """Parameter `i`'s reduced gradient is in `.grad`: accumulate, measure, hold or step it. `steps`: the FSDP2
+        route's holder of its reduce-scatter group's 8-bit steps (`platform.streams.GroupSteps`)."""
 
     def grad_held(self, i: int) -> None:
         """The route keeps parameter `i`'s gradient to hand it over later: count it among the gradients alive."""
