@@ -193,7 +193,7 @@ def test_planned_peak_matches_real_ranks_under_hsdp_and_tensor_parallel(tmp_path
 
     sys.path.insert(0, str(ROOT))
     from benchmarks import _thread_memory
-    from benchmarks.plan_accuracy import GOAL, RSS_GOAL
+    from benchmarks.plan_accuracy import RSS_GOAL
 
     _thread_memory.build()  # once, here, rather than in four ranks at the same time
     report = launch(
@@ -216,7 +216,8 @@ def test_planned_peak_matches_real_ranks_under_hsdp_and_tensor_parallel(tmp_path
             # that thread runs late holds them on top of the next allocations (+1 MiB seen here); the plan frees them
             # when the collective ends, which the least of the steady steps' peaks shows. Tensor-parallel shards that
             # the checkpoint's memory map holds are tensors too.
+            # Within 1%, as the 2-rank FSDP2 gloo check (test_plan_ranks.py); RSS within plan_accuracy's goal.
             real = min(s["peak_bytes"] for s in rank["steps"][1:]) + rank["outside_bytes"]
-            assert abs(planned / real - 1) <= GOAL, (case["mesh"], case["optim"], planned, real)
+            assert abs(planned / real - 1) <= 0.01, (case["mesh"], case["optim"], planned, real)
             rss = rank["rss_training_peak_bytes"]
             assert abs(planned / rss - 1) <= RSS_GOAL, (case["mesh"], case["optim"], planned, rss)
