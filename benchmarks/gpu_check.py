@@ -654,7 +654,7 @@ def offload_summary(trainer, mode: str) -> dict:
     """Where a layer-wise run with `layerwise_offload=mode` kept its gradients and states, which transfer copied them,
     and the pinned bytes of its arenas against the plan's (`estimate.offload.pinned_bytes`)."""
     from layerwise_hf.estimate.offload import pinned_bytes
-    from layerwise_hf.optim.host_offload import offload_of
+    from layerwise_hf.optim.optimizer import offload_of
     from layerwise_hf.placement.host_step import HostStepOptimizer
 
     out = {"layerwise_offload": mode, "state_bytes_by_device": state_bytes_by_device(trainer)}

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import _common as h
 from benchmarks import _thread_memory
-from layerwise_hf.optim.host_offload import offload_of
 from layerwise_hf.optim.norm_pass import backward_with_norm_pass, forward_again, run_with_norm_pass
+from layerwise_hf.optim.optimizer import offload_of
 from layerwise_hf.placement import offload as offload_module
 from layerwise_hf.placement import transfer as transfer_module
 from layerwise_hf.placement.host_step import HostStepOptimizer

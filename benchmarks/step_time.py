@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import _common as h
 from layerwise_hf.estimate.offload_choice import choose_clipping_offload
-from layerwise_hf.optim.host_offload import offload_of
 from layerwise_hf.optim.norm_pass import backward_with_norm_pass
+from layerwise_hf.optim.optimizer import offload_of
 from layerwise_hf.placement import transfer
 from layerwise_hf.placement.host_step import unwrap_host_step
 from layerwise_hf.placement.offloading import wait_for_host_steps

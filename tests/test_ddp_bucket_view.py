@@ -17,7 +17,7 @@ from helpers import assert_params_equal, rank_comparison, spawned_results, write
 
 from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
 from layerwise_hf.integrations.callback import end_training
-from layerwise_hf.optim.host_offload import enable_offload
+from layerwise_hf.optim.optimizer import enable_offload
 from layerwise_hf.placement import transfer as transfer_module
 from layerwise_hf.placement.offloading import host_step_factory
 from layerwise_hf.routes import ddp as ddp_module

@@ -8,7 +8,7 @@ from helpers import TokenDataset, clone, tiny_llama, train, training_args
 from layerwise_hf.cli import main
 from layerwise_hf.estimate import EstimateError, estimate
 from layerwise_hf.estimate.units import format_bytes
-from layerwise_hf.optim.host_offload import offload_of
+from layerwise_hf.optim.optimizer import offload_of
 from layerwise_hf.placement import transfer as transfer_module
 from layerwise_hf.placement.host_step import HostStepOptimizer
 

@@ -12,8 +12,7 @@ from helpers import TokenDataset, assert_params_equal, clone, logged, tiny_llama
 
 from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
 from layerwise_hf.integrations.callback import end_training
-from layerwise_hf.optim.host_offload import enable_offload, offload_of
-from layerwise_hf.optim.optimizer import build_layerwise_optimizer
+from layerwise_hf.optim.optimizer import build_layerwise_optimizer, enable_offload, offload_of
 from layerwise_hf.placement import transfer as transfer_module
 from layerwise_hf.placement.host_step import HostRunner, HostStepOptimizer
 from layerwise_hf.placement.offload import GradientOffload

@@ -383,7 +383,7 @@ def test_reloading_a_checkpoint_mid_run_in_a_plain_loop_equals_standard():
     # A plain loop that goes back to a checkpoint (model and optimizer state) and trains on, with the optimizer still
     # attached: the host copies of the weights are taken again from the loaded model, as torch's AdamW reads them.
     from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
-    from layerwise_hf.optim.host_offload import enable_offload
+    from layerwise_hf.optim.optimizer import enable_offload
     from layerwise_hf.placement.offloading import host_step_factory, wait_for_host_steps
 
     def mlp():
@@ -427,7 +427,7 @@ def _crash_main(argv: list[str]) -> None:
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     from layerwise_hf import LayerwiseTrainer
-    from layerwise_hf.optim.host_offload import offload_of
+    from layerwise_hf.optim.optimizer import offload_of
     from layerwise_hf.placement.offloading import wait_for_host_steps
 
     opts = _crash_options(argv)

@@ -10,7 +10,7 @@ from helpers import assert_params_equal
 
 from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
 from layerwise_hf.integrations.callback import end_training
-from layerwise_hf.optim.host_offload import enable_offload
+from layerwise_hf.optim.optimizer import enable_offload
 from layerwise_hf.placement import transfer as transfer_module
 from layerwise_hf.placement.offloading import host_step_factory
 
@@ -171,7 +171,7 @@ def test_optimizer_built_before_the_model_is_on_the_device_copies_on_the_side_st
     # examples/accelerate_loop.py builds the optimizer before accelerator.prepare moves the model to the GPU: the
     # transfer must follow the gradients' device at the first copy, not the parameters' when the optimizer is built.
     from layerwise_hf import LayerwiseTrainingArguments, build_layerwise_optimizer
-    from layerwise_hf.optim.host_offload import offload_of
+    from layerwise_hf.optim.optimizer import offload_of
 
     model = _mlp()
     args = LayerwiseTrainingArguments("out", optim="adamw_torch_layerwise", learning_rate=1e-2, weight_decay=0.0)
@@ -246,7 +246,7 @@ def test_pinned_bytes_are_what_the_plan_counts(mode, ga):
     # so what is pinned, at every moment of the run, is what the plan and the offload's own counts say.
     from layerwise_hf.estimate import estimate
     from layerwise_hf.estimate.offload import pinned_bytes
-    from layerwise_hf.optim.host_offload import offload_of
+    from layerwise_hf.optim.optimizer import offload_of
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(

@@ -15,7 +15,7 @@ from test_fp16 import SCALER, Overflow, ScaleRecorder, fp16_train, same_floats
 
 from layerwise_hf import LayerwiseOptimizer, LayerwiseParam, unwrap_layerwise_optimizer
 from layerwise_hf.integrations.callback import end_training
-from layerwise_hf.optim.host_offload import enable_offload, offload_of
+from layerwise_hf.optim.optimizer import enable_offload, offload_of
 from layerwise_hf.placement import offload as offload_module
 from layerwise_hf.placement import transfer as transfer_module
 from layerwise_hf.placement.host_step import HostStepOptimizer

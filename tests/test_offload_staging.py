@@ -15,7 +15,7 @@ from test_offload_csan import _mlp, offload_loop, reference_run
 
 from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
 from layerwise_hf.estimate import offload as estimate_offload
-from layerwise_hf.optim.host_offload import enable_offload, offload_of
+from layerwise_hf.optim.optimizer import enable_offload, offload_of
 from layerwise_hf.placement import offload as offload_module
 from layerwise_hf.placement.offload import GradientOffload
 from layerwise_hf.placement.transfer import ThreadTransfer

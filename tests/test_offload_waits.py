@@ -14,7 +14,7 @@ from test_offload_csan import _batches, _mlp, offload_loop, reference_run
 
 from layerwise_hf import LayerwiseOptimizer, LayerwiseParam
 from layerwise_hf.integrations.callback import end_training
-from layerwise_hf.optim.host_offload import enable_offload
+from layerwise_hf.optim.optimizer import enable_offload
 from layerwise_hf.placement import offload as offload_module
 from layerwise_hf.placement import transfer as transfer_module
 from layerwise_hf.routes.data_parallel import DataParallelConfig, DataParallelReducer

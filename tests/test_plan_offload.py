@@ -18,7 +18,7 @@ from transformers import AutoConfig
 from layerwise_hf.cli import main
 from layerwise_hf.estimate import EstimateError, estimate
 from layerwise_hf.estimate.units import format_bytes
-from layerwise_hf.optim.host_offload import offload_of
+from layerwise_hf.optim.optimizer import offload_of
 from layerwise_hf.placement import transfer as transfer_module
 from layerwise_hf.placement.host_step import HostStepOptimizer
 from layerwise_hf.plan import plan

@@ -7,6 +7,7 @@ from layerwise_hf.optim.clipping import CLIP_MODES, ClipMode, clip_coef, make_cl
 from layerwise_hf.optim.grad_scaler import GradScalerBridge
 from layerwise_hf.optim.window import Action, StepWindow
 from layerwise_hf.platform.backward_end import BackwardEnd
+from layerwise_hf.platform.norms import grad_norm_kernel
 
 
 def test_decision_table():
@@ -31,7 +32,7 @@ def test_reset_forgets_every_field():
     window.action(1, sync=True, whole_step=True)
     window.stepped[0] = True
     window.measured = window.in_norm_pass = True
-    window.record_norm(0, _param_with_grad([3.0, 4.0]))
+    _record(window, 0, _param_with_grad([3.0, 4.0]))
     window.reset()
     after = vars(window)
     assert set(after) == set(fresh)
@@ -57,6 +58,11 @@ def test_each_stage_forgets_its_part_of_the_window():
     assert found_inf and bridge.found_inf is not found_inf
 
 
+def _record(window, i, param):
+    # What the pipeline's record_norm writes: the gradient's norm by clip_grad_norm_'s kernel, once per window.
+    window.norms[i] = (param.device, param.grad.dtype, grad_norm_kernel(param.grad))
+
+
 def _param_with_grad(values):
     p = torch.nn.Parameter(torch.zeros(len(values)))
     p.grad = torch.tensor(values)
@@ -66,7 +72,7 @@ def _param_with_grad(values):
 def test_total_norm_matches_clip_grad_norm():
     params = [_param_with_grad([3.0, 4.0]), _param_with_grad([1.0, 2.0, 2.0])]
     window = StepWindow(2)
-    window.record_norm(0, params[0])  # measured already; the other is still held in .grad
+    _record(window, 0, params[0])  # measured already; the other is still held in .grad
     expected = torch.nn.utils.clip_grad_norm_(params, float("inf"))
     assert torch.equal(window.total_norm(params), expected)
 
@@ -115,6 +121,6 @@ def test_total_norm_of_mixed_dtypes_is_clip_grad_norms(other, seed):
         params.append(p)
     window = StepWindow(len(params))
     for i, p in enumerate(params):
-        window.record_norm(i, p)
+        _record(window, i, p)
     expected = torch.nn.utils.clip_grad_norm_(params, float("inf"))
     assert torch.equal(window.total_norm(params), expected)

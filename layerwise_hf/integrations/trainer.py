@@ -316,14 +316,14 @@ def _extra_backwards_accumulate(trainer, optimizer, norm_pass: NormPass | None):
     in_compute_loss = [False]
 
     def trainer_backward(loss, **kwargs):
-        with optimizer.pipeline.sync.extra_backward(in_compute_loss[0]):
+        with optimizer.pipeline.sync_gradients.extra_backward(in_compute_loss[0]):
             if norm_pass is not None:
                 return backward_with_norm_pass(optimizer, loss, backward, norm_pass=norm_pass, **kwargs)
             return backward(loss, **kwargs)
 
     trainer.accelerator.backward, trainer._layerwise_in_compute_loss = trainer_backward, in_compute_loss
     try:
-        with optimizer.pipeline.sync.extra_backward():
+        with optimizer.pipeline.sync_gradients.extra_backward():
             yield
     finally:
         del trainer.accelerator.backward

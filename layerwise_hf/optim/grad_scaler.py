@@ -24,53 +24,6 @@ from ..platform.backward_end import BackwardEnd
 from ..platform.dtensor import local_tensor as _local
 
 
-class NoLossScaling:
-    """
-    The loss-scaling stage without fp16 loss scaling: every gradient is already unscaled and none is checked. It
-    answers as `GradScalerBridge` does when nothing overflows.
-
-    Example:
-
-    ```python
-    >>> from layerwise_hf.optim.grad_scaler import NoLossScaling
-    >>> NoLossScaling().unscale_to_step(None), NoLossScaling.enabled
-    (True, False)
-    ```
-    """
-
-    enabled = False
-
-    def window_was_skipped(self) -> bool:
-        return False
-
-    def capture(self) -> None:
-        pass
-
-    def unscale(self, grad: torch.Tensor) -> None:
-        pass
-
-    def unscale_to_step(self, grad: torch.Tensor) -> bool:
-        return True
-
-    def inverse_scale(self, device: torch.device) -> torch.Tensor | None:
-        return None
-
-    def publish_at_end(self, device: torch.device, host_flag: Callable[[bool], torch.Tensor | None]) -> None:
-        pass
-
-    def publish(self, reduce_found_inf: Callable[[dict], None]) -> None:
-        pass
-
-    def will_skip(self) -> bool:
-        return False
-
-    def unscale_held(self, optimizer: Any, params: Any) -> None:
-        pass
-
-    def end_window(self) -> None:
-        pass
-
-
 class GradScalerBridge:
     """
     Unscale and inf-check gradients one at a time for the optimizer `owner` under `scaler`.

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -50,54 +48,6 @@ class HostCoefficient:
             # Under FSDP2 the coefficient is a replicated DTensor; the host buffer is a plain local shard.
             cached = self._cached = (coef, whole(coef).to(device))
         return cached[1]
-
-
-class NoOffload:
-    """
-    The offload stage with `layerwise_offload="none"`: every gradient stays on the device, none is taken.
-
-    Example:
-
-    ```python
-    >>> from layerwise_hf.optim.host_offload import NO_OFFLOAD
-    >>> NO_OFFLOAD.enabled, NO_OFFLOAD.pending(), NO_OFFLOAD.buffers is None
-    (False, [], True)
-    ```
-    """
-
-    enabled = False
-    active = False
-    buffers: GradientOffload | None = None
-
-    def where(self, i: int, action: Action) -> Where | None:
-        return None
-
-    def take(self, ctx: StageContext, i: int, final: bool, inv_scale: torch.Tensor | None) -> None:
-        raise AssertionError("no offload takes no gradient")
-
-    def merge_waiting(self, ctx: StageContext, i: int) -> None:
-        pass
-
-    def pending(self) -> list[int]:
-        return []
-
-    def step(self, ctx: StageContext, indices: list[int]) -> None:
-        pass
-
-    def before_norm(self, ctx: StageContext, finish: bool) -> None:
-        pass
-
-    def new_route(self, ctx: StageContext) -> None:
-        pass
-
-    def end_window(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-NO_OFFLOAD = NoOffload()
 
 
 class Where(enum.Enum):
@@ -142,35 +92,35 @@ class OffloadStage:
             return None
         return Where.HOST_SUM if summed else Where.DEVICE
 
-    def take(self, ctx: StageContext, i: int, final: bool, inv_scale: torch.Tensor | None) -> None:
-        """Copy parameter `i`'s gradient to the host and free it. `final`: the window's last micro-batch;
-        `inv_scale`: fp16's inverse scale on the host, for the host worker to unscale a host sum (a whole gradient
-        comes unscaled)."""
+    def take(self, ctx: StageContext, i: int, final: bool, measure: bool, inv_scale: torch.Tensor | None) -> None:
+        """Copy parameter `i`'s gradient to the host and free it. `final`: the window's last micro-batch; `measure`:
+        measure the host sum's norm; `inv_scale`: fp16's inverse scale on the host, for the host worker to unscale a
+        host sum (a whole gradient comes unscaled)."""
         buffers, param = self.buffers, ctx.params[i]
-        measure = final and ctx.measures_all()
         inner = ctx.inner[i]
         if not buffers.holds(i) and isinstance(inner, HostStepOptimizer):
             inner.wait_host()  # its last host step may still read the buffer this gradient is copied into
             if i not in buffers.host:
                 # One host gradient buffer per parameter, whether its gradient steps at once or waits for the step.
                 buffers.host[i] = inner.host_grad_like(local_tensor(param.grad))
-        meter = ctx.meter
-        meter.hold(i, param.grad)
-        # Logged as the gradient bytes alive on the device: this one and the copies out still reading theirs.
-        meter.peak_bytes = max(meter.peak_bytes, meter.held_bytes + buffers.device_bytes)
         buffers.stash(i, param, measure, final, inv_scale)
-        meter.release(i)
+
+    def unfinished(self) -> bool:
+        """Some host sum got no gradient in the window's last micro-batch: it is still to be finished (and, under
+        fp16, unscaled)."""
+        return bool(self.buffers.unfinished())
 
     def host_device(self, i: int) -> torch.device:
         """Where parameter `i`'s host sum is (its inverse scale is made there)."""
         return self.buffers.host[i].device
 
-    def host_flag(self, ctx: StageContext, at_end: bool, inv_scale: Callable[[], torch.Tensor | None]):
+    def host_flag(self, ctx: StageContext, at_end: bool, measure: bool, inv_scale: torch.Tensor | None):
         """fp16, at the end of the window's last backward: finish the host sums the last micro-batch did not reach
-        (still scaled: unscaled with `inv_scale()`), wait for the host checks, and return the host's found-inf flag."""
+        (still scaled: unscaled with `inv_scale`, on the host), wait for the host checks, and return the host's
+        found-inf flag."""
         buffers = self.buffers
         if at_end and buffers.unfinished():
-            buffers.finish(ctx.measures_all(), inv_scale())
+            buffers.finish(measure, inv_scale)
         buffers.settle(ctx.window, ctx.params)
         return buffers.found_inf
 
@@ -198,12 +148,12 @@ class OffloadStage:
             ctx.stepped(i)
             buffers.filled[i] = False
 
-    def before_norm(self, ctx: StageContext, finish: bool) -> None:
+    def before_norm(self, ctx: StageContext, finish: bool, measure: bool) -> None:
         """The window's norms include the host sums: finish those the last micro-batch did not reach (`finish`: not
         under fp16, whose end of backward finished them, and the window's last backward)."""
         if finish:
             # A sum whose parameter got no gradient in the window's last micro-batch counts in the norm too.
-            self.buffers.finish(ctx.measures_all())
+            self.buffers.finish(measure)
         self.buffers.settle(ctx.window, ctx.params)
 
     def new_route(self, ctx: StageContext) -> None:
@@ -230,65 +180,38 @@ def _warn_without_cuda(mode: str, transfer: Transfer | None) -> None:
     )
 
 
-def enable_offload(
-    optimizer: Any,
-    mode: str = "gradients",
+def offload_stage(
+    mode: str,
+    optimizer_name: str | None,
+    params: list[torch.Tensor],
+    inner: list[torch.optim.Optimizer],
     transfer: Transfer | None = None,
     max_in_flight: int = 2,
     runner: HostRunner | None = None,
-) -> None:
+) -> OffloadStage | None:
     """
-    Hold `optimizer`'s gradients in host memory between their backward and their step (`layerwise_offload`).
-
-    With `mode="gradients"` every gradient that would wait on the device (each micro-batch's under gradient
-    accumulation; every one with exact clipping, whose step needs the global norm) is copied to a host buffer during
-    backward and freed on the device; `step()` copies each back and steps it, the next copy overlapping the step
-    (`layerwise_hf.placement.offload`). Exact clipping then needs one forward and one backward per micro-batch, and
-    gradient accumulation keeps only the gradients in flight on the device. Without either, gradients step in
-    backward as without offload. Under fp16 loss scaling every gradient waits too: each is unscaled and inf-checked
-    as it is offloaded, and GradScaler gets the flags at the end of the window's last backward
-    (`GradScalerBridge.check_offloaded`), so a step it skips changes no parameter and no state.
-
-    With `mode="optimizer"` (only through `build_layerwise_optimizer(offload="optimizer")`, which wraps each inner
-    optimizer in a `layerwise_hf.placement.host_step.HostStepOptimizer` before any state exists) each parameter's
-    optimizer state and a host copy of the parameter live in host memory: a final gradient is copied to the host and
-    freed, a host worker steps it while backward goes on, and the updated parameter is copied back before the next
-    forward (`wait_for_host_steps` for reading the weights otherwise). Gradients that wait for the step (GA, exact
-    clipping) wait in host buffers as with `"gradients"` and are stepped from there.
-
-    Without CUDA offload saves nothing (one memory); it runs the same path with a copy thread for the side stream
-    (`ThreadTransfer`) and warns, unless `LAYERWISE_HF_OFFLOAD_SIMULATE=1`. A model over several GPUs is refused.
+    The offload stage for `mode` (`layerwise_offload`), or `None` for `"none"`; `enable_offload`
+    (`layerwise_hf.optim.optimizer`) gives it to an optimizer's pipeline and says what each mode does.
 
     Args:
-        optimizer (`LayerwiseOptimizer`): the optimizer to offload (its pipeline gets the offload stage).
-        mode (`str`, *optional*, defaults to `"gradients"`): `"gradients"` (`"none"` turns offload off).
-        transfer (`Transfer`, *optional*): the device's copies (`layerwise_hf.placement.transfer`); by default chosen
-            at the first copy for the gradient's device (so the model may move to the GPU after this call).
-        max_in_flight (`int`, *optional*, defaults to `2`): copies to the host in flight at once.
-        runner (`HostRunner`, *optional*): the host steps' transfer and worker (`mode="optimizer"`).
-
-    Example:
-
-    ```python
-    >>> from layerwise_hf.optim.optimizer import build_layerwise_optimizer
-    >>> optimizer = build_layerwise_optimizer(model, args, offload="gradients")  # or args.layerwise_offload
-    ```
+        mode (`str`): `"none"`, `"gradients"` or `"optimizer"`.
+        optimizer_name (`str`, *optional*): the optimizer's Trainer name (which bases may step on the host).
+        params (`list[torch.Tensor]`): the pipeline's parameters (the list it keeps across rebinding).
+        inner (`list[torch.optim.Optimizer]`): one optimizer per parameter.
+        transfer, max_in_flight, runner: see `enable_offload`.
     """
     mode = parse_offload(mode, "mode")
-    pipeline = optimizer.pipeline
-    pipeline.offload.close()
-    pipeline.offload = NO_OFFLOAD
     if mode == "none":
-        return
+        return None
     if mode == "optimizer":
-        check_host_step_base(optimizer.optimizer_name)
-    hosted = all(isinstance(inner, HostStepOptimizer) for inner in optimizer.inner)
+        check_host_step_base(optimizer_name)
+    hosted = all(isinstance(o, HostStepOptimizer) for o in inner)
     if (mode == "optimizer") != hosted or (hosted and runner is None):
         raise ValueError(
             "layerwise_offload='optimizer' must be chosen when the optimizer is built (its states are created on the "
             "host): pass offload='optimizer' to build_layerwise_optimizer, or set args.layerwise_offload."
         )
-    check_one_device(pipeline.params)
+    check_one_device(params)
     _warn_without_cuda(mode, transfer)
     if runner is not None and transfer is not None and runner.transfer is None:
         runner.transfer = transfer
@@ -300,15 +223,10 @@ def enable_offload(
 
     def reserve() -> list[torch.Tensor]:
         # NOTE: asked at the first host buffer, after Accelerate's FSDP2 prepare swapped in the DTensors (rebind).
-        return [local_tensor(p) for p in pipeline.params]
+        return [local_tensor(p) for p in params]
 
     # Host buffers are views into one pinned block per dtype, sized for every parameter: pinned bytes equal the plan.
     buffers.reserve = reserve
     if runner is not None:
         runner.reserve = reserve
-    pipeline.offload = OffloadStage(buffers)
-
-
-def offload_of(optimizer: Any) -> GradientOffload | None:
-    """The host offload of `optimizer` (`enable_offload`), or `None`: its host buffers and device-side counters."""
-    return optimizer.pipeline.offload.buffers
+    return OffloadStage(buffers)

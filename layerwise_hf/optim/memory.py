@@ -1,4 +1,5 @@
-"""Memory accounting of a layer-wise optimizer: bytes of tensors, and the gradient bytes alive at once."""
+"""Memory accounting of a layer-wise optimizer: bytes of tensors, and the figures it reports (the gradient bytes alive
+at once are counted by the pipeline's meter, `layerwise_hf.optim.pipeline.GradMeter`)."""
 
 from __future__ import annotations
 
@@ -47,46 +48,6 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
-class GradMeter:
-    """
-    The gradients a layer-wise optimizer holds (accumulating, or waiting for the step) and the most bytes held at
-    once. A gradient is counted from the moment its hook sees it until its parameter steps and frees it.
-
-    Example:
-
-    ```python
-    >>> import torch
-    >>> from layerwise_hf.optim.memory import GradMeter
-    >>> meter = GradMeter()
-    >>> meter.hold(0, torch.zeros(256))
-    >>> meter.release(0)
-    >>> meter.held_bytes, meter.peak_bytes
-    (0, 1024)
-    ```
-    """
-
-    def __init__(self) -> None:
-        self.held: dict[int, int] = {}
-        self.held_bytes = 0
-        self.peak_bytes = 0
-
-    def hold(self, i: int, grad: torch.Tensor | None) -> None:
-        if grad is None or i in self.held:
-            return
-        nbytes = tensor_bytes(grad)
-        self.held[i] = nbytes
-        self.held_bytes += nbytes
-        if self.held_bytes > self.peak_bytes:
-            self.peak_bytes = self.held_bytes
-
-    def release(self, i: int) -> None:
-        self.held_bytes -= self.held.pop(i, 0)
-
-    def clear(self) -> None:
-        self.held.clear()
-        self.held_bytes = 0
-
-
 class MemoryReport:
     """
     The memory figures a layer-wise optimizer reports (`LayerwiseOptimizer.pipeline.memory`).
@@ -97,7 +58,7 @@ class MemoryReport:
         params (`Sequence[torch.Tensor]`): the parameters.
     """
 
-    def __init__(self, meter: GradMeter, inner: Sequence[Any], params: Sequence[torch.Tensor]):
+    def __init__(self, meter: Any, inner: Sequence[Any], params: Sequence[torch.Tensor]):
         self.meter, self.inner, self.params = meter, inner, params
 
     @property

@@ -24,17 +24,19 @@ from torch import nn
 from ..bases.params import LayerwiseFactory, LayerwiseParam, StateView, canonical_name
 from ..bases.registry import resolve_factory
 from ..bases.support import check_bool_argument, check_fp16_clip_mode, check_fp16_weights, check_fsdp2_optimizers
+from ..placement.host_step import HostRunner
 from ..placement.local_shard import wrap_local_shards
-from ..placement.offload import parse_offload
+from ..placement.offload import GradientOffload, parse_offload
 from ..placement.offloading import host_step_factory
+from ..placement.transfer import Transfer
 from ..routes.distributed import choose_route
 from ..routes.hooks import GradientRoute, LocalHooks
 from . import norm_pass
 from .clipping import CLIP_MODES as CLIP_MODES
 from .clipping import ClipMode, make_clipper
-from .grad_scaler import GradScalerBridge, NoLossScaling
-from .host_offload import enable_offload
-from .pipeline import GradientPipeline
+from .grad_scaler import GradScalerBridge
+from .host_offload import offload_stage
+from .pipeline import NO_OFFLOAD, GradientPipeline, NoLossScaling
 from .state import layerwise_state_dict, load_layerwise_state_dict
 
 logger = logging.getLogger(__name__)
@@ -190,7 +192,7 @@ class LayerwiseOptimizer(StateView, torch.optim.Optimizer):
     def attach(self, sync_gradients: Callable[[], bool] | None = None) -> None:
         """Register local post-accumulate-grad hooks (idempotent), taking them over from another optimizer."""
         if sync_gradients is not None:
-            self.pipeline.sync.source = sync_gradients
+            self.pipeline.sync_gradients.source = sync_gradients
         if not self.attached:
             self.connect(route=LocalHooks())
 
@@ -236,7 +238,20 @@ class LayerwiseOptimizer(StateView, torch.optim.Optimizer):
     def grad_norm(self) -> torch.Tensor | None:
         """The pre-clip global norm of this step's (or, after `step()`, the last step's) gradients, as
         `clip_grad_norm_` returns it (with fp16, of the unscaled gradients; inf/nan on a step GradScaler skips)."""
-        return self.pipeline.grad_norm(self)
+        pipeline = self.pipeline
+        pipeline.close_skipped_window()
+        if not pipeline.window.measured and pipeline.sync_gradients():
+            pipeline.scaling.unscale_held(self, pipeline.params)
+        current = pipeline.total_norm()
+        if current is None and not pipeline.wants_norms():
+            # Norms of gradients that already stepped were not measured: nobody asked for them until now.
+            logger.warning(
+                "grad_norm() was read, but gradient norms were not measured (no clipping, track_grad_norm=False); "
+                "measuring from the next step on. Pass track_grad_norm=True to build_layerwise_optimizer to have it "
+                "from the start."
+            )
+            pipeline.track_grad_norm = True
+        return current if current is not None else pipeline.last_grad_norm
 
     def __repr__(self) -> str:
         kinds = sorted({type(inner).__name__ for inner in self.inner})
@@ -399,6 +414,65 @@ def build_layerwise_optimizer(
     )
     enable_offload(optimizer, mode, runner=runner)
     return optimizer
+
+
+def enable_offload(
+    optimizer: LayerwiseOptimizer,
+    mode: str = "gradients",
+    transfer: Transfer | None = None,
+    max_in_flight: int = 2,
+    runner: HostRunner | None = None,
+) -> None:
+    """
+    Hold `optimizer`'s gradients in host memory between their backward and their step (`layerwise_offload`).
+
+    With `mode="gradients"` every gradient that would wait on the device (each micro-batch's under gradient
+    accumulation; every one with exact clipping, whose step needs the global norm) is copied to a host buffer during
+    backward and freed on the device; `step()` copies each back and steps it, the next copy overlapping the step
+    (`layerwise_hf.placement.offload`). Exact clipping then needs one forward and one backward per micro-batch, and
+    gradient accumulation keeps only the gradients in flight on the device. Without either, gradients step in
+    backward as without offload. Under fp16 loss scaling every gradient waits too: each is unscaled and inf-checked
+    as it is offloaded, and GradScaler gets the flags at the end of the window's last backward
+    (`GradScalerBridge.check_offloaded`), so a step it skips changes no parameter and no state.
+
+    With `mode="optimizer"` (only through `build_layerwise_optimizer(offload="optimizer")`, which wraps each inner
+    optimizer in a `layerwise_hf.placement.host_step.HostStepOptimizer` before any state exists) each parameter's
+    optimizer state and a host copy of the parameter live in host memory: a final gradient is copied to the host and
+    freed, a host worker steps it while backward goes on, and the updated parameter is copied back before the next
+    forward (`wait_for_host_steps` for reading the weights otherwise). Gradients that wait for the step (GA, exact
+    clipping) wait in host buffers as with `"gradients"` and are stepped from there.
+
+    Without CUDA offload saves nothing (one memory); it runs the same path with a copy thread for the side stream
+    (`ThreadTransfer`) and warns, unless `LAYERWISE_HF_OFFLOAD_SIMULATE=1`. A model over several GPUs is refused.
+
+    Args:
+        optimizer (`LayerwiseOptimizer`): the optimizer to offload (its pipeline gets the offload stage).
+        mode (`str`, *optional*, defaults to `"gradients"`): `"gradients"` (`"none"` turns offload off).
+        transfer (`Transfer`, *optional*): the device's copies (`layerwise_hf.placement.transfer`); by default chosen
+            at the first copy for the gradient's device (so the model may move to the GPU after this call).
+        max_in_flight (`int`, *optional*, defaults to `2`): copies to the host in flight at once.
+        runner (`HostRunner`, *optional*): the host steps' transfer and worker (`mode="optimizer"`).
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.optim.optimizer import build_layerwise_optimizer
+    >>> optimizer = build_layerwise_optimizer(model, args, offload="gradients")  # or args.layerwise_offload
+    ```
+    """
+    pipeline = optimizer.pipeline
+    pipeline.offload.close()
+    pipeline.offload = NO_OFFLOAD
+    stage = offload_stage(
+        mode, optimizer.optimizer_name, pipeline.params, optimizer.inner, transfer, max_in_flight, runner
+    )
+    if stage is not None:
+        pipeline.offload = stage
+
+
+def offload_of(optimizer: LayerwiseOptimizer) -> GradientOffload | None:
+    """The host offload of `optimizer` (`enable_offload`), or `None`: its host buffers and device-side counters."""
+    return optimizer.pipeline.offload.buffers
 
 
 def _layerwise_params(

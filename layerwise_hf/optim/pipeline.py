@@ -12,7 +12,6 @@ calls another or the pipeline.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -22,15 +21,13 @@ from ..placement.host_step import unwrap_host_step
 from ..platform.backward_end import BackwardEnd
 from ..platform.compat import checkpointing_kwargs_name
 from ..platform.dtensor import local_tensor
-from ..platform.norms import scale_grad
+from ..platform.norms import grad_norm_kernel, scale_grad
 from ..platform.streams import GroupSteps, step_in_backward
 from .clipping import ClipMode, Clipper, make_clipper
-from .grad_scaler import GradScalerBridge, NoLossScaling
-from .host_offload import NO_OFFLOAD, NoOffload, OffloadStage, Where
-from .memory import GradMeter, MemoryReport
+from .grad_scaler import GradScalerBridge
+from .host_offload import OffloadStage, Where
+from .memory import MemoryReport
 from .window import Action, StageContext, StepWindow
-
-logger = logging.getLogger(__name__)
 
 
 def _accelerate_sync_gradients() -> bool:
@@ -39,6 +36,153 @@ def _accelerate_sync_gradients() -> bool:
     from accelerate.state import GradientState
 
     return GradientState().sync_gradients
+
+
+class GradMeter:
+    """
+    The gradients a layer-wise optimizer holds (accumulating, or waiting for the step) and the most bytes held at
+    once. A gradient is counted from the moment its hook sees it until its parameter steps and frees it.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from layerwise_hf.optim.pipeline import GradMeter
+    >>> meter = GradMeter()
+    >>> meter.hold(0, torch.zeros(256))
+    >>> meter.release(0)
+    >>> meter.held_bytes, meter.peak_bytes
+    (0, 1024)
+    ```
+    """
+
+    def __init__(self) -> None:
+        self.held: dict[int, int] = {}
+        self.held_bytes = 0
+        self.peak_bytes = 0
+
+    def hold(self, i: int, grad: torch.Tensor | None) -> None:
+        if grad is None or i in self.held:
+            return
+        # A DTensor's numel() is the global size; this rank holds only its local shard.
+        local = grad if type(grad) is torch.Tensor else local_tensor(grad)
+        nbytes = local.numel() * local.element_size()
+        self.held[i] = nbytes
+        self.held_bytes += nbytes
+        if self.held_bytes > self.peak_bytes:
+            self.peak_bytes = self.held_bytes
+
+    def release(self, i: int) -> None:
+        self.held_bytes -= self.held.pop(i, 0)
+
+    def clear(self) -> None:
+        self.held.clear()
+        self.held_bytes = 0
+
+
+class NoLossScaling:
+    """
+    The loss-scaling stage without fp16 loss scaling (`GradScalerBridge` with it): every gradient is already unscaled
+    and none is checked. The pipeline's own stand-in, so a stage that is off is not entered.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.optim.pipeline import NoLossScaling
+    >>> NoLossScaling().unscale_to_step(None), NoLossScaling.enabled
+    (True, False)
+    ```
+    """
+
+    enabled = False
+
+    def window_was_skipped(self) -> bool:
+        return False
+
+    def capture(self) -> None:
+        pass
+
+    def unscale(self, grad: torch.Tensor) -> None:
+        pass
+
+    def unscale_to_step(self, grad: torch.Tensor) -> bool:
+        return True
+
+    def inverse_scale(self, device: torch.device) -> torch.Tensor | None:
+        return None
+
+    def publish_at_end(self, device: torch.device, host_flag: Callable[[bool], torch.Tensor | None]) -> None:
+        pass
+
+    def publish(self, reduce_found_inf: Callable[[dict], None]) -> None:
+        pass
+
+    def will_skip(self) -> bool:
+        return False
+
+    def unscale_held(self, optimizer: Any, params: Any) -> None:
+        pass
+
+    def end_window(self) -> None:
+        pass
+
+
+class NoOffload:
+    """
+    The offload stage with `layerwise_offload="none"` (`OffloadStage` with it): every gradient stays on the device,
+    none is taken. The pipeline's own stand-in, so a stage that is off is not entered.
+
+    Example:
+
+    ```python
+    >>> from layerwise_hf.optim.pipeline import NO_OFFLOAD
+    >>> NO_OFFLOAD.enabled, NO_OFFLOAD.pending(), NO_OFFLOAD.buffers is None
+    (False, [], True)
+    ```
+    """
+
+    enabled = False
+    active = False
+    buffers = None
+
+    def where(self, i: int, action: Action) -> Where | None:
+        return None
+
+    def take(self, ctx: StageContext, i: int, final: bool, measure: bool, inv_scale: torch.Tensor | None) -> None:
+        raise AssertionError("no offload takes no gradient")
+
+    def host_device(self, i: int) -> torch.device:
+        raise AssertionError("no offload has no host sum")
+
+    def unfinished(self) -> bool:
+        return False
+
+    def host_flag(self, ctx: StageContext, at_end: bool, measure: bool, inv_scale: torch.Tensor | None) -> None:
+        return None
+
+    def merge_waiting(self, ctx: StageContext, i: int) -> None:
+        pass
+
+    def pending(self) -> list[int]:
+        return []
+
+    def step(self, ctx: StageContext, indices: list[int]) -> None:
+        pass
+
+    def before_norm(self, ctx: StageContext, finish: bool, measure: bool) -> None:
+        pass
+
+    def new_route(self, ctx: StageContext) -> None:
+        pass
+
+    def end_window(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+NO_OFFLOAD = NoOffload()
 
 
 class WindowEnd:
@@ -71,8 +215,7 @@ class GradientPipeline:
         names (`Sequence[str]`): the parameters' names, for error messages.
         params (`Sequence[torch.Tensor]`): the parameters (followed in place when the owner rebinds them).
         inner (`Sequence[torch.optim.Optimizer]`): one optimizer per parameter.
-        sync_gradients (`Callable[[], bool]`, *optional*): whether the current backward ends an accumulation window
-            (default: Accelerate's `sync_gradients`).
+        sync_gradients (`Callable[[], bool]`, *optional*): whether a backward ends the window (Accelerate's).
         track_grad_norm (`bool`): measure every gradient's norm even when clipping does not need it.
 
     Example:
@@ -109,12 +252,10 @@ class GradientPipeline:
         self.track_grad_norm = track_grad_norm
         self.last_grad_norm: torch.Tensor | None = None
         self.applied_lr: dict[str, float] = {}  # per optimizer class, the lr of its latest step
+        self._kinds = [type(unwrap_host_step(o)).__name__ for o in inner]  # each inner optimizer's class
         self.norm_pass_choice: Any = None  # what layerwise_norm_pass="auto" decided (`norm_pass.NormPassChoice`)
-        self.sync = WindowEnd(sync_gradients or _accelerate_sync_gradients)
-        self.context = StageContext(
-            self.params, inner, self.window, self.meter, self.backward_end, self.sync_gradients,
-            self.measures_all, self.step_param, self.note_step, self.coef,
-        )  # fmt: skip
+        self.sync_gradients = WindowEnd(sync_gradients or _accelerate_sync_gradients)
+        self.context = StageContext(self.params, inner, self.window, self.step_param, self.note_step, self.coef)
 
     # ---- the sink: what a route calls ----
 
@@ -147,7 +288,7 @@ class GradientPipeline:
             self.meter.hold(i, param.grad)
             scaling.unscale(param.grad)
             if self.wants_norms():
-                self.window.record_norm(i, param)
+                self.record_norm(i)
             param.grad = None
             self.meter.release(i)
         elif action is Action.HOLD:
@@ -155,7 +296,7 @@ class GradientPipeline:
             scaling.capture()
             self.meter.hold(i, param.grad)
             if not scaling.enabled:
-                self.window.record_norm(i, param)
+                self.record_norm(i)
         else:
             raise RuntimeError(
                 f"The gradient hook of {self.names[i]} fired twice before optimizer.step(): it would be stepped "
@@ -172,15 +313,22 @@ class GradientPipeline:
         if final and where is Where.DEVICE:
             scaling.capture()
             scaling.unscale(param.grad)
-            self.window.record_norm(i, param)
+            self.record_norm(i)
         elif final:
             inv_scale = scaling.inverse_scale(self.offload.host_device(i))
-        self.offload.take(self.context, i, final, inv_scale)
+        meter, measure = self.meter, final and self.measures_all()
+        meter.hold(i, param.grad)
+        # Logged as the gradient bytes alive on the device: this one and the copies out still reading theirs.
+        meter.peak_bytes = max(meter.peak_bytes, meter.held_bytes + self.offload.buffers.device_bytes)
+        self.offload.take(self.context, i, final, measure, inv_scale)
+        meter.release(i)
         if final:
-            offload, ctx = self.offload, self.context
+            offload, ctx, measures = self.offload, self.context, self.measures_all()
 
             def host_flag(at_end: bool) -> torch.Tensor | None:
-                return offload.host_flag(ctx, at_end, lambda: scaling.inverse_scale(torch.device("cpu")))
+                # Sums still scaled (no gradient in the last micro-batch) are unscaled on the host.
+                inv_scale = scaling.inverse_scale(torch.device("cpu")) if at_end and offload.unfinished() else None
+                return offload.host_flag(ctx, at_end, measures, inv_scale)
 
             scaling.publish_at_end(local_tensor(self.params[0]).device, host_flag)
 
@@ -189,8 +337,8 @@ class GradientPipeline:
         self.meter.hold(i, self.params[i].grad)
 
     def merge_waiting(self, i: int) -> None:
-        """Add parameter `i`'s host sum of this window (offload) into its `.grad`, before a route's reduction."""
-        # NOTE: a route may ask before any hook of the next window runs; a window GradScaler skipped is closed first.
+        """Add parameter `i`'s host sum of this window (offload) into its `.grad`, before a route's reduction (maybe
+        before any hook of the window ran: a window GradScaler skipped is closed first)."""
         self.close_skipped_window()
         self.offload.merge_waiting(self.context, i)
 
@@ -199,10 +347,6 @@ class GradientPipeline:
         if self.offload.active:
             return False  # this window's gradients step from the host at step()
         return self.window.steps_now(self.sync_gradients(), self.whole_step())
-
-    def sync_gradients(self) -> bool:
-        """Whether the current backward ends a gradient-accumulation window."""
-        return self.sync()
 
     # ---- the step of one parameter ----
 
@@ -213,14 +357,24 @@ class GradientPipeline:
         grad = p.grad
         self.meter.hold(i, grad)
         if self.clipper.needs_param_norm or self.track_grad_norm:
-            self.window.record_norm(i, p)
+            self.record_norm(i)
         coef = self.coef(i)
         if coef is not None:
             scale_grad(grad, coef)
-        step_in_backward(self.inner[i], p, steps=steps)
+        inner = self.inner[i]
+        if getattr(inner, "takes_steps", False):
+            inner.step(steps=steps)  # a local shard's optimizer: it orders its base's step itself, held by `steps`
+        else:
+            step_in_backward(inner, p, steps=steps)
         self.note_step(i)
         p.grad = None
         self.meter.release(i)
+
+    def record_norm(self, i: int) -> None:
+        """Measure parameter `i`'s gradient once per window, with `clip_grad_norm_`'s kernel."""
+        norms, grad = self.window.norms, self.params[i].grad
+        if norms[i] is None and grad is not None:
+            norms[i] = (self.params[i].device, grad.dtype, grad_norm_kernel(grad))
 
     def coef(self, i: int) -> torch.Tensor | None:
         """Parameter `i`'s clip coefficient (`None`: leave its gradient as it is)."""
@@ -229,8 +383,7 @@ class GradientPipeline:
 
     def note_step(self, i: int) -> None:
         """Parameter `i` stepped in this window (on the device or on the host)."""
-        inner = self.inner[i]
-        self.applied_lr[type(unwrap_host_step(inner)).__name__] = inner.param_groups[0]["lr"]
+        self.applied_lr[self._kinds[i]] = self.inner[i].param_groups[0]["lr"]
         self.window.stepped[i] = True
 
     # ---- the step ----
@@ -245,7 +398,7 @@ class GradientPipeline:
         if pending or offloaded:
             # With a scaler, GradScaler.step has unscaled these held gradients before calling step().
             for i in pending:
-                window.record_norm(i, self.params[i])
+                self.record_norm(i)
             if self.clipper.needs_global_norm:
                 self.clipper.start_step(self.total_norm())
             for i in pending:
@@ -338,26 +491,10 @@ class GradientPipeline:
     # ---- gradient norm and memory ----
 
     def total_norm(self) -> torch.Tensor | None:
-        self.offload.before_norm(self.context, not self.scaling.enabled and self.sync_gradients())
+        self.offload.before_norm(self.context, not self.scaling.enabled and self.sync_gradients(), self.measures_all())
         return self.window.total_norm(self.params)
-
-    def grad_norm(self, owner: Any) -> torch.Tensor | None:
-        """See `LayerwiseOptimizer.grad_norm`; `owner` is the optimizer GradScaler knows."""
-        self.close_skipped_window()
-        if not self.window.measured and self.sync_gradients():
-            self.scaling.unscale_held(owner, self.params)
-        current = self.total_norm()
-        if current is None and not self.wants_norms():
-            # Norms of gradients that already stepped were not measured: nobody asked for them until now.
-            logger.warning(
-                "grad_norm() was read, but gradient norms were not measured (no clipping, track_grad_norm=False); "
-                "measuring from the next step on. Pass track_grad_norm=True to build_layerwise_optimizer to have it "
-                "from the start."
-            )
-            self.track_grad_norm = True
-        return current if current is not None else self.last_grad_norm
 
     @property
     def memory(self) -> MemoryReport:
-        """The memory figures: the gradient bytes held at most, the optimizer states' and all gradients' bytes."""
+        """The gradient bytes held at most, the optimizer states' and all gradients' bytes."""
         return MemoryReport(self.meter, self.inner, self.params)

@@ -10,9 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..platform.backward_end import BackwardEnd
 from ..platform.norms import grad_norm_kernel, total_norm
-from .memory import GradMeter
 
 
 class Action(enum.Enum):
@@ -117,12 +115,6 @@ class StepWindow:
         self.fired[i] = True
         return row
 
-    def record_norm(self, i: int, param: torch.Tensor) -> None:
-        """Measure parameter `i`'s gradient once per window, with `clip_grad_norm_`'s kernel."""
-        grad = param.grad
-        if self.norms[i] is None and grad is not None:
-            self.norms[i] = (param.device, grad.dtype, grad_norm_kernel(grad))
-
     def total_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """The global norm of this window's gradients: measured ones, and any still held in `.grad`."""
         norms = []
@@ -143,10 +135,6 @@ class StageContext(NamedTuple):
         params (`list[torch.Tensor]`): the parameters (the same list across `rebind`).
         inner (`Sequence[torch.optim.Optimizer]`): one optimizer per parameter.
         window (`StepWindow`): this step's window (the same object across `reset`).
-        meter (`GradMeter`): the gradient bytes alive.
-        backward_end (`BackwardEnd`): the end of the current backward.
-        sync (`Callable[[], bool]`): whether the current backward ends the window.
-        measures_all (`Callable[[], bool]`): whether every gradient's norm is measured.
         step (`Callable[[int], None]`): clip parameter `i`'s gradient, step it and free it.
         stepped (`Callable[[int], None]`): parameter `i` was stepped elsewhere (on the host).
         coef (`Callable[[int], torch.Tensor | None]`): the clip coefficient of parameter `i` (`None`: none).
@@ -155,10 +143,6 @@ class StageContext(NamedTuple):
     params: list[torch.Tensor]
     inner: Sequence[torch.optim.Optimizer]
     window: StepWindow
-    meter: GradMeter
-    backward_end: BackwardEnd
-    sync: Callable[[], bool]
-    measures_all: Callable[[], bool]
     step: Callable[[int], None]
     stepped: Callable[[int], None]
     coef: Callable[[int], torch.Tensor | None]

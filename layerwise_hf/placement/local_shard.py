@@ -59,7 +59,7 @@ class LocalShardOptimizer(StateView, torch.optim.Optimizer):
     ```
     """
 
-    takes_steps = True  # `step_in_backward` hands it the FSDP2 hook's `GroupSteps`, for its base's step
+    takes_steps = True  # the pipeline hands it the FSDP2 hook's `GroupSteps`, for its base's step
 
     def __init__(self, base: torch.optim.Optimizer):
         (param,) = base.param_groups[0]["params"]

@@ -162,8 +162,7 @@ def step_in_backward(
             to it at once.
         steps (`GroupSteps`, *optional*):
             The FSDP2 route's holder of this hook's group (`FSDP2Hooks` hands it to the pipeline, which hands it
-            here): given with `grad`, a bitsandbytes step is held until the next reduce-scatter group's hooks. A
-            wrapper that steps a base optimizer of its own (`takes_steps`: a local shard's) is handed it on.
+            here): given with `grad`, a bitsandbytes step is held until the next reduce-scatter group's hooks.
 
     Example:
 
@@ -175,11 +174,9 @@ def step_in_backward(
     tensor([0.5000, 0.5000])
     ```
     """
-    if not launches_on_default_stream(optimizer):
-        if steps is not None and getattr(optimizer, "takes_steps", False):
-            return optimizer.step(steps=steps)
-        return optimizer.step() if grad is None else _StepWith(optimizer, param, grad)()
     run = optimizer.step if grad is None else _StepWith(optimizer, param, grad)
+    if not launches_on_default_stream(optimizer):
+        return run()
     if grad is not None and steps is not None and steps.hold(optimizer, param, grad, run):
         return None
     with ordered_on_default_stream(param.device), without_device_sync(optimizer):

@@ -263,10 +263,11 @@ class _StepHold:
         self.order: list[int] = []
         self.seen: set[int] = set()
         self.queued = False
+        self.task, self.steps = -1, False  # the backward whose `steps_in_backward()` answer is `steps`
 
     def grad_ready(self, i: int) -> None:
         sink = self.sink
-        steps_now = sink.steps_in_backward()
+        steps_now = self._steps_now()
         if i in self.seen or (self.queued and not steps_now):
             # A backward noted here ended without its end callback: cut short by an exception. What it held is
             # still in `.grad`, as a gradient no hook consumed (`step()` steps it, `zero_grad()` frees it).
@@ -284,6 +285,14 @@ class _StepHold:
         sink.grad_ready(i)
         if self.plan.arrived(i):
             self.release()  # the next gradient is a large one, not computed yet
+
+    def _steps_now(self) -> bool:
+        # The sink's answer holds for a whole backward (its window decides per backward, not per gradient): asked
+        # once per autograd graph task, so that each gradient goes into the sink once, by `grad_ready`.
+        task = torch._C._current_graph_task_id()
+        if task == -1 or task != self.task:
+            self.task, self.steps = task, self.sink.steps_in_backward()
+        return self.steps
 
     def release(self) -> None:
         """Step every held gradient (the sink's `grad_ready`), in the order they arrived."""

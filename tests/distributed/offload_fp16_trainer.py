@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from transformers import Trainer
 
 from layerwise_hf import LayerwiseTrainer  # applies LAYERWISE_HF_FORCE_FSDP_CPU
-from layerwise_hf.optim.host_offload import offload_of
+from layerwise_hf.optim.optimizer import offload_of
 
 torch.set_num_threads(1)
 
