@@ -213,11 +213,12 @@ def test_planned_peak_matches_real_ranks_under_hsdp_and_tensor_parallel(tmp_path
         for rank in case["ranks"]:
             assert rank["route"] == ("fsdp2" if case["optim"].endswith("_layerwise") else None), rank["route"]
             # gloo frees a collective's buffers on its worker thread, a little after the collective, so a step where
-            # that thread runs late holds them on top of the next allocations (+1 MiB seen here); the plan frees them
-            # when the collective ends, which the least of the steady steps' peaks shows. Tensor-parallel shards that
-            # the checkpoint's memory map holds are tensors too.
-            # Within 1%, as the 2-rank FSDP2 gloo check (test_plan_ranks.py); RSS within plan_accuracy's goal.
-            real = min(s["peak_bytes"] for s in rank["steps"][1:]) + rank["outside_bytes"]
+            # that thread runs late holds them on top of the next allocations (+2 MiB seen here); the plan frees them
+            # when the collective ends, which the least of the steady steps' peaks shows (tensors and RSS alike).
+            # Tensor-parallel shards that the checkpoint's memory map holds are tensors too. Within 1%, as the 2-rank
+            # FSDP2 gloo check (test_plan_ranks.py); RSS within plan_accuracy's goal.
+            steady = rank["steps"][1:]
+            real = min(s["peak_bytes"] + s["outside_bytes"] for s in steady)
             assert abs(planned / real - 1) <= 0.01, (case["mesh"], case["optim"], planned, real)
-            rss = rank["rss_training_peak_bytes"]
+            rss = min(s["rss_training_peak_bytes"] for s in steady)
             assert abs(planned / rss - 1) <= RSS_GOAL, (case["mesh"], case["optim"], planned, rss)

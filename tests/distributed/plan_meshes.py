@@ -7,10 +7,11 @@ adamw_torch and LayerwiseTrainer + adamw_torch_layerwise, for `layerwise-hf plan
         --config_file configs/accelerate/cpu_ddp.yaml --num_processes 4 tests/distributed/plan_meshes.py REPORT.json
 
 Per rank and step: the peak of the bytes torch's CPU allocator holds, counted on every thread from before any model
-exists (benchmarks/_thread_memory.py: gloo frees on its worker threads), and one step's RSS training peak (its VmHWM
-less the runtime: the RSS at rest less the tensors held then), as benchmarks/plan_accuracy.py measures them. Also the
-local bytes of parameters the allocator never saw (`outside_bytes`): on CPU, transformers' load under tensor parallel
-leaves each rank's shards as views into the memory-mapped checkpoint (a GPU rank copies its shard to the device).
+exists (benchmarks/_thread_memory.py: gloo frees on its worker threads), and from the second step on the RSS training
+peak (VmHWM less the runtime: the RSS at rest less the tensors held then), as benchmarks/plan_accuracy.py measures
+them. Also the local bytes of parameters the allocator never saw (`outside_bytes`): on CPU, transformers' load under
+tensor parallel leaves each rank's shards as views into the memory-mapped checkpoint (a GPU rank copies its shard to
+the device).
 """
 
 # ruff: noqa: E402 - the counter goes in before torch allocates anything it should count
@@ -39,7 +40,7 @@ torch.set_num_threads(1)
 # so that tensor parallel 2 splits every projection.
 MODEL = dict(model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)  # fmt: skip
-SEQ, BATCH, STEPS, RSS_STEP = 64, 2, 5, 4  # RSS_STEP: the step whose RSS is measured (after the states exist)
+SEQ, BATCH, STEPS = 64, 2, 5
 MESHES = ("hsdp", "tp_fsdp")
 OPTIMIZERS = ("adamw_torch", "adamw_torch_layerwise")
 MAX_GRAD_NORM = 1.0  # Trainer's default (layer-wise: exact clipping)
@@ -61,25 +62,29 @@ def dataset(n: int) -> list:
 
 
 class Meter(TrainerCallback):
-    """Each step's allocator peak (and what was held when it began); the RSS training peak of step `RSS_STEP`."""
+    """Each step's allocator peak (and what was held when it began) and, from the second step on (the states exist),
+    its RSS training peak."""
 
     def __init__(self):
-        self.steps, self.rss = [], {}
+        self.steps = []
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
+        step = {}
         # NOTE: Trainer counts finished steps: global_step is k - 1 when step k begins.
-        if state.global_step == RSS_STEP - 1:
+        if state.global_step >= 1:
             rest = h.rss_at_rest()  # settles and resets VmHWM
-            self.rss = {"rss_rest_bytes": rest, "held_bytes": COUNTER.current(), "outside_bytes": outside(model)}
-        self.steps.append({"start_bytes": COUNTER.current()})
+            # Memory-mapped shards are in the RSS at rest: they are tensors held, not runtime.
+            step["rss_runtime_bytes"] = rest - COUNTER.current() - outside(model)
+            step["outside_bytes"] = outside(model)
+        step["start_bytes"] = COUNTER.current()
+        self.steps.append(step)
         COUNTER.reset_peak()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.steps[-1].update(peak_bytes=COUNTER.peak(), end_bytes=COUNTER.current())
-        if state.global_step == RSS_STEP:
-            # Memory-mapped shards are in the RSS at rest: they are tensors held, not runtime.
-            runtime = self.rss["rss_rest_bytes"] - self.rss["held_bytes"] - self.rss["outside_bytes"]
-            self.rss["rss_training_peak_bytes"] = h.proc_status_bytes("VmHWM") - runtime
+        step = self.steps[-1]
+        step.update(peak_bytes=COUNTER.peak(), end_bytes=COUNTER.current())
+        if "rss_runtime_bytes" in step:
+            step["rss_training_peak_bytes"] = h.proc_status_bytes("VmHWM") - step["rss_runtime_bytes"]
 
 
 def outside(model) -> int:
@@ -119,7 +124,7 @@ def run(mesh: str, optim: str, folder: str, model_path: str) -> dict:
                   callbacks=[meter])  # fmt: skip
     trainer.train()
     optimizer = getattr(trainer, "layerwise_optimizer", None)
-    result = {"steps": meter.steps, **meter.rss, "route": optimizer.route if optimizer is not None else None}
+    result = {"steps": meter.steps, "route": optimizer.route if optimizer is not None else None}
     trainer.accelerator.free_memory()
     del trainer, optimizer
     os.environ.clear()
@@ -141,7 +146,8 @@ def main(report_path: str) -> None:
             results.append({"mesh": mesh, "optim": optim, "ranks": ranks})
             if dist.get_rank() == 0:
                 peaks = [[s["peak_bytes"] for s in r["steps"]] for r in ranks]
-                print(mesh, optim, peaks, [r.get("rss_training_peak_bytes") for r in ranks], flush=True)
+                rss = [[s.get("rss_training_peak_bytes") for s in r["steps"]] for r in ranks]
+                print(mesh, optim, peaks, rss, flush=True)
     write_report(report_path, {"results": results, "model": MODEL, "seq_len": SEQ, "micro_batch": BATCH,
                                "max_grad_norm": MAX_GRAD_NORM})  # fmt: skip
 
