@@ -33,7 +33,7 @@ class Recorder:
         def sample(param):
             self.alive.append(sum(tensor_bytes(p.grad) for p in params if p.grad is not None))
             route = optimizer.pipeline.route
-            self.held_seen.append(route.held if route is not None else ())
+            self.held_seen.append(route.delayed if route is not None else ())
 
         # Registered before the route's hooks, so each sample includes the gradient just computed.
         for p in params:
@@ -50,7 +50,7 @@ def plain_loop(model, dataset, steps: int = 3, **args):
         recorder.alive.clear()
         ids = dataset.ids[4 * step : 4 * step + 4]
         model(input_ids=ids, labels=ids).loss.backward()
-        assert optimizer.pipeline.route.held == ()  # everything released before backward returned
+        assert optimizer.pipeline.route.delayed == ()  # everything released before backward returned
         per_step.append((list(recorder.steps), max(recorder.alive)))
         optimizer.step()
         optimizer.zero_grad()
@@ -76,11 +76,11 @@ def test_the_hold_is_bit_identical_to_stepping_at_once():
     held = clone(model)
     plain_loop(held, data)
     at_once = clone(model)
-    LocalHooks.hold_large_steps = False
+    LocalHooks.delay_large_steps = False
     try:
         per_step, _ = plain_loop(at_once, data)
     finally:
-        LocalHooks.hold_large_steps = True
+        LocalHooks.delay_large_steps = True
     assert per_step[0][0][0] == "lm_head.weight"  # the control really steps lm_head first
     assert_params_equal(held, at_once)
 
@@ -159,13 +159,13 @@ def test_a_backward_cut_short_leaves_nothing_held():
     with pytest.raises(RuntimeError, match="boom"):
         model(input_ids=ids, labels=ids).loss.backward()
     handle.remove()
-    assert optimizer.pipeline.route.held  # lm_head was held when the backward died
+    assert optimizer.pipeline.route.delayed  # lm_head was held when the backward died
     optimizer.zero_grad()
     # A new Trainer-style attach, or the next backward, starts clean: held again, released by its end.
     optimizer.connect(route=LocalHooks())
     recorder.held_seen.clear()
     model(input_ids=ids, labels=ids).loss.backward()
-    assert optimizer.pipeline.route.held == () and any(recorder.held_seen)
+    assert optimizer.pipeline.route.delayed == () and any(recorder.held_seen)
     optimizer.step()
     optimizer.zero_grad()
     # Without a new route: the next backward notices the one cut short and drops its notes.
@@ -177,7 +177,7 @@ def test_a_backward_cut_short_leaves_nothing_held():
     optimizer.step()  # steps what the dead backward left in .grad (lm_head's) and closes the window
     optimizer.zero_grad()
     model(input_ids=ids, labels=ids).loss.backward()
-    assert optimizer.pipeline.route.held == () and all(p.grad is None for p in model.parameters())
+    assert optimizer.pipeline.route.delayed == () and all(p.grad is None for p in model.parameters())
     optimizer.detach()
 
 

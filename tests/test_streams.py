@@ -180,7 +180,7 @@ def test_an_8bit_step_is_held_only_in_a_backward_and_off_the_default_stream(reco
     kernel = log.index(("kernel", "default"))
     assert log.index(("hook returned",)) < kernel and ("record", "reduce_scatter") in log[:kernel]
     assert [e for e in log[:kernel] if e[0].startswith("wait")] == [("wait event", "default", "reduce_scatter")]
-    assert ("wait", "reduce_scatter", "default") in log[kernel:] and not holder.held
+    assert ("wait", "reduce_scatter", "default") in log[kernel:] and not holder.deferred
     # A hook called by hand (outside the autograd engine): at once, nothing would run a held step.
     log.clear()
     fsdp2_hook(holder, optimizer, param, log)
@@ -219,14 +219,14 @@ def test_steps_held_by_a_backward_cut_short_never_run(recorded, between):
     end = BackwardEnd()
     holder = streams.GroupSteps(end)
     cut_short_backward(holder, optimizers, params, recorded.log)
-    assert len(holder.held) == 3 and ("kernel", "default") not in recorded.log
+    assert len(holder.deferred) == 3 and ("kernel", "default") not in recorded.log
     if between == "step":
         end.outside_backward()  # what LayerwiseOptimizer.step() and zero_grad() call
-        assert not holder.held
+        assert not holder.deferred
     recorded.log.clear()
     # The next backward: the same group's hooks again, completed; its end runs its own three steps, and only those.
     in_backward(lambda: [fsdp2_hook(holder, optimizer, param, []) for optimizer, param in zip(optimizers, params)])
-    assert recorded.log.count(("kernel", "default")) == 3 and not holder.held
+    assert recorded.log.count(("kernel", "default")) == 3 and not holder.deferred
     assert [optimizer.base.state[optimizer.local]["step"] for optimizer in optimizers] == [1, 1, 1]
 
 
@@ -243,7 +243,7 @@ def test_the_layerwise_optimizer_drops_steps_held_by_a_backward_cut_short(record
     holder = streams.GroupSteps(layerwise.pipeline.backward_end)  # as the FSDP2 route makes it, on the optimizer's end
     cut_short_backward(holder, optimizers, params, recorded.log)
     getattr(layerwise, call)()
-    assert not holder.held and ("kernel", "default") not in recorded.log
+    assert not holder.deferred and ("kernel", "default") not in recorded.log
 
 
 def test_on_cpu_an_8bit_step_runs_in_its_hook():
@@ -251,7 +251,7 @@ def test_on_cpu_an_8bit_step_runs_in_its_hook():
     optimizer = LocalShardOptimizer(bnb.optim.AdamW8bit([param], lr=1e-3))
     holder, start, log = streams.GroupSteps(BackwardEnd()), param.detach().clone(), []
     in_backward(lambda: (fsdp2_hook(holder, optimizer, param, log), log.append(not torch.equal(param, start))))
-    assert log == [("hook returned",), True] and not holder.held
+    assert log == [("hook returned",), True] and not holder.deferred
 
 
 def count_device_syncs(monkeypatch):

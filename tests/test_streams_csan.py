@@ -258,7 +258,7 @@ def test_a_held_step_that_raises_still_orders_the_current_stream_after_it(fake):
         grad = param.detach() * 0.01
         optimizer = Failing([param], lr=1e-3)
         streams.step_in_backward(optimizer, param, grad, holder)  # a hook of the group
-        assert len(holder.held) == 1
+        assert len(holder.deferred) == 1
         with pytest.raises(ValueError, match="a failing step"):
             holder.flush()  # as the next group's hook does
         try:

@@ -123,7 +123,7 @@ class StepPeaks:
         # NOTE: the meter keeps one running peak; it is lowered for the step and put back at its end, so what is
         # logged after the step is the whole run's peak, as without this.
         self._before = meter.peak_bytes
-        meter.peak_bytes = meter.held_bytes
+        meter.peak_bytes = meter.alive_bytes
 
     def step_end(self, optimizer: Any) -> None:
         meter = optimizer.pipeline.meter

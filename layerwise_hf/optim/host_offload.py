@@ -87,7 +87,7 @@ class OffloadStage:
         """Whether this stage takes parameter `i`'s gradient, and where it then is; `None`: it stays on the device."""
         # Accumulated and held gradients wait on the host; a gradient stepping at once with nothing on the host
         # (no accumulation, no clipping) steps as without offload.
-        summed = self.buffers.holds(i)
+        summed = self.buffers.has_sum(i)
         if action not in (Action.ACCUMULATE, Action.HOLD) and not (action is Action.STEP and summed):
             return None
         return Where.HOST_SUM if summed else Where.DEVICE
@@ -98,7 +98,7 @@ class OffloadStage:
         host sum (a whole gradient comes unscaled)."""
         buffers, param = self.buffers, ctx.params[i]
         inner = ctx.inner[i]
-        if not buffers.holds(i) and isinstance(inner, HostStepOptimizer):
+        if not buffers.has_sum(i) and isinstance(inner, HostStepOptimizer):
             inner.wait_host()  # its last host step may still read the buffer this gradient is copied into
             if i not in buffers.host:
                 # One host gradient buffer per parameter, whether its gradient steps at once or waits for the step.
@@ -126,7 +126,7 @@ class OffloadStage:
 
     def merge_waiting(self, ctx: StageContext, i: int) -> None:
         """Add parameter `i`'s host sum of this window into its `.grad`, before a route's reduction."""
-        if self.buffers.holds(i):
+        if self.buffers.has_sum(i):
             self.buffers.merge_into(i, ctx.params[i])
 
     def step(self, ctx: StageContext, indices: list[int]) -> None:

@@ -40,7 +40,7 @@ def _accelerate_sync_gradients() -> bool:
 
 class GradMeter:
     """
-    The gradients a layer-wise optimizer holds (accumulating, or waiting for the step) and the most bytes held at
+    The gradients alive in a layer-wise optimizer (accumulating, or waiting for the step) and the most bytes alive at
     once. A gradient is counted from the moment its hook sees it until its parameter steps and frees it.
 
     Example:
@@ -49,35 +49,35 @@ class GradMeter:
     >>> import torch
     >>> from layerwise_hf.optim.pipeline import GradMeter
     >>> meter = GradMeter()
-    >>> meter.hold(0, torch.zeros(256))
-    >>> meter.release(0)
-    >>> meter.held_bytes, meter.peak_bytes
+    >>> meter.add(0, torch.zeros(256))
+    >>> meter.remove(0)
+    >>> meter.alive_bytes, meter.peak_bytes
     (0, 1024)
     ```
     """
 
     def __init__(self) -> None:
-        self.held: dict[int, int] = {}
-        self.held_bytes = 0
+        self.alive: dict[int, int] = {}
+        self.alive_bytes = 0
         self.peak_bytes = 0
 
-    def hold(self, i: int, grad: torch.Tensor | None) -> None:
-        if grad is None or i in self.held:
+    def add(self, i: int, grad: torch.Tensor | None) -> None:
+        if grad is None or i in self.alive:
             return
         # A DTensor's numel() is the global size; this rank holds only its local shard.
         local = grad if type(grad) is torch.Tensor else local_tensor(grad)
         nbytes = local.numel() * local.element_size()
-        self.held[i] = nbytes
-        self.held_bytes += nbytes
-        if self.held_bytes > self.peak_bytes:
-            self.peak_bytes = self.held_bytes
+        self.alive[i] = nbytes
+        self.alive_bytes += nbytes
+        if self.alive_bytes > self.peak_bytes:
+            self.peak_bytes = self.alive_bytes
 
-    def release(self, i: int) -> None:
-        self.held_bytes -= self.held.pop(i, 0)
+    def remove(self, i: int) -> None:
+        self.alive_bytes -= self.alive.pop(i, 0)
 
     def clear(self) -> None:
-        self.held.clear()
-        self.held_bytes = 0
+        self.alive.clear()
+        self.alive_bytes = 0
 
 
 class NoLossScaling:
@@ -242,7 +242,7 @@ class GradientPipeline:
         self.names = names
         self.params = list(params)
         self.inner = inner
-        self.backward_end = BackwardEnd()  # one per pipeline: the routes, the hold and the stages queue on it
+        self.backward_end = BackwardEnd()  # one per pipeline: the routes, the delay and the stages queue on it
         self.window = StepWindow(len(self.params))
         self.meter = GradMeter()
         self.clipper: Clipper = make_clipper(0.0, ClipMode.OFF)
@@ -261,7 +261,7 @@ class GradientPipeline:
 
     def grad_ready(self, i: int, steps: GroupSteps | None = None) -> None:
         """Parameter `i`'s (reduced) gradient is in its `.grad`: act on it as the step window decides (`steps`: the
-        FSDP2 route's holder of 8-bit steps, handed on to the step)."""
+        FSDP2 route's deferrer of 8-bit steps, handed on to the step)."""
         param, scaling = self.params[i], self.scaling
         if not param.requires_grad:
             # Frozen since the optimizer was built: not stepped, as a standard optimizer skips a parameter without a
@@ -275,7 +275,7 @@ class GradientPipeline:
         if where is not None:
             self._to_host(i, action is not Action.ACCUMULATE, where)
         elif action is Action.ACCUMULATE:
-            self.meter.hold(i, param.grad)  # the gradient stays in .grad until the window's last micro-batch
+            self.meter.add(i, param.grad)  # the gradient stays in .grad until the window's last micro-batch
         elif action is Action.STEP:
             scaling.capture()
             if scaling.unscale_to_step(param.grad):
@@ -285,16 +285,16 @@ class GradientPipeline:
                 param.grad = None
         elif action is Action.MEASURE:
             scaling.capture()
-            self.meter.hold(i, param.grad)
+            self.meter.add(i, param.grad)
             scaling.unscale(param.grad)
             if self.wants_norms():
                 self.record_norm(i)
             param.grad = None
-            self.meter.release(i)
+            self.meter.remove(i)
         elif action is Action.HOLD:
             # step() clips and steps exactly; a scaled gradient is measured there, once GradScaler has unscaled it.
             scaling.capture()
-            self.meter.hold(i, param.grad)
+            self.meter.add(i, param.grad)
             if not scaling.enabled:
                 self.record_norm(i)
         else:
@@ -317,11 +317,11 @@ class GradientPipeline:
         elif final:
             inv_scale = scaling.inverse_scale(self.offload.host_device(i))
         meter, measure = self.meter, final and self.measures_all()
-        meter.hold(i, param.grad)
+        meter.add(i, param.grad)
         # Logged as the gradient bytes alive on the device: this one and the copies out still reading theirs.
-        meter.peak_bytes = max(meter.peak_bytes, meter.held_bytes + self.offload.buffers.device_bytes)
+        meter.peak_bytes = max(meter.peak_bytes, meter.alive_bytes + self.offload.buffers.device_bytes)
         self.offload.take(self.context, i, final, measure, inv_scale)
-        meter.release(i)
+        meter.remove(i)
         if final:
             offload, ctx, measures = self.offload, self.context, self.measures_all()
 
@@ -332,9 +332,9 @@ class GradientPipeline:
 
             scaling.publish_at_end(local_tensor(self.params[0]).device, host_flag)
 
-    def grad_held(self, i: int) -> None:
+    def grad_delayed(self, i: int) -> None:
         """A route keeps parameter `i`'s gradient to hand it over later: count it among the gradients alive."""
-        self.meter.hold(i, self.params[i].grad)
+        self.meter.add(i, self.params[i].grad)
 
     def merge_waiting(self, i: int) -> None:
         """Add parameter `i`'s host sum of this window (offload) into its `.grad`, before a route's reduction (maybe
@@ -355,7 +355,7 @@ class GradientPipeline:
         """Clip parameter `i`'s gradient, step its optimizer, free the gradient."""
         p = self.params[i]
         grad = p.grad
-        self.meter.hold(i, grad)
+        self.meter.add(i, grad)
         if self.clipper.needs_param_norm or self.track_grad_norm:
             self.record_norm(i)
         coef = self.coef(i)
@@ -363,12 +363,12 @@ class GradientPipeline:
             scale_grad(grad, coef)
         inner = self.inner[i]
         if getattr(inner, "takes_steps", False):
-            inner.step(steps=steps)  # a local shard's optimizer: it orders its base's step itself, held by `steps`
+            inner.step(steps=steps)  # a local shard's optimizer: it orders its base's step itself, deferred by `steps`
         else:
             step_in_backward(inner, p, steps=steps)
         self.note_step(i)
         p.grad = None
-        self.meter.release(i)
+        self.meter.remove(i)
 
     def record_norm(self, i: int) -> None:
         """Measure parameter `i`'s gradient once per window, with `clip_grad_norm_`'s kernel."""
@@ -496,5 +496,5 @@ class GradientPipeline:
 
     @property
     def memory(self) -> MemoryReport:
-        """The gradient bytes held at most, the optimizer states' and all gradients' bytes."""
+        """The gradient bytes alive at most, the optimizer states' and all gradients' bytes."""
         return MemoryReport(self.meter, self.inner, self.params)

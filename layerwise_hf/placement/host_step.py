@@ -78,7 +78,7 @@ class HostRunner:
             alive = runner()
             if alive is None:
                 return
-            if alive.stale and alive.holds(module, alive.stale):
+            if alive.stale and alive.has_sum(module, alive.stale):
                 alive.refresh_stale()
             if alive.pending and alive.holds_pending(module):
                 alive.wait()
@@ -112,7 +112,7 @@ class HostRunner:
         self._verdicts[id(module)] = (module, verdict)
         return verdict
 
-    def holds(self, module: torch.nn.Module, optimizers: dict[int, HostStepOptimizer]) -> bool:
+    def has_sum(self, module: torch.nn.Module, optimizers: dict[int, HostStepOptimizer]) -> bool:
         """Whether `module` (its own parameters or a submodule's) holds a parameter of one of `optimizers`."""
         wanted = {id(optimizer.param_groups[0]["params"][0]) for optimizer in list(optimizers.values())}
         return any(id(p) in wanted for p in module.parameters())

@@ -87,7 +87,7 @@ class LocalShardOptimizer(StateView, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, steps: Any = None):
-        """Step the local shard; `steps`: the FSDP2 hook's `GroupSteps`, which may hold the base's step."""
+        """Step the local shard; `steps`: the FSDP2 hook's `GroupSteps`, which may defer the base's step."""
         param = self._bind()
         grad = param.grad
         if grad is None:
@@ -95,7 +95,7 @@ class LocalShardOptimizer(StateView, torch.optim.Optimizer):
         local_grad = _local_grad(param, grad)
         if closure is None:
             # FSDP2 calls this from its hook with the reduce-scatter stream current: bitsandbytes' kernels are ordered
-            # after it, and held by `steps` until the next group's hooks (`streams.step_in_backward`, `GroupSteps`).
+            # after it, and deferred by `steps` to the next group's hooks (`streams.step_in_backward`).
             return step_in_backward(self.base, self.local, local_grad, steps)
         self.local.grad = local_grad
         try:

@@ -260,7 +260,7 @@ class GradientOffload:
 
     # ---- during backward ----
 
-    def holds(self, i: int) -> bool:
+    def has_sum(self, i: int) -> bool:
         """Whether gradient `i` of this window is (partly) in its host buffer."""
         return self.filled.get(i, False)
 

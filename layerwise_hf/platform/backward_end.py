@@ -1,5 +1,5 @@
 """The one owner of the end of a backward: work that must run once a backward has ended (the data-parallel route's
-last buckets, a held step, the last FSDP2 group's 8-bit steps, fp16's found-inf flags) is queued here, and one
+last buckets, a delayed step, the last FSDP2 group's 8-bit steps, fp16's found-inf flags) is queued here, and one
 autograd-engine callback per backward runs it in the order of `BackwardEnd.ORDER`. An autograd primitive, so it lives
 beside the other torch-facing parts; each `LayerwiseOptimizer` makes one and hands it to whatever queues work.
 """
@@ -18,8 +18,8 @@ class BackwardEnd:
     `ORDER`.
 
     - `"route"`: the data-parallel route reduces its last buckets and hands their gradients over;
-    - `"hold"`: a step held for fewer activations (`LocalHooks`) is released;
-    - `"shard_steps"`: the 8-bit steps of FSDP2's last reduce-scatter group run (`platform.streams.GroupSteps` holds
+    - `"delayed"`: a step delayed for fewer activations (`LocalHooks`) is released;
+    - `"shard_steps"`: the 8-bit steps of FSDP2's last reduce-scatter group run (`platform.streams.GroupSteps` defers
       each group's until the next group's hooks, so that the default stream need not wait for its reduce-scatter);
     - `"offload_flags"`: fp16 found-inf flags of offloaded gradients are gathered and published for GradScaler;
     - `"agree_flags"`: fp16 flags of a stepping pass are made to agree across ranks (FSDP2: each checked its shards).
@@ -33,12 +33,12 @@ class BackwardEnd:
     ```python
     >>> from layerwise_hf.platform.backward_end import BackwardEnd
     >>> end = BackwardEnd()
-    >>> end.queue("hold", lambda: None)  # outside backward: nothing can run at its end
+    >>> end.queue("delayed", lambda: None)  # outside backward: nothing can run at its end
     False
     ```
     """
 
-    ORDER = ("route", "hold", "shard_steps", "offload_flags", "agree_flags")
+    ORDER = ("route", "delayed", "shard_steps", "offload_flags", "agree_flags")
 
     def __init__(self) -> None:
         self._dropped: list[weakref.WeakMethod] = []

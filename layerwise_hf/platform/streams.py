@@ -17,7 +17,7 @@ current stream waits for it after, and a non-paged optimizer skips the per-param
 Under FSDP2 that wait, made in the hook, would stall: FSDP2 calls a group's hooks right after queueing its
 reduce-scatter and before the autograd engine queues the backward of the layer before it, so the default stream would
 wait for the reduce-scatter (and run the 8-bit update) before that backward, which FSDP2 otherwise overlaps with the
-reduce-scatter. `GroupSteps` (set up by the FSDP2 route) holds such a step until the next group's hooks, when that
+reduce-scatter. `GroupSteps` (set up by the FSDP2 route) defers such a step until the next group's hooks, when that
 backward is queued, and orders it after an event recorded in its own hook; the last group's steps run at the end of
 backward.
 """
@@ -161,8 +161,8 @@ def step_in_backward(
             The gradient to step with, set as `param.grad` for the step alone; the caller may drop its own reference
             to it at once.
         steps (`GroupSteps`, *optional*):
-            The FSDP2 route's holder of this hook's group (`FSDP2Hooks` hands it to the pipeline, which hands it
-            here): given with `grad`, a bitsandbytes step is held until the next reduce-scatter group's hooks.
+            The FSDP2 route's deferrer of this hook's group's steps (`FSDP2Hooks` hands it to the pipeline, which
+            hands it here): given with `grad`, a bitsandbytes step is deferred until the next group's hooks.
 
     Example:
 
@@ -177,7 +177,7 @@ def step_in_backward(
     run = optimizer.step if grad is None else _StepWith(optimizer, param, grad)
     if not launches_on_default_stream(optimizer):
         return run()
-    if grad is not None and steps is not None and steps.hold(optimizer, param, grad, run):
+    if grad is not None and steps is not None and steps.defer(optimizer, param, grad, run):
         return None
     with ordered_on_default_stream(param.device), without_device_sync(optimizer):
         return run()
@@ -200,17 +200,17 @@ class _StepWith:
 
 class GroupSteps:
     """
-    Holds the bitsandbytes steps that FSDP2's hooks hand over until the next reduce-scatter group's hooks, so that the
+    Defers the bitsandbytes steps that FSDP2's hooks hand over until the next reduce-scatter group's hooks, so that the
     default stream does not wait for a group's reduce-scatter before the backward of the layer before it.
 
     FSDP2 calls the hooks of one group (one `fully_shard` module) together, right after queueing the group's
-    reduce-scatter and before the autograd engine queues the next layer's backward. A step held there records an event
-    on the current stream: the reduce-scatter stream, after the reduce-scatter and the hook's own work on the gradient.
-    Once a gradient of another group arrives, that backward is queued: the held steps run on the default stream after
-    waiting on the event, and the current stream then waits for them (as in `ordered_on_default_stream`). The last
-    group's steps run at the end of backward, the `shard_steps` stage of the sink's `BackwardEnd`.
+    reduce-scatter and before the autograd engine queues the next layer's backward. A step deferred there records an
+    event on the current stream: the reduce-scatter stream, after the reduce-scatter and the hook's own work on the
+    gradient. Once a gradient of another group arrives, that backward is queued: the deferred steps run on the default
+    stream after waiting on the event, and the current stream then waits for them (as in `ordered_on_default_stream`).
+    The last group's steps run at the end of backward, the `shard_steps` stage of the sink's `BackwardEnd`.
 
-    Held are only steps on a device with streams, from a hook on another stream than the default one, inside the
+    Deferred are only steps on a device with streams, from a hook on another stream than the default one, inside the
     autograd engine; others run at once. A group is told by its gradients' storage: FSDP2 hands a group's gradients as
     views of its reduce-scatter's one output (a group taken for two runs its first steps earlier, still in order).
     With reentrant activation checkpointing each group's hooks run in a backward of their own, whose end runs them.
@@ -225,7 +225,7 @@ class GroupSteps:
     ```python
     >>> from layerwise_hf.platform.streams import GroupSteps
     >>> steps = GroupSteps(sink.backward_end)  # FSDP2Hooks makes one, and hands it with each gradient
-    >>> sink.grad_ready(0, steps)  # steps parameter 0: at once, or held one group later under FSDP2 on CUDA
+    >>> sink.grad_ready(0, steps)  # steps parameter 0: at once, or deferred one group later under FSDP2 on CUDA
     ```
     """
 
@@ -233,14 +233,14 @@ class GroupSteps:
 
     def __init__(self, backward_end: Any):
         self.backward_end = backward_end
-        self.held: list[tuple[torch.optim.Optimizer, Callable[[], Any]]] = []
+        self.deferred: list[tuple[torch.optim.Optimizer, Callable[[], Any]]] = []
         self.group: int | None = None
         self.event: Any = None
         self.device: torch.device | None = None
         backward_end.when_cut_short(self.drop)
 
-    def hold(self, optimizer: Any, param: torch.Tensor, grad: torch.Tensor, run: Callable[[], Any]) -> bool:
-        """Hold `run`, `optimizer`'s step of `param` with `grad`; `False`, holding nothing, where it must run now."""
+    def defer(self, optimizer: Any, param: torch.Tensor, grad: torch.Tensor, run: Callable[[], Any]) -> bool:
+        """Defer `run`, `optimizer`'s step of `param` with `grad`; `False`, deferring nothing, where it runs now."""
         streams = stream_backend(param.device)
         if streams is None:
             return False
@@ -248,44 +248,44 @@ class GroupSteps:
         if current == streams.default_stream(param.device):
             return False  # nothing to overlap: the hook runs on the stream the update runs on
         group = grad.untyped_storage().data_ptr()
-        if any(o is optimizer for o, _ in self.held):
-            # The same parameter's step a second time: the backward that held the first ended without its callback
+        if any(o is optimizer for o, _ in self.deferred):
+            # The same parameter's step a second time: the backward that deferred the first ended without its callback
             # (cut short by an exception, and no step() or zero_grad() came between); its gradient is stale.
             self.drop()
-        if self.held and group != self.group:
-            self.flush()  # another group's gradient: the backward after the held group is queued now
+        if self.deferred and group != self.group:
+            self.flush()  # another group's gradient: the backward after the deferred group is queued now
         if not self.backward_end.queue(self.STAGE, self.flush):
-            return False  # not inside the autograd engine (a hook called by hand): nothing would run the held step
-        if not self.held:
+            return False  # not inside the autograd engine (a hook called by hand): nothing would run the deferred step
+        if not self.deferred:
             self.group, self.event, self.device = group, streams.event(), param.device
         # NOTE: recorded again at each hook of the group: the latest record follows this hook's own work on its
         # gradient (clipping, norms), which the update must see.
         self.event.record(current)
-        self.held.append((optimizer, run))
+        self.deferred.append((optimizer, run))
         return True
 
     def drop(self) -> None:
-        """Forget the held steps without running them: their backward was cut short (`BackwardEnd.forget`), and a
+        """Forget the deferred steps without running them: their backward was cut short (`BackwardEnd.forget`), and a
         later backward's hooks must not step the parameters again with the aborted gradients."""
-        self.held, self.group, self.event = [], None, None
+        self.deferred, self.group, self.event = [], None, None
 
     def flush(self) -> None:
-        """Run the held steps on the default stream, after the event of their group; the current stream's later work
-        (the reduce-scatter stream's next allocation, maybe where the held gradients were) waits for them."""
-        held, event, device = self.held, self.event, self.device
-        self.held, self.group, self.event = [], None, None
-        if not held:
+        """Run the deferred steps on the default stream, after the event of their group; the current stream's later
+        work (the reduce-scatter stream's next allocation, maybe where the deferred gradients were) waits for them."""
+        deferred, event, device = self.deferred, self.event, self.device
+        self.deferred, self.group, self.event = [], None, None
+        if not deferred:
             return
         streams = stream_backend(device)
         current, default = streams.current_stream(device), streams.default_stream(device)
         default.wait_event(event)
         try:
             with streams.use(default):
-                for optimizer, run in held:
+                for optimizer, run in deferred:
                     with without_device_sync(optimizer):
                         run()
         finally:
             # NOTE: also when a step raised: it and the ones before it may have queued kernels that read their
-            # gradients, whose memory goes back to the current stream's allocations once `held` is dropped.
+            # gradients, whose memory goes back to the current stream's allocations once `deferred` is dropped.
             if current != default:
                 current.wait_stream(default)

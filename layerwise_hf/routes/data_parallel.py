@@ -17,11 +17,11 @@ torch.compile only) and reduces gradients itself with torch's own collectives:
   waited on, its parameters step (the optimizer's `grad_ready`) and the bucket is freed. It is not polled for
   completion: the step's place in backward, and so the peak, stays the same on every link;
 - a bucket of one tensor at least as large as the cap, followed by smaller buckets (an untied `lm_head`, first in
-  backward), is held once reduced and steps only right before the next such tensor's gradient is computed (the
+  backward), is delayed once reduced and steps only right before the next such tensor's gradient is computed (the
   smaller buckets drained first), or at the end of backward. A step allocates temporaries of about twice its tensor
   (AdamW's `sqrt` and division; bitsandbytes dequantizes its states on CPU): early in backward they would add to
   the activations still alive, later they come when few are left, as after DDP's backward (58M Llama, 2 ranks: the
-  training peak 715 -> 659 MiB with AdamW, 664 -> 608 MiB with 8-bit). Holding it costs its gradient while the
+  training peak 715 -> 659 MiB with AdamW, 664 -> 608 MiB with 8-bit). Delaying it costs its gradient while the
   smaller buckets reduce, not the temporaries;
 - at the end of backward the buckets holding parameters this rank did not use are zero-filled and reduced, with a
   used-flag all-reduce (`find_unused_parameters`) so a parameter no rank used keeps `.grad = None`, as DDP does;
@@ -30,7 +30,7 @@ torch.compile only) and reduces gradients itself with torch's own collectives:
 - parameters and buffers are broadcast from rank 0 when the route attaches, and buffers before each training
   forward (`broadcast_buffers`), as DDP does.
 
-Gradient memory is then bounded by what is in flight (about two buckets, or two of the largest tensors, plus a held
+Gradient memory is then bounded by what is in flight (about two buckets, or two of the largest tensors, plus a delayed
 large one) instead of by the model: `layerwise_hf.estimate.buckets.ddp_in_flight_bound` computes it.
 """
 
@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from ..bases.support import check_ddp_comm_hook
 from ..platform.compat import checkpointing_kwargs_name
-from .hooks import HoldPlan, LocalHooks
+from .hooks import DelayPlan, LocalHooks
 from .sink import GradientSink
 
 MAX_IN_FLIGHT = 1  # a bucket all-reduces while the next one fills: overlap, with memory bounded by two buckets
@@ -119,8 +119,8 @@ class _Bucket:
         self, indices: list[int], numels: list[int], dtype: torch.dtype, device: torch.device, alone: bool = False
     ):
         self.indices = indices
-        self.alone = alone  # a tensor at least as large as the cap: its step may be held (`HoldPlan`)
-        self.position = 0  # its index in launch order (_set_buckets): a hold depends on the bucket after it
+        self.alone = alone  # a tensor at least as large as the cap: its step may be delayed (`DelayPlan`)
+        self.position = 0  # its index in launch order (_set_buckets): a delay depends on the bucket after it
         self.numels = numels
         self.offsets = [sum(numels[:k]) for k in range(len(numels))]
         self.slot = {i: k for k, i in enumerate(indices)}
@@ -149,7 +149,7 @@ def build_buckets(params: list[torch.Tensor], limits: list[int], ready_order: li
     Buckets in launch order: torch's own assignment, with DDP's size limits, of the parameters in `ready_order`,
     except that a tensor at least as large as the cap is a bucket of its own. (torch's rule closes a bucket once it
     reaches the limit, so an embedding would otherwise be copied into a bucket with the layer before it: a copy of
-    the largest tensor, and that layer's gradients held until the embedding's is ready.)
+    the largest tensor, and that layer's gradients delayed until the embedding's is ready.)
 
     Args:
         params (`list[torch.Tensor]`):
@@ -295,7 +295,7 @@ class DataParallelReducer(LocalHooks):
         self._output_hook: Any = None
         self._next = 0  # the next bucket to launch, in the same order on every rank
         self._in_flight: collections.deque[_Bucket] = collections.deque()
-        self._held: list[_Bucket] = []  # reduced, their step waiting for fewer activations (`HoldPlan`)
+        self._delayed: list[_Bucket] = []  # reduced, their step waiting for fewer activations (`DelayPlan`)
         self._in_backward = False
         self._sync_module_states()
         if self.model is not None and self.config.broadcast_buffers and any(True for _ in self.model.buffers()):
@@ -339,7 +339,7 @@ class DataParallelReducer(LocalHooks):
         for b, bucket in enumerate(buckets):
             bucket.position = b
         # Buckets go out in launch order, the same on every rank: a large one's step is held while smaller follow.
-        self._holds = HoldPlan([bucket.alone for bucket in buckets], range(len(buckets)))
+        self._delays = DelayPlan([bucket.alone for bucket in buckets], range(len(buckets)))
 
     def detach(self) -> None:
         self._remove_plan_hooks()
@@ -352,9 +352,9 @@ class DataParallelReducer(LocalHooks):
         for bucket in getattr(self, "buckets", []):
             bucket.reset()
         self._in_flight = collections.deque()
-        self._held = []
-        if hasattr(self, "_holds"):
-            self._holds.release()
+        self._delayed = []
+        if hasattr(self, "_delays"):
+            self._delays.release()
         self._next = 0
         self._in_backward = False
         super().detach()
@@ -408,7 +408,7 @@ class DataParallelReducer(LocalHooks):
             # NOTE: DDP's `mul_out(bucket_view, grad, 1 / world_size)`, so the reduced bits are DDP's.
             torch.mul(p.grad, 1.0 / self.world_size, out=bucket.view(k, p.shape))
         # Counted from here until it steps: in flight or held in its bucket, it is alive all the same.
-        self.sink.grad_held(bucket.indices[k])
+        self.sink.grad_delayed(bucket.indices[k])
         p.grad = None
         bucket.ready[k] = True
         bucket.count += 1
@@ -465,10 +465,10 @@ class DataParallelReducer(LocalHooks):
         self._in_flight.append(bucket)
         self._next += 1
         if bucket.alone:
-            self._holds.hold(bucket.position)
+            self._delays.delay(bucket.position)
         while len(self._in_flight) > MAX_IN_FLIGHT:
             self._retire(self._in_flight.popleft())
-        if not bucket.alone and self._holds.arrived(bucket.position):
+        if not bucket.alone and self._delays.arrived(bucket.position):
             # The next gradient is a large one, not computed yet, and few activations are left: drain the smaller
             # buckets, then step the held ones (their temporaries and that gradient never coexist).
             self._drain()
@@ -476,17 +476,17 @@ class DataParallelReducer(LocalHooks):
     def _retire(self, bucket: _Bucket) -> None:
         # A large tensor's step early in backward would put its temporaries on top of the activations still alive
         # (see the module docstring): held while the buckets planned after it are smaller.
-        if bucket.position in self._holds.held:
-            self._held.append(bucket)
+        if bucket.position in self._delays.delayed:
+            self._delayed.append(bucket)
         else:
             self._step_bucket(bucket)
 
     def _drain(self) -> None:
         while self._in_flight:
             self._step_bucket(self._in_flight.popleft())
-        self._holds.release()
-        while self._held:
-            self._step_bucket(self._held.pop(0))
+        self._delays.release()
+        while self._delayed:
+            self._step_bucket(self._delayed.pop(0))
 
     def _step_bucket(self, bucket: _Bucket) -> None:
         bucket.work.wait()

@@ -1,8 +1,8 @@
 """How reduced gradients reach a layer-wise optimizer: one small interface, one class per route.
 
 - `LocalHooks` (one process): each parameter's post-accumulate-grad hook hands its gradient to the optimizer; the
-  step of a large gradient followed by smaller ones (an untied `lm_head`, first in backward) is held until right
-  before the next large gradient is computed, or the end of backward (`_StepHold`).
+  step of a large gradient followed by smaller ones (an untied `lm_head`, first in backward) is delayed until right
+  before the next large gradient is computed, or the end of backward (`_StepDelay`).
 - `FSDP2Hooks`: FSDP2 calls the sharded parameters' post-accumulate-grad hooks itself after the reduce-scatter, with
   the reduced local shard, so the local hooks are right as they are; only elementwise optimizers are allowed.
 - `DDPCommHook` (`layerwise_hf.routes.ddp`): DDP's post-accumulate-grad hooks fire BEFORE the all-reduce, so a comm
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 # not per optimizer: whatever holds the hooks of a tensor must be known to whoever would hook it next.
 _OWNERS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
-# A gradient at least this fraction of the largest trainable one is "large" for `_StepHold`: holding it costs its
+# A gradient at least this fraction of the largest trainable one is "large" for `_StepDelay`: delaying it costs its
 # bytes through the smaller gradients' steps, which only pays when its own step temporaries (about twice it) are
 # larger than those.
 LARGE_FRACTION = 0.5
@@ -91,13 +91,13 @@ class LocalHooks(GradientRoute):
     """
 
     name = "local"
-    hold_large_steps = True  # see `_StepHold`; FSDP2's hooks are called per unit after its reduce-scatter
+    delay_large_steps = True  # see `_StepDelay`; FSDP2's hooks are called per unit after its reduce-scatter
 
     def __init__(self) -> None:
         super().__init__()
         self._handles: list[Any] = []
         self._params: list[torch.Tensor] = []
-        self._hold: _StepHold | None = None
+        self._delay: _StepDelay | None = None
 
     def attach(self, sink: GradientSink) -> None:
         taken_from = set()
@@ -129,23 +129,23 @@ class LocalHooks(GradientRoute):
 
     def _entry(self, sink: GradientSink) -> Callable[[int], None]:
         # What each parameter's hook calls with its index.
-        if not self.hold_large_steps:
+        if not self.delay_large_steps:
             return sink.grad_ready
-        self._hold = _StepHold(sink)
-        return self._hold.grad_ready
+        self._delay = _StepDelay(sink)
+        return self._delay.grad_ready
 
     @property
-    def held(self) -> tuple[int, ...]:
-        """Indices whose gradient is ready but whose step the route holds (empty outside backward)."""
-        return tuple(self._hold.plan.held) if self._hold is not None else ()
+    def delayed(self) -> tuple[int, ...]:
+        """Indices whose gradient is ready but whose step the route delays (empty outside backward)."""
+        return tuple(self._delay.plan.delayed) if self._delay is not None else ()
 
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._hold is not None:
-            self._hold.forget()
-            self._hold = None
+        if self._delay is not None:
+            self._delay.forget()
+            self._delay = None
         for p in self._params:
             if self.attached and _OWNERS.get(id(p)) is self:
                 del _OWNERS[id(p)]
@@ -165,19 +165,19 @@ class _Hook:
         self.ready(self.index)
 
 
-class HoldPlan:
+class DelayPlan:
     """
-    When to hold the step of a large unit and when to let it go: the one policy of both routes that hold steps, for
-    units that are gradients (`_StepHold`, one process) or buckets (`DataParallelReducer`, the DDP config).
+    When to delay the step of a large unit and when to let it go: the one policy of both routes that delay steps, for
+    units that are gradients (`_StepDelay`, one process) or buckets (`DataParallelReducer`, the DDP config).
 
     An untied `lm_head`'s gradient is ready first in backward, while almost every activation is still alive; its
     inner step allocates temporaries of about twice the tensor (AdamW's `sqrt` and division; bitsandbytes
     dequantizes its states on CPU), which then set the training peak. Stepped right before the next large gradient is
-    computed (for a decoder: the input embedding's, at the end of backward), they meet few activations, and the held
+    computed (for a decoder: the input embedding's, at the end of backward), they meet few activations, and the delayed
     gradient costs only its own bytes while the smaller ones step (58M Llama, 256 tokens: see
     benchmarks/README.md). Inner optimizers are independent, so the order they step in changes no result.
 
-    A large unit followed, in the expected order, by smaller ones is held (`hold`) until every unit planned between
+    A large unit followed, in the expected order, by smaller ones is delayed (`delay`) until every unit planned between
     it and the next large one (or the end) has arrived (`arrived` says when); the route steps what `release` gives
     back, and at the latest at the end of backward.
 
@@ -188,16 +188,16 @@ class HoldPlan:
     Example:
 
     ```python
-    >>> from layerwise_hf.routes.hooks import HoldPlan
-    >>> plan = HoldPlan([True, False, False, True], [0, 1, 2, 3])
-    >>> plan.hold(0), plan.arrived(1), plan.arrived(2), plan.release()
+    >>> from layerwise_hf.routes.hooks import DelayPlan
+    >>> plan = DelayPlan([True, False, False, True], [0, 1, 2, 3])
+    >>> plan.delay(0), plan.arrived(1), plan.arrived(2), plan.release()
     (True, False, True, [0])
     ```
     """
 
     def __init__(self, large: Sequence[bool], order: Iterable[int]):
         self.large = list(large)
-        self.held: list[int] = []
+        self.delayed: list[int] = []
         self.waiting: set[int] = set()
         self.replan(order)
 
@@ -215,46 +215,46 @@ class HoldPlan:
             else:
                 smaller.append(i)
 
-    def hold(self, unit: int) -> bool:
+    def delay(self, unit: int) -> bool:
         """Whether `unit`'s step waits: it is large, and smaller units are expected after it."""
         between = self.between.get(unit) if self.large[unit] else None
         if not between:
             return False
-        self.held.append(unit)
+        self.delayed.append(unit)
         self.waiting = set(between)
         return True
 
     def arrived(self, unit: int) -> bool:
-        """A smaller unit was handed over: whether the held units may step now (the next one is large, or none is
+        """A smaller unit was handed over: whether the delayed units may step now (the next one is large, or none is
         left)."""
-        if not self.held:
+        if not self.delayed:
             return False
         self.waiting.discard(unit)
         return not self.waiting
 
     def release(self) -> list[int]:
-        """The held units, in the order they were held; none is held afterwards."""
-        held, self.held, self.waiting = self.held, [], set()
-        return held
+        """The delayed units, in the order they were delayed; none is delayed afterwards."""
+        delayed, self.delayed, self.waiting = self.delayed, [], set()
+        return delayed
 
 
-class _StepHold:
+class _StepDelay:
     """
-    Holds the step of a large gradient followed by smaller ones on one process (`HoldPlan` says which and when).
+    Delays the step of a large gradient followed by smaller ones on one process (`DelayPlan` says which and when).
 
     The gradients expected between a large one and the next come from the previous backward's ready order (the
-    reverse of the parameter order before the first); the held step is released once they have all stepped, when
+    reverse of the parameter order before the first); the delayed step is released once they have all stepped, when
     another large gradient arrives, and at the latest by an autograd-engine callback at the end of the backward.
-    Only a gradient that would step at once is held (`steps_in_backward()`): not while accumulating, not in a norm
+    Only a gradient that would step at once is delayed (`steps_in_backward()`): not while accumulating, not in a norm
     pass's measuring backward (which frees each gradient at once), not when exact clipping or fp16 keeps every
-    gradient for `step()`; under exact clipping it is held in the backward that follows the norm pass.
+    gradient for `step()`; under exact clipping it is delayed in the backward that follows the norm pass.
     """
 
     def __init__(self, sink: GradientSink):
         self.sink = sink
-        # Plain tensors: only the one-process route holds a step (not FSDP2's DTensors).
+        # Plain tensors: only the one-process route delays a step (not FSDP2's DTensors).
         sizes = [p.numel() * p.element_size() for p in sink.params]
-        self.plan = HoldPlan([s >= LARGE_FRACTION * max(sizes) for s in sizes], reversed(range(len(sizes))))
+        self.plan = DelayPlan([s >= LARGE_FRACTION * max(sizes) for s in sizes], reversed(range(len(sizes))))
         self.forget()
 
     def forget(self) -> None:
@@ -269,7 +269,7 @@ class _StepHold:
         sink = self.sink
         steps_now = self._steps_now()
         if i in self.seen or (self.queued and not steps_now):
-            # A backward noted here ended without its end callback: cut short by an exception. What it held is
+            # A backward noted here ended without its end callback: cut short by an exception. What it delayed is
             # still in `.grad`, as a gradient no hook consumed (`step()` steps it, `zero_grad()` frees it).
             self.forget()
         if not steps_now or not self._queue_finish():
@@ -279,8 +279,8 @@ class _StepHold:
         self.order.append(i)
         if self.plan.large[i]:
             self.release()  # arrived before the gradients planned ahead of it (the order changed)
-            if self.plan.hold(i):
-                sink.grad_held(i)  # alive next to the ones stepping meanwhile: the meter counts it
+            if self.plan.delay(i):
+                sink.grad_delayed(i)  # alive next to the ones stepping meanwhile: the meter counts it
                 return
         sink.grad_ready(i)
         if self.plan.arrived(i):
@@ -295,19 +295,19 @@ class _StepHold:
         return self.steps
 
     def release(self) -> None:
-        """Step every held gradient (the sink's `grad_ready`), in the order they arrived."""
+        """Step every delayed gradient (the sink's `grad_ready`), in the order they arrived."""
         for i in self.plan.release():
             self.sink.grad_ready(i)
 
     def _queue_finish(self) -> bool:
         if not self.queued:
-            if not self.sink.backward_end.queue("hold", self._finish):
-                return False  # not inside the autograd engine (a hook called by hand): nothing can be held
+            if not self.sink.backward_end.queue("delayed", self._finish):
+                return False  # not inside the autograd engine (a hook called by hand): nothing can be delayed
             self.queued = True
         return True
 
     def _finish(self) -> None:
-        # End of backward: step what is still held (a gradient planned ahead of it never came), then plan the next
+        # End of backward: step what is still delayed (a gradient planned ahead of it never came), then plan the next
         # backward from this one's order.
         order = self.order
         try:
@@ -335,11 +335,11 @@ class FSDP2Hooks(LocalHooks):
     name = "fsdp2"
     collective_per_forward = True
     steps_shards = True
-    hold_large_steps = False
+    delay_large_steps = False
 
     def _entry(self, sink: GradientSink) -> Callable[[int], None]:
         # FSDP2 calls a group's hooks before the next layer's backward is queued: an 8-bit step, which the default
-        # stream must order after the reduce-scatter, is held until the next group's hooks (`streams.GroupSteps`).
+        # stream must order after the reduce-scatter, is deferred until the next group's hooks (`streams.GroupSteps`).
         return functools.partial(sink.grad_ready, steps=GroupSteps(sink.backward_end))
 
     def reduce_found_inf(self, flags):

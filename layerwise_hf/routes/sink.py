@@ -4,7 +4,7 @@ A route (`layerwise_hf.routes.hooks`, `.data_parallel`, `.ddp`) knows how a redu
 (`layerwise_hf.optim.pipeline.GradientPipeline`, a `LayerwiseOptimizer`'s) knows what to do with it. The routes import
 nothing from the optimizer's side: they are handed a sink and call only the members of `GradientSink`.
 
-Work that must run once a backward has ended (the data-parallel route's last buckets, a held step) is queued on the
+Work that must run once a backward has ended (the data-parallel route's last buckets, a delayed step) is queued on the
 sink's `BackwardEnd` (`layerwise_hf.platform.backward_end`), which runs it in the order of `BackwardEnd.ORDER`.
 """
 
@@ -45,13 +45,13 @@ class GradientSink(Protocol):
 
     def grad_ready(self, i: int, steps: GroupSteps | None = None) -> None:
         """Parameter `i`'s reduced gradient is in `.grad`: accumulate, measure, hold or step it. `steps`: the FSDP2
-        route's holder of its reduce-scatter group's 8-bit steps (`platform.streams.GroupSteps`)."""
+        route's deferrer of its reduce-scatter group's 8-bit steps (`platform.streams.GroupSteps`)."""
 
-    def grad_held(self, i: int) -> None:
+    def grad_delayed(self, i: int) -> None:
         """The route keeps parameter `i`'s gradient to hand it over later: count it among the gradients alive."""
 
     def steps_in_backward(self) -> bool:
-        """Whether a gradient handed over now steps at once (so a route may hold it a little)."""
+        """Whether a gradient handed over now steps at once (so a route may delay it a little)."""
 
     def sync_gradients(self) -> bool:
         """Whether the current backward ends a gradient-accumulation window."""
