@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..bases.support import SUFFIX
 
@@ -10,8 +10,10 @@ from ..bases.support import SUFFIX
 SIGNIFICANT = 0.2
 
 if TYPE_CHECKING:
-    from .core import PlanRow
     from .simulate import StepSetup
+
+# A row of `plan.core.PlanRow`: read by attribute here, not imported (core imports this module).
+PlanRow = Any
 
 
 def advise(row: PlanRow, setup: StepSetup) -> list[str]:
