@@ -75,8 +75,8 @@ def advise(row: PlanRow, setup: StepSetup) -> list[str]:
 
 def _smaller_state(layerwise: bool, setup: StepSetup) -> str:
     # Only what the plan itself would run: under FSDP2 a standard optimizer whose kernels take no DTensor is refused
-    # (ranks.fsdp2_refusal), and its layer-wise form, which steps each rank's local shard, is named instead (not under
-    # tensor parallel, which refuses both).
+    # (ranks.fsdp2_refusal), and its layer-wise form, which steps each rank's local shard, is named instead (under
+    # tensor parallel too).
     from .ranks import fsdp2_refusal
 
     def refused(name: str) -> bool:

@@ -110,13 +110,6 @@ def fsdp2_refusal(name: str, tp: int = 1) -> str | None:
     base, layerwise = parse_optimizer(name)
     if layerwise and not fsdp2_supports_base(base):
         return "the route table refuses it (its update is not per element of a shard)"
-    if layerwise and tp > 1 and base in FSDP2_LOCAL_SHARD:
-        # NOTE: LayerwiseTrainer builds local-shard optimizers under Accelerate's FSDP config only
-        # (integrations/trainer.py, local_shards=is_fsdp_enabled); a model sharded at its load is not under it.
-        return (
-            "under tensor parallel the model is sharded at its load, not by Accelerate's FSDP config, and "
-            "LayerwiseTrainer builds no local-shard optimizer for it: refused at setup"
-        )
     if not layerwise and base in FSDP2_LOCAL_SHARD:
         return (
             "it cannot step FSDP2's DTensors (bitsandbytes' kernels take plain tensors; transformers' Adafactor "
