@@ -37,7 +37,7 @@ import torch
 
 from ..bases.support import FSDP2_LOCAL_SHARD, SUFFIX, fsdp2_supports_base
 from ..estimate.optimizers import parse_optimizer
-from ..estimate.sharding import check_replicas
+from ..estimate.sharding import check_replicas, check_tensor_parallel
 from ..estimate.units import SHARDINGS, EstimateError
 from .tracker import GRADIENTS, WEIGHTS, LiveBytes
 
@@ -73,14 +73,8 @@ def check_ranks(world_size: Any, sharding: Any, optimizers: list[str], dp_replic
             "layer-wise route is the local one). Use sharding='none', or world_size >= 2."
         )
     check_replicas(world_size, sharding, dp_replicate)
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise EstimateError(f"tp={tp!r}: the tensor-parallel size, a whole number >= 1.")
-    if tp > 1 and (sharding != "fsdp2" or world_size % (dp_replicate * tp)):
-        raise EstimateError(
-            f"tp={tp} with world_size={world_size}, dp_replicate={dp_replicate} and sharding={sharding!r}: tensor "
-            "parallel is planned as transformers shards it at the load, with sharding='fsdp2' and world_size a "
-            "multiple of dp_replicate x tp (world_size / (dp_replicate x tp) FSDP2 shards; 1: tensor parallel alone)."
-        )
+    # Planned as transformers shards it at the load: the estimator's rule for a tensor-parallel layout.
+    check_tensor_parallel(world_size, sharding, dp_replicate, tp)
     if sharding == "fsdp2":
         refused = [f"{n}: {why}" for n in optimizers if (why := fsdp2_refusal(n, tp))]
         if refused:

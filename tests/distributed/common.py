@@ -114,3 +114,17 @@ def set_ddp_settings(trainer, bucket_cap_mb: float, gradient_as_bucket_view: boo
         return model
 
     trainer._wrap_model = _wrap_model
+
+
+def mesh_args(mesh: str) -> dict:
+    """Trainer arguments of a mesh made by Accelerate: HSDP 2 x 2 (`ParallelismConfig` with the FSDP2 config); other
+    meshes (tensor parallel) come from the model's load, and add none."""
+    if mesh != "hsdp":
+        return {}
+    from accelerate import ParallelismConfig
+
+    return dict(
+        parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2),
+        fsdp="full_shard",
+        fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+    )

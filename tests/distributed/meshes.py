@@ -20,7 +20,18 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from common import SEQ, VOCAB, dataset, finish_ranks, max_diff, params, ranks_agree, training_args, write_report
+from common import (
+    SEQ,
+    VOCAB,
+    dataset,
+    finish_ranks,
+    max_diff,
+    mesh_args,
+    params,
+    ranks_agree,
+    training_args,
+    write_report,
+)
 from local_shards import HandRun, LoadStateAt, SaveStateAt
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer
@@ -65,18 +76,6 @@ def model_for(mesh: str, path: str):
         "hsdp_load": dict(dp_replicate_size=2, fsdp_size=2),
     }[mesh]
     return LlamaForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(**sizes))
-
-
-def mesh_args(mesh: str) -> dict:
-    if mesh != "hsdp":
-        return {}
-    from accelerate import ParallelismConfig
-
-    return dict(
-        parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2),
-        fsdp="full_shard",
-        fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
-    )
 
 
 def run(

@@ -29,7 +29,7 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from common import finish_ranks, training_args, write_report
+from common import finish_ranks, mesh_args, training_args, write_report
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 
 # applies LAYERWISE_HF_FORCE_FSDP_CPU and LAYERWISE_HF_FORCE_MESH_CPU
@@ -100,18 +100,6 @@ def model_for(mesh: str, path: str):
     from transformers import DistributedConfig
 
     return LlamaForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=2, fsdp_size=2))
-
-
-def mesh_args(mesh: str) -> dict:
-    if mesh != "hsdp":
-        return {}
-    from accelerate import ParallelismConfig
-
-    return dict(
-        parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2),
-        fsdp="full_shard",
-        fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
-    )
 
 
 def run(mesh: str, optim: str, folder: str, model_path: str) -> dict:
