@@ -433,7 +433,7 @@ def enable_offload(
     gradient accumulation keeps only the gradients in flight on the device. Without either, gradients step in
     backward as without offload. Under fp16 loss scaling every gradient waits too: each is unscaled and inf-checked
     as it is offloaded, and GradScaler gets the flags at the end of the window's last backward
-    (`GradScalerBridge.check_offloaded`), so a step it skips changes no parameter and no state.
+    (`GradScalerBridge.publish_at_end`), so a step it skips changes no parameter and no state.
 
     With `mode="optimizer"` (only through `build_layerwise_optimizer(offload="optimizer")`, which wraps each inner
     optimizer in a `layerwise_hf.placement.host_step.HostStepOptimizer` before any state exists) each parameter's

@@ -316,14 +316,14 @@ class GradientPipeline:
             self.record_norm(i)
         elif final:
             inv_scale = scaling.inverse_scale(self.offload.host_device(i))
-        meter, measure = self.meter, final and self.measures_all()
+        meter, measures = self.meter, self.measures_all()
         meter.add(i, param.grad)
         # Logged as the gradient bytes alive on the device: this one and the copies out still reading theirs.
         meter.peak_bytes = max(meter.peak_bytes, meter.alive_bytes + self.offload.buffers.device_bytes)
-        self.offload.take(self.context, i, final, measure, inv_scale)
+        self.offload.take(self.context, i, final, final and measures, inv_scale)
         meter.remove(i)
         if final:
-            offload, ctx, measures = self.offload, self.context, self.measures_all()
+            offload, ctx = self.offload, self.context
 
             def host_flag(at_end: bool) -> torch.Tensor | None:
                 # Sums still scaled (no gradient in the last micro-batch) are unscaled on the host.

@@ -3,8 +3,8 @@ of the parameter live in host memory, and a host worker steps it while backward 
 
 The path of parameter `i` once its gradient is final (after the route's reduction):
 
-1. The gate steps `HostStepOptimizer` as any inner optimizer. Its `step` starts copying the device gradient into a
-   host buffer (`Transfer.copy`, beside the compute), returns at once, and the gate frees the device gradient (the
+1. The pipeline steps `HostStepOptimizer` as any inner optimizer. Its `step` starts copying the device gradient into a
+   host buffer (`Transfer.copy`, beside the compute), returns at once, and the pipeline frees the device gradient (the
    transfer keeps it alive until its copy has run).
 2. The host worker (one thread, tasks in order) waits for that copy, steps the wrapped optimizer on the host copy of
    the parameter (its states were created there, on the host), and starts copying the updated parameter back into the

@@ -2,8 +2,8 @@
 
 `check_host_step_base` refuses a base that cannot step on the host; `host_step_factory` wraps each inner optimizer in
 a `HostStepOptimizer` when the optimizer is built (`layerwise_offload="optimizer"`); `wait_for_host_steps` waits for
-their host steps and copies back. The one place where offload joins the path of a gradient, the gate, is set up by
-`layerwise_hf.optim.host_offload.enable_offload`.
+their host steps and copies back. Offload joins the path of a gradient in one place, the pipeline's offload stage
+(`layerwise_hf.optim.host_offload`), given to it by `layerwise_hf.optim.optimizer.enable_offload`.
 """
 
 from __future__ import annotations
